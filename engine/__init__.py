@@ -1,0 +1,1 @@
+"""kvgate engine: KV block cache, eviction policies, trace replay and the bundled HF engine."""

@@ -1,0 +1,197 @@
+"""Reading request traces: Qwen-Bailian and Mooncake JSONL.
+
+Both formats become a list of ``TraceRequest`` whose ``keys`` have prefix
+semantics (key i identifies the whole prefix up to block i), so replay can
+count a hit as the leading run of cached keys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.context import RequestContext
+
+BAILIAN_BLOCK_TOKENS = 16
+MOONCAKE_BLOCK_TOKENS = 512
+FORMATS = ("auto", "bailian", "mooncake")
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read; the message is ``FILE:LINE: why`` or one line."""
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    timestamp: float  # seconds
+    keys: list[int]
+    input_length: int
+    output_length: int
+    context: RequestContext = field(default_factory=RequestContext)
+
+
+@dataclass(slots=True)
+class Trace:
+    path: str
+    format: str
+    block_tokens: int
+    requests: list[TraceRequest]
+
+    @property
+    def accesses(self) -> int:
+        return sum(len(r.keys) for r in self.requests)
+
+    def unique_blocks(self) -> int:
+        return len({key for r in self.requests for key in r.keys})
+
+    def ideal_hit_ratio(self) -> float:
+        """Hit ratio of an infinite cache with prefix semantics."""
+        seen: set[int] = set()
+        hits = 0
+        for request in self.requests:
+            for key in request.keys:
+                if key not in seen:
+                    break
+                hits += 1
+            seen.update(request.keys)
+        accesses = self.accesses
+        return hits / accesses if accesses else 0.0
+
+
+def workload_of(request_type: str) -> str:
+    if request_type == "api":
+        return "to-b"
+    if request_type == "image":
+        return "multimodal"
+    return "to-c"
+
+
+def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
+    if fmt not in FORMATS:
+        raise TraceError(f"unknown trace format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    source = str(path)
+    try:
+        handle = open(path, "rb")
+    except OSError as exc:
+        raise TraceError(f"{source}: cannot read: {exc.strerror}") from None
+    requests: list[TraceRequest] = []
+    chain: dict[tuple[int, int], int] = {}
+    sessions: dict[int, int] = {}  # chat id -> id of the conversation's first turn
+    with handle:
+        for line_no, raw in enumerate(handle, 1):
+            if not raw.strip():
+                continue
+            where = f"{source}:{line_no}"
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise TraceError(f"{where}: not valid JSON ({exc})") from None
+            if not isinstance(record, dict):
+                raise TraceError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            if fmt == "auto":
+                fmt = "bailian" if "chat_id" in record or "type" in record else "mooncake"
+            if fmt == "bailian":
+                requests.append(_bailian_request(record, where, chain, sessions, len(requests)))
+            else:
+                requests.append(_mooncake_request(record, where, len(requests)))
+    if not requests:
+        raise TraceError(f"{source}: the trace holds no requests")
+    # Stable: requests with equal timestamps keep file order.
+    requests.sort(key=lambda r: r.timestamp)
+    for index, request in enumerate(requests):
+        request.context.request_index = index
+    block_tokens = BAILIAN_BLOCK_TOKENS if fmt == "bailian" else MOONCAKE_BLOCK_TOKENS
+    return Trace(source, fmt, block_tokens, requests)
+
+
+def _field(record: dict, name: str, kind: type | tuple, where: str, default=None):
+    if name not in record:
+        if default is not None:
+            return default
+        raise TraceError(f"{where}: missing field {name!r}")
+    value = record[name]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TraceError(f"{where}: field {name!r} must be {_kind_name(kind)}, got {value!r}"[:300])
+    return value
+
+
+def _kind_name(kind: type | tuple) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", list: "a list"}
+    if isinstance(kind, tuple):
+        return " or ".join(names.get(k, k.__name__) for k in kind)
+    return names.get(kind, kind.__name__)
+
+
+def _hash_ids(record: dict, where: str) -> list[int]:
+    ids = _field(record, "hash_ids", list, where)
+    for value in ids:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TraceError(f"{where}: hash_ids must hold integers, found {value!r}"[:300])
+    return ids
+
+
+def _lengths(record: dict, where: str) -> tuple[int, int]:
+    input_length = _field(record, "input_length", int, where)
+    output_length = _field(record, "output_length", int, where, default=0)
+    if input_length < 0 or output_length < 0:
+        raise TraceError(f"{where}: lengths must be >= 0")
+    return input_length, output_length
+
+
+def _timestamp(record: dict, where: str) -> float:
+    value = _field(record, "timestamp", (int, float), where)
+    if not math.isfinite(value):
+        raise TraceError(f"{where}: timestamp must be finite")
+    return float(value)
+
+
+def _mooncake_request(record: dict, where: str, index: int) -> TraceRequest:
+    input_length, output_length = _lengths(record, where)
+    # Mooncake ids already have prefix semantics; timestamps are milliseconds.
+    keys = _hash_ids(record, where)
+    timestamp = _timestamp(record, where) / 1000.0
+    ctx = RequestContext(
+        workload="to-c",
+        type="text",
+        timestamp=timestamp,
+        prompt_tokens=input_length,
+        prompt_blocks=len(keys),
+        chat_id=index,
+    )
+    return TraceRequest(timestamp, keys, input_length, output_length, ctx)
+
+
+def _bailian_request(
+    record: dict, where: str, chain: dict[tuple[int, int], int], sessions: dict[int, int], index: int
+) -> TraceRequest:
+    input_length, output_length = _lengths(record, where)
+    ids = _hash_ids(record, where)
+    timestamp = _timestamp(record, where)
+    request_type = _field(record, "type", str, where, default="text")
+    turn = _field(record, "turn", int, where, default=1)
+    chat_id = _field(record, "chat_id", int, where, default=index)
+    parent = _field(record, "parent_chat_id", int, where, default=-1)
+    session = sessions.setdefault(chat_id, sessions.get(parent, chat_id))
+    # Bailian ids name single blocks; chain them so a key names a whole prefix.
+    keys = []
+    parent_key = 0
+    for block_id in ids:
+        link = (parent_key, block_id)
+        parent_key = chain.get(link)
+        if parent_key is None:
+            parent_key = chain[link] = len(chain) + 1
+        keys.append(parent_key)
+    ctx = RequestContext(
+        workload=workload_of(request_type),
+        type=request_type,
+        turn=turn,
+        session=str(session),
+        timestamp=timestamp,
+        prompt_tokens=input_length,
+        prompt_blocks=len(keys),
+        chat_id=chat_id,
+        parent_chat_id=parent,
+    )
+    return TraceRequest(timestamp, keys, input_length, output_length, ctx)

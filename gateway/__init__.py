@@ -1,0 +1,1 @@
+"""kvgate gateway: OpenAI-compatible HTTP surface, classification and prefix-aware routing."""

@@ -1,0 +1,193 @@
+"""The `kvgate` command: serve, engine, replay, synth.
+
+Heavy imports (torch, transformers, aiohttp) happen inside the subcommand
+that needs them, so `kvgate replay` starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A problem to report as one line on stderr with exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args) or 0
+    except CliError as exc:
+        print(f"kvgate: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway")
+    serve.add_argument("--config", help="config.yaml (default: built-in defaults)")
+    serve.add_argument("--host", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="listen port (default 8000)")
+    serve.add_argument("--replica", action="append", default=[], metavar="URL",
+                       help="a `kvgate engine` server to route to; repeat for more")
+    serve.add_argument("--record-trace", metavar="FILE", help="record served traffic as a Bailian trace")
+    serve.set_defaults(run=_run_serve)
+
+    engine = sub.add_parser("engine", help="run one engine replica over HTTP")
+    engine.add_argument("--config", help="config.yaml")
+    engine.add_argument("--host", default=None)
+    engine.add_argument("--port", type=int, default=8001)
+    engine.set_defaults(run=_run_engine)
+
+    replay = sub.add_parser("replay", help="replay a trace through the block cache")
+    replay.add_argument("trace", help="Bailian or Mooncake JSONL trace")
+    replay.add_argument("--format", default="auto", choices=["auto", "bailian", "mooncake"])
+    replay.add_argument("--policies", default="lru,fifo,s3fifo,belady",
+                        help="comma-separated: lru,fifo,s3fifo,belady,wa,wa-paper")
+    sizes = replay.add_mutually_exclusive_group()
+    sizes.add_argument("--capacity", default=None,
+                       help="fractions of the trace's unique blocks (default 0.01,0.02,0.05,0.1,0.2)")
+    sizes.add_argument("--capacity-blocks", default=None, help="absolute capacities in blocks")
+    replay.add_argument("--host-blocks", type=int, default=0, help="host tier behind each device tier")
+    replay.add_argument("--config", help="config.yaml whose cache section configures the policies")
+    replay.add_argument("--json", metavar="OUT", help="write results as JSON")
+    replay.add_argument("--plot", metavar="OUT.png", help="plot hit ratio against capacity")
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.set_defaults(run=_run_replay)
+
+    synth = sub.add_parser("synth", help="generate a Bailian-format trace, or print a trace's statistics")
+    synth.add_argument("--profile", choices=["to-c", "to-b", "mixed"], default="to-c")
+    synth.add_argument("--duration", type=float, default=3600.0, help="seconds of traffic")
+    synth.add_argument("--rate", type=float, default=5.0, help="mean arrivals per second")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("-o", "--output", metavar="FILE", help="where to write the trace")
+    synth.add_argument("--stats", metavar="FILE", help="print the paper's statistics for this trace instead")
+    synth.set_defaults(run=_run_synth)
+    return parser
+
+
+def _load_config(path: str | None):
+    from engine.config import ConfigError
+    from gateway.config import load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    config = _load_config(args.config)
+    if args.record_trace:
+        config.server.record_trace = args.record_trace
+    from gateway.server import run_gateway
+
+    run_gateway(config, args.host or config.server.host, args.port if args.port is not None else config.server.port,
+                args.replica)
+    return 0
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    config = _load_config(args.config)
+    from gateway.server import run_engine_server
+
+    run_engine_server(config, args.host or config.server.host, args.port)
+    return 0
+
+
+def _parse_list(text: str, kind: type, name: str) -> list:
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            value = kind(part)
+        except ValueError:
+            raise CliError(f"{name}: {part!r} is not a {'number' if kind is float else 'whole number'}") from None
+        if value <= 0:
+            raise CliError(f"{name}: {part!r} must be positive")
+        values.append(value)
+    if not values:
+        raise CliError(f"{name}: give at least one value")
+    return values
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine.policies import policy_names
+    from engine.replay import future_accesses, replay
+    from engine.replay_report import format_table, trace_summary, write_json, write_plot
+    from engine.traces import TraceError, load_trace
+
+    config = _load_config(args.config)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in policy_names()]
+    if unknown or not policies:
+        raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; "
+                       f"choose from {', '.join(policy_names())}")
+    try:
+        trace = load_trace(args.trace, args.format)
+    except TraceError as exc:
+        raise CliError(str(exc)) from None
+    unique = trace.unique_blocks()
+    if args.capacity_blocks:
+        capacities = _parse_list(args.capacity_blocks, int, "--capacity-blocks")
+    else:
+        fractions = _parse_list(args.capacity or "0.01,0.02,0.05,0.1,0.2", float, "--capacity")
+        capacities = [max(1, round(f * unique)) for f in fractions]
+    future = future_accesses(trace) if "belady" in policies else None
+    summary = trace_summary(trace, unique, trace.ideal_hit_ratio())
+    results = []
+    total = len(trace.requests) * len(policies) * len(capacities)
+    with tqdm(total=total, unit="req", file=sys.stderr, disable=True if args.no_progress else None,
+              mininterval=0.5, leave=False) as bar:
+        for policy in policies:
+            for capacity in capacities:
+                bar.set_description(f"{policy}@{capacity}")
+                results.append(replay(trace, policy, capacity, config.cache, host_blocks=args.host_blocks,
+                                      unique_blocks=unique, progress=bar.update, future=future))
+    print(format_table(summary, results))
+    if args.json:
+        write_json(args.json, summary, results)
+    if args.plot:
+        write_plot(args.plot, summary, results)
+    return 0
+
+
+def _run_synth(args: argparse.Namespace) -> int:
+    from engine import synth
+    from engine.traces import TraceError, load_trace
+
+    if args.stats:
+        try:
+            trace = load_trace(args.stats, "bailian")
+        except TraceError as exc:
+            raise CliError(str(exc)) from None
+        print(synth.format_statistics(synth.trace_statistics(trace)))
+        return 0
+    if not args.output:
+        raise CliError("synth: give -o FILE for the trace (or --stats FILE to analyse one)")
+    try:
+        records = synth.synthesize(args.profile, args.duration, args.rate, args.seed)
+    except ValueError as exc:
+        raise CliError(f"synth: {exc}") from None
+    synth.write_trace(records, args.output)
+    print(f"wrote {len(records)} requests to {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

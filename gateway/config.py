@@ -1,0 +1,204 @@
+"""The full config.yaml schema and its loader."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from engine.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    Section,
+    format_config_error,
+)
+
+
+class ApiKeyConfig(Section):
+    # The bearer token clients send (Authorization: Bearer KEY).
+    key: str = Field(min_length=1)
+    # Tenant the key's requests are accounted to (classification, traces).
+    tenant: str = "default"
+    # None lets the classifier decide; otherwise the key fixes the workload.
+    workload: Literal["to-c", "to-b", "multimodal"] | None = None
+
+
+class LimitsConfig(Section):
+    # Larger request bodies get 413 before they are parsed.
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    # Upper bound on max_tokens / max_completion_tokens (400 above it).
+    max_tokens: int = Field(4096, ge=1)
+    # Upper bound on n (choices per request).
+    max_n: int = Field(8, ge=1)
+    # Upper bound on the number of chat messages in one request.
+    max_messages: int = Field(1024, ge=1)
+    # Upper bound on the number of prompts in one /v1/completions request.
+    max_prompts: int = Field(64, ge=1)
+
+
+class ServerConfig(Section):
+    # Where `kvgate serve` listens (--host / --port override).
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # Keys also come from KVGATE_API_KEYS ("key[:tenant[:workload]],...").
+    # With no keys at all the gateway is open; with any, a valid one is required.
+    api_keys: list[ApiKeyConfig] = []
+    limits: LimitsConfig = LimitsConfig()
+    # Write served requests as a Bailian-format trace (None: off).
+    record_trace: str | None = None
+    record_max_bytes: int = Field(64 * 1024 * 1024, ge=4096)
+    # Prompts with more characters than this are tokenised off the event loop
+    # so one huge document cannot stall every other stream.
+    offload_tokenize_chars: int = Field(32_768, ge=0)
+
+
+class ReplicaConfig(Section):
+    # inprocess: an engine inside the gateway; engine: a `kvgate engine` server;
+    # openai: any OpenAI-compatible server (vLLM, SGLang) with an approximate index.
+    kind: Literal["inprocess", "engine", "openai"] = "inprocess"
+    # Base URL of an engine/openai replica, e.g. http://10.0.0.5:8001 (with or without /v1).
+    url: str | None = None
+    # Label in metrics and logs; None: "inprocess-N" or the URL's host:port.
+    name: str | None = None
+    # Model name the upstream serves (openai kind); None sends the gateway's model name.
+    model: str | None = None
+    # Bearer token sent to the upstream (openai kind), if it needs one.
+    api_key: str | None = None
+    # Seconds to wait for an upstream's response headers before giving up.
+    connect_timeout_s: float = Field(10.0, gt=0)
+    # Prometheus endpoint of an external server (vllm:num_requests_waiting, ...).
+    metrics_url: str | None = None
+
+    @model_validator(mode="after")
+    def _url_for_remote(self) -> "ReplicaConfig":
+        if self.kind != "inprocess" and not self.url:
+            raise ValueError(f"url is required for a replica of kind {self.kind!r}")
+        return self
+
+
+class RouterConfig(Section):
+    # prefix-aware: cached blocks vs load; least-load: in-flight tokens only;
+    # round-robin: rotate; session: sticky by session (rendezvous hashing).
+    policy: Literal["prefix-aware", "least-load", "round-robin", "session"] = "prefix-aware"
+    # Cost = uncached prefill blocks + load_weight * in-flight blocks.
+    load_weight: float = Field(1.0, ge=0)
+    # Safety valve (SGLang's): when max-min in-flight tokens exceeds imbalance_abs_tokens
+    # and max exceeds imbalance_rel * min, route by load alone.
+    imbalance_abs_tokens: int = Field(1024, ge=0)
+    imbalance_rel: float = Field(1.5, ge=1)
+    # Hot-prefix spreading: once this many in-flight requests share a first block on
+    # one replica, the next one may go to a less loaded replica (which then caches it).
+    hot_prefix_inflight: int = Field(4, ge=1)
+    # In-flight tokens charged per choice for decoding: min(max_tokens, this); the
+    # real output length is unknown when routing, and max_tokens alone would drown
+    # the prefix term.
+    decode_tokens_estimate: int = Field(128, ge=0)
+    # Approximate index for external replicas.
+    approx_ttl_s: float = Field(300.0, gt=0)
+    approx_capacity_blocks: int = Field(100_000, ge=1)
+    health_interval_s: float = Field(2.0, gt=0)
+    breaker_failures: int = Field(3, ge=1)
+    breaker_reset_s: float = Field(10.0, gt=0)
+
+
+class ClassifierRule(Section):
+    """One classification rule; the first rule whose condition holds decides.
+
+    ``when`` picks the condition:
+      api_key    - the caller's API key fixes a workload (ApiKeyConfig.workload)
+      tenant     - the caller's tenant is ``tenant``
+      header     - the request has an X-KVGate-Workload header (its value wins)
+      image      - a message has image parts
+      file       - a single very long document (classifier.file_min_tokens)
+      multi_turn - a chat with more than one user message
+      endpoint   - the endpoint is ``endpoint`` (chat or completions)
+      always     - unconditional (a catch-all at the end)
+    """
+
+    when: Literal["api_key", "tenant", "header", "image", "file", "multi_turn", "endpoint", "always"]
+    # Condition arguments.
+    tenant: str | None = None
+    endpoint: Literal["chat", "completions"] | None = None
+    # Outcome; None keeps the value the request itself implies (the key's or the
+    # header's workload, or the type derived from its content).
+    workload: Literal["to-c", "to-b", "multimodal"] | None = None
+    type: Literal["text", "search", "image", "file", "api"] | None = None
+
+    @model_validator(mode="after")
+    def _arguments(self) -> "ClassifierRule":
+        if self.when == "tenant" and not self.tenant:
+            raise ValueError("a rule with when: tenant needs tenant")
+        if self.when == "endpoint" and not self.endpoint:
+            raise ValueError("a rule with when: endpoint needs endpoint (chat or completions)")
+        return self
+
+
+DEFAULT_RULES = [
+    ClassifierRule(when="api_key"),
+    ClassifierRule(when="header"),
+    ClassifierRule(when="image", workload="multimodal", type="image"),
+    ClassifierRule(when="file", workload="to-b", type="file"),
+    ClassifierRule(when="multi_turn", workload="to-c", type="text"),
+    ClassifierRule(when="endpoint", endpoint="completions", workload="to-b", type="api"),
+    ClassifierRule(when="endpoint", endpoint="chat", workload="to-c", type="text"),
+]
+
+
+class ClassifierConfig(Section):
+    # Prompts with a single user message longer than this are "file" requests.
+    file_min_tokens: int = Field(2048, ge=1)
+    # Tokens hashed into the prefix signature of file requests.
+    signature_tokens: int = Field(10, ge=1)
+    # Workload for /v1/completions when nothing else decides (API-style callers).
+    completions_workload: Literal["to-c", "to-b", "multimodal"] = "to-b"
+    # Workload when no rule matches.
+    default_workload: Literal["to-c", "to-b", "multimodal"] = "to-c"
+    # Ordered rules, first match wins (see ClassifierRule); the default list is the
+    # issue's order: API key, header, image parts, long document, multi-turn, endpoint.
+    rules: list[ClassifierRule] = DEFAULT_RULES
+    # Sessions without a `user` field are keyed by a hash of this many leading messages.
+    session_messages: int = Field(2, ge=1)
+
+
+class KvgateConfig(Section):
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    cache: CacheConfig = CacheConfig()
+    server: ServerConfig = ServerConfig()
+    router: RouterConfig = RouterConfig()
+    classifier: ClassifierConfig = ClassifierConfig()
+    # Empty: one in-process engine serving `model`.
+    replicas: list[ReplicaConfig] = []
+
+
+def load_config(path: str | os.PathLike | None = None) -> KvgateConfig:
+    """Read and validate a config file; None gives the defaults.
+
+    Raises ConfigError with one ``FILE: key: why`` line per problem.
+    """
+    if path is None:
+        return KvgateConfig()
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    try:
+        return KvgateConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_config_error(exc, source, KvgateConfig)) from None

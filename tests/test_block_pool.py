@@ -1,0 +1,133 @@
+import pytest
+
+from engine.block_pool import BlockPool, NoFreeBlocks, PrefixMatch
+from engine.context import RequestContext
+
+CTX = RequestContext()
+
+
+def fill(pool, keys, now=0.0):
+    """Allocate and publish one block per key, as the engine does after a prefill."""
+    blocks = pool.allocate(len(keys), now)
+    for offset, (block, key) in enumerate(zip(blocks, keys)):
+        assert pool.cache_block(block, key, CTX, offset, now)
+    return blocks
+
+
+def test_reference_counts_and_release():
+    pool = BlockPool(4)
+    blocks = fill(pool, [1, 2])
+    assert [pool.ref_count[b] for b in blocks] == [1, 1]
+    again = pool.acquire_prefix([1, 2, 3], CTX, 1.0)
+    assert again == blocks
+    assert [pool.ref_count[b] for b in blocks] == [2, 2]
+    pool.release(list(reversed(blocks)), CTX, 2.0)
+    pool.release(list(reversed(again)), CTX, 2.0)
+    assert all(count == 0 for count in pool.ref_count)
+    # Released full blocks keep their hash and still match.
+    assert pool.match_prefix([1, 2, 3]) == PrefixMatch(2, 0)
+    with pytest.raises(RuntimeError):
+        pool.release([blocks[0]], CTX, 3.0)
+
+
+def test_in_use_blocks_are_never_evicted():
+    pool = BlockPool(3)
+    held = fill(pool, [10, 11])
+    freed = fill(pool, [20])
+    pool.release(freed, CTX, 1.0)
+    # One evictable block: it goes, the held ones stay.
+    [block] = pool.allocate(1, 2.0)
+    assert block == freed[0]
+    assert pool.match_prefix([10, 11]).device == 2
+    assert pool.match_prefix([20]).total == 0
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(1, 3.0)
+    # All or nothing: a failed allocation changed nothing.
+    assert pool.num_free_device() == 0
+    pool.release([block, *held], CTX, 4.0)
+
+
+def test_allocation_is_all_or_nothing():
+    pool = BlockPool(4)
+    fill(pool, [1])
+    before = (list(pool.free_device), dict(pool.cached))
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(4)
+    assert (list(pool.free_device), dict(pool.cached)) == before
+
+
+def test_unhashed_blocks_are_reclaimed_before_cached_ones():
+    pool = BlockPool(3)
+    cached = fill(pool, [1, 2])
+    partial = pool.allocate(1)  # a request's trailing partial block: never published
+    pool.release([*partial, *reversed(cached)], CTX, 1.0)
+    [block] = pool.allocate(1, 2.0)
+    assert block == partial[0]
+    assert pool.match_prefix([1, 2]).device == 2
+    assert pool.stats.device_evictions == 0
+
+
+def test_duplicate_publish_keeps_the_first_block():
+    pool = BlockPool(4)
+    first = fill(pool, [7])
+    second = pool.allocate(1)
+    assert not pool.cache_block(second[0], 7, CTX, 0, 0.0)
+    assert pool.cached[7] == first[0]
+    pool.release(second, CTX, 1.0)
+    assert second[0] in pool.free_device  # private block went back unhashed
+
+
+def test_demotion_then_promotion_with_copies_and_events():
+    events = []
+    pool = BlockPool(2, 2, record_copies=True, on_event=lambda kind, keys, tier: events.append((kind, keys[0], tier)))
+    a = fill(pool, [1, 2])
+    pool.release(list(reversed(a)), CTX, 1.0)
+    b = fill(pool, [3], now=2.0)  # evicts key 2 (tail first) to host
+    assert pool.match_prefix([1, 2]) == PrefixMatch(1, 1)
+    host_block = pool.cached[2]
+    assert not pool.is_device(host_block)
+    assert pool.drain_copies() == [(a[1], host_block)]
+    assert pool.stats.demotions == 1
+    pool.release(b, CTX, 3.0)
+    # A prompt that needs key 2 again promotes it back to a device block.
+    got = pool.acquire_prefix([1, 2], CTX, 4.0)
+    assert len(got) == 2 and all(pool.is_device(x) for x in got)
+    copies = pool.drain_copies()
+    # The device block for key 2 was freed by demoting key 3 first: that copy runs first.
+    assert copies[-1] == (host_block, got[1])
+    assert pool.stats.promotions == 1
+    assert ("stored", 2, "host") in events and ("removed", 2, "host") in events
+    assert events.count(("stored", 2, "device")) == 2
+    pool.release(list(reversed(got)), CTX, 5.0)
+    assert all(count == 0 for count in pool.ref_count)
+
+
+def test_host_tier_evicts_its_own_victims():
+    pool = BlockPool(1, 1)
+    for t, key in enumerate([1, 2, 3]):
+        blocks, _ = pool.touch_or_insert([key], CTX, float(t))
+        pool.release(blocks, CTX, float(t))
+    # device holds 3, host holds 2, key 1 fell out of both tiers.
+    assert pool.match_prefix([3]).device == 1
+    assert pool.match_prefix([2]).host == 1
+    assert pool.match_prefix([1]).total == 0
+    assert pool.stats.host_evictions == 1
+
+
+def test_touch_or_insert_counts_leading_hits_only():
+    pool = BlockPool(8)
+    blocks, hits = pool.touch_or_insert([1, 2, 3], CTX, 0.0)
+    assert hits == 0
+    pool.release(list(reversed(blocks)), CTX, 0.0)
+    blocks, hits = pool.touch_or_insert([1, 9, 3], CTX, 1.0)
+    assert hits == 1  # key 3 is cached but follows a miss: not a prefix hit
+    assert pool.ref_count[pool.cached[3]] == 1
+    pool.release(list(reversed(blocks)), CTX, 1.0)
+
+
+def test_request_larger_than_the_cache_is_cut_not_crashed():
+    pool = BlockPool(2)
+    blocks, hits = pool.touch_or_insert([1, 2, 3, 4], CTX, 0.0)
+    assert len(blocks) == 2 and hits == 0
+    pool.release(list(reversed(blocks)), CTX, 0.0)
+    assert pool.num_free_device() == 2

@@ -1,0 +1,177 @@
+import heapq
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.replay import replay
+from engine.traces import load_trace
+from gateway.cli import main
+
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+
+
+@pytest.fixture(scope="module")
+def mooncake():
+    if not MOONCAKE.exists():
+        pytest.fail(f"the shared Mooncake trace is missing at {MOONCAKE}")
+    return load_trace(MOONCAKE)
+
+
+def independent_lru_prefix(trace, capacity):
+    """A second LRU with the same semantics, built differently (heap of release stamps).
+
+    Prefix hits; every key touched or inserted; release tail first; keys of
+    the request being served cannot be evicted.
+    """
+    cached, stamp, heap = set(), {}, []
+    clock = hits = accesses = 0
+    for request in trace.requests:
+        in_use = set()
+        leading = True
+        for key in request.keys:
+            if key in cached:
+                hits += leading
+                in_use.add(key)
+                continue
+            leading = False
+            if len(cached) >= capacity:
+                victim = None
+                while heap:
+                    s, candidate = heapq.heappop(heap)
+                    if candidate in cached and stamp[candidate] == s and candidate not in in_use:
+                        victim = candidate
+                        break
+                if victim is None:
+                    break
+                cached.discard(victim)
+            cached.add(key)
+            in_use.add(key)
+        accesses += len(request.keys)
+        for key in reversed(request.keys):
+            if key in cached:
+                clock += 1
+                stamp[key] = clock
+                heapq.heappush(heap, (clock, key))
+    return hits / accesses
+
+
+def test_mooncake_reference_figures(mooncake):
+    assert mooncake.unique_blocks() == 43924
+    assert mooncake.ideal_hit_ratio() == pytest.approx(0.640, abs=0.0005)
+    assert replay(mooncake, "lru", 4392).hit_ratio == pytest.approx(0.262, abs=0.0005)
+    assert replay(mooncake, "belady", 4392).hit_ratio == pytest.approx(0.506, abs=0.001)
+
+
+@pytest.mark.parametrize("capacity", [439, 2196, 8785])
+def test_lru_matches_an_independent_simulator(mooncake, capacity):
+    assert round(replay(mooncake, "lru", capacity).hit_ratio, 3) == round(independent_lru_prefix(mooncake, capacity), 3)
+
+
+def write_bailian(path, requests=400, seed=3):
+    """Sessions with growing prompts over a few shared system prompts."""
+    rng = random.Random(seed)
+    lines, sessions, next_id = [], {}, 1000
+    for chat_id in range(requests):
+        t = chat_id * 0.5
+        if sessions and rng.random() < 0.5:
+            parent = rng.choice(list(sessions))
+            ids = sessions.pop(parent) + [next_id + i for i in range(rng.randint(1, 4))]
+            turn = 2
+        else:
+            parent, turn = -1, 1
+            ids = [rng.randrange(3)] + [next_id + i for i in range(rng.randint(2, 8))]
+        next_id += 10
+        sessions[chat_id] = ids
+        lines.append(json.dumps({"chat_id": chat_id, "parent_chat_id": parent, "timestamp": t,
+                                 "input_length": len(ids) * 16, "output_length": 20, "type": "text",
+                                 "turn": turn, "hash_ids": ids}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_bailian_lru_matches_an_independent_simulator(tmp_path):
+    trace = load_trace(write_bailian(tmp_path / "b.jsonl"))
+    assert trace.format == "bailian"
+    for capacity in (20, 60, 200):
+        assert round(replay(trace, "lru", capacity).hit_ratio, 3) == round(independent_lru_prefix(trace, capacity), 3)
+
+
+def test_bailian_ids_are_chained_into_prefix_keys(tmp_path):
+    path = tmp_path / "chain.jsonl"
+    rows = [
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0, "input_length": 32, "type": "text", "turn": 1, "hash_ids": [5, 6]},
+        {"chat_id": 2, "parent_chat_id": -1, "timestamp": 1, "input_length": 32, "type": "text", "turn": 1, "hash_ids": [7, 6]},
+        {"chat_id": 3, "parent_chat_id": 1, "timestamp": 2, "input_length": 48, "type": "text", "turn": 2, "hash_ids": [5, 6, 8]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    trace = load_trace(path)
+    first, second, third = (r.keys for r in trace.requests)
+    assert first[1] != second[1]  # same block id after a different prefix
+    assert third[:2] == first
+    assert trace.requests[2].context.session == trace.requests[0].context.session
+
+
+def test_cli_table_json_and_plot(tmp_path, capsys):
+    trace = write_bailian(tmp_path / "t.jsonl")
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    code = main(["replay", str(trace), "--policies", "lru,fifo,s3fifo,belady", "--capacity", "0.05,0.2,0.9",
+                 "--json", str(out_json), "--plot", str(out_png), "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "capacity planning" in printed and "belady" in printed
+    data = json.loads(out_json.read_text())
+    assert set(data["trace"]) == {"path", "format", "requests", "accesses", "unique_blocks", "ideal_hit_ratio"}
+    assert len(data["results"]) == 12
+    row = data["results"][0]
+    assert set(row) >= {"policy", "capacity_blocks", "capacity_fraction", "hit_ratio", "evictions",
+                        "eviction_us_p50", "accesses_per_s"}
+    by = {(r["policy"], r["capacity_blocks"]): r["hit_ratio"] for r in data["results"]}
+    for capacity in {r["capacity_blocks"] for r in data["results"]}:
+        assert by[("belady", capacity)] >= by[("lru", capacity)] - 1e-9
+        assert by[("lru", capacity)] <= data["trace"]["ideal_hit_ratio"] + 1e-9
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n{"timestamp": 1, "input_length": 5\n', ":2: not valid JSON"),
+        ('{"timestamp": 0, "input_length": "many", "hash_ids": [1]}\n', ":1: field 'input_length' must be an integer"),
+        ('{"timestamp": 0, "input_length": 3, "hash_ids": [1, "x"]}\n', ":1: hash_ids must hold integers"),
+        ("[1, 2]\n", ":1: expected a JSON object"),
+        ('{"timestamp": 0, "input_length": 3}\n', ":1: missing field 'hash_ids'"),
+        ("\n\n", "holds no requests"),
+    ],
+)
+def test_cli_bad_traces_give_file_line_and_status_2(tmp_path, capsys, content, expected):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    assert main(["replay", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and str(path) in err
+    assert "Traceback" not in err
+
+
+def test_cli_missing_trace_and_bad_arguments(tmp_path, capsys):
+    assert main(["replay", str(tmp_path / "nope.jsonl")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    trace = write_bailian(tmp_path / "t.jsonl", requests=20)
+    assert main(["replay", str(trace), "--policies", "lru,lfu"]) == 2
+    assert "unknown lfu" in capsys.readouterr().err
+    assert main(["replay", str(trace), "--capacity", "0.1,abc"]) == 2
+    assert "not a number" in capsys.readouterr().err
+    assert main(["replay", str(trace), "--capacity-blocks", "-5"]) == 2
+    assert "must be positive" in capsys.readouterr().err
+
+
+def test_console_script_runs(tmp_path):
+    trace = write_bailian(tmp_path / "t.jsonl", requests=50)
+    kvgate = str(Path(sys.executable).with_name("kvgate"))
+    done = subprocess.run([kvgate, "replay", str(trace), "--policies", "lru", "--capacity-blocks", "32"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "lru" in done.stdout and "Traceback" not in done.stderr
