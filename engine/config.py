@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 POLICY_NAMES = ("lru", "fifo", "s3fifo", "belady", "wa", "wa-paper")
 
@@ -52,10 +52,170 @@ class S3FifoConfig(Section):
     move_to_main_threshold: int = Field(2, ge=1)
 
 
-class WorkloadAwareConfig(Section):
-    """Knobs of the workload-aware policy (engine/policies/workload_aware.py)."""
+class WAWeights(Section):
+    # Weight of the reuse probability: chance the block is reused within `life_s`
+    # given its category's fitted (lambda, p) and its age.
+    reuse: float = Field(0.5, ge=0)
+    # Weight of spatial locality: 1 - offset / prompt blocks (head blocks first),
+    # times `long_prompt_boost` for prompts over `long_prompt_tokens`.
+    spatial: float = Field(0.3, ge=0)
+    # Weight of the lifetime term: 1 inside the window W = min(lifetime_c / lambda,
+    # lifetime_max_s) since the last access, 0 (demoted) past it.
+    lifetime: float = Field(0.2, ge=0)
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+class WAModelConfig(Section):
+    # Reuse gaps shorter than this are left out of the rate fit (same-burst
+    # requests, not reuse timing); the authors used 0.3 s.  They still count as reuses.
+    gap_floor_s: float = Field(0.3, ge=0)
+    # Sliding window of evidence (reuse gaps, expired episodes) a fit uses.
+    window_s: float = Field(600.0, gt=0)
+    # Refit every category's (lambda, p) this often (trace time in replay).
+    refit_interval_s: float = Field(10.0, gt=0)
+    # Episodes a category needs before its fit replaces the priors.
+    min_samples: int = Field(50, ge=1)
+    # Prior reuse rates (1/s) by workload until a category has enough samples
+    # (blog: 0.15 to-C, 0.8 to-B).
+    prior_lambda: dict[Literal["to-c", "to-b", "multimodal"], float] = Field(
+        default_factory=lambda: {"to-c": 0.15, "to-b": 0.8, "multimodal": 0.15}
+    )
+    # Prior reuse probability p until a category has enough samples.
+    prior_p: float = Field(0.5, gt=0, lt=1)
+    # Metadata-only access history (recently seen and evicted keys): how long a
+    # key is remembered, so reuses after eviction are still observed ...
+    history_horizon_s: float = Field(600.0, gt=0)
+    # ... and at most this many keys (about 100 bytes each).
+    history_max_blocks: int = Field(2_000_000, ge=1000)
+    # EM iterations per refit (warm-started from the previous fit).
+    em_iterations: int = Field(6, ge=1, le=100)
+
+
+class WARhythmConfig(Section):
+    # Learn the per-minute-of-hour arrival profile of to-B traffic and detect spikes.
+    enabled: bool = True
+    # Spike when the current to-B rate exceeds this multiple of the baseline
+    # (median of the learned per-minute profile).
+    spike_factor: float = Field(2.0, gt=1)
+    # The current rate is measured over this trailing window.
+    rate_window_s: float = Field(10.0, gt=0)
+    # Minutes of profile needed before a baseline exists.
+    min_baseline_minutes: int = Field(10, ge=1)
+    # Enter the spike state ahead of a minute-of-hour that spiked in an earlier hour.
+    prearm: bool = True
+    prearm_lead_minutes: int = Field(1, ge=0, le=10)
+    # While spiking, multiply the lifetime window W (and `life_s`) of to-B classes by this.
+    relax_factor: float = Field(3.0, ge=1)
+
+
+class WATopicSwitchConfig(Section):
+    # A to-C session whose last `turns` turns came less than `max_gap_s` apart is
+    # predicted to switch topic: its blocks go to a separate, lower class.
+    enabled: bool = True
+    turns: int = Field(3, ge=2)
+    max_gap_s: float = Field(15.0, gt=0)
+    # Score multiplier of the topic-switch class (1 = the learned class only).
+    penalty: float = Field(0.5, ge=0, le=1)
+
+
+class WASignatureConfig(Section):
+    # File requests join a category by prefix signature (the gateway hashes the
+    # first `classifier.signature_tokens` tokens; replay uses the first block's key).
+    enabled: bool = True
+    # Signatures are folded into this many classes, so K stays bounded.
+    slots: int = Field(4, ge=1, le=64)
+
+
+class WAFallbackConfig(Section):
+    # Shadow LRU (metadata only, same capacity, same accesses) and LRU fallback.
+    enabled: bool = True
+    # Compare hit ratios over this trailing window ...
+    window_s: float = Field(300.0, gt=0)
+    # ... evaluated this often.
+    check_interval_s: float = Field(30.0, gt=0)
+    # Fall back to LRU when wa's hit ratio < shadow LRU's x (1 - margin).
+    margin: float = Field(0.01, ge=0, lt=1)
+    # Switch back when the shadow of wa beats the LRU shadow by this relative margin.
+    switch_back_margin: float = Field(0.01, ge=0, lt=1)
+    # Block accesses a window needs before it is judged.
+    min_accesses: int = Field(2000, ge=1)
+    # A switch needs the condition to hold at every check for this long, so
+    # one noisy window does not flip the order.
+    sustain_s: float = Field(300.0, ge=0)
+
+
+class WAAlarmConfig(Section):
+    # Raise the reuse alarm when the cache's hit ratio (prefix blocks reused /
+    # prompt blocks) stays under `threshold` over `window_s` (blog: 40%, 5 min).
+    threshold: float = Field(0.40, ge=0, le=1)
+    window_s: float = Field(300.0, gt=0)
+
+
+class WorkloadAwareConfig(Section):
+    """Knobs of the workload-aware policy (engine/policies/workload_aware.py).
+
+    ``wa`` uses these as given; ``wa-paper`` is ``paper_variant()`` of them: the
+    paper's priority on (type, turn) categories with none of the additions.
+    """
+
+    # weighted: reuse/spatial/lifetime score; paper: (p * ReuseProb(t, life), -offset).
+    mode: Literal["weighted", "paper"] = "weighted"
+    # Seconds ahead the reuse probability looks.  None (weighted mode only):
+    # follow the cache's measured residency (mean age of evicted blocks).
+    life_s: float | None = Field(None, gt=0)
+    # `life` of the paper's priority (the authors' PR used 5 s).
+    paper_life_s: float = Field(5.0, gt=0)
+    weights: WAWeights = WAWeights()
+    long_prompt_tokens: int = Field(512, ge=1)
+    long_prompt_boost: float = Field(1.2, ge=1)
+    # Lifetime window W = min(lifetime_c / lambda, lifetime_max_s).
+    lifetime_c: float = Field(2.0, gt=0)
+    lifetime_max_s: float = Field(300.0, gt=0)
+    # Turns at or beyond this share one turn bucket.
+    turn_buckets: int = Field(3, ge=1, le=16)
+    # Position classes within a prompt (by relative offset), part of the category.
+    position_classes: int = Field(1, ge=1, le=8)
+    # Blocks already used by another session (shared system prompts, templates)
+    # get their own classes, apart from in-session reuse.
+    shared_class: bool = True
+    # When a block is evicted, its cached children (useless without it) go first.
+    protect_prefix: bool = True
+    # Hard cap on categories (K); later combinations share one overflow class.
+    max_categories: int = Field(64, ge=1, le=1024)
+    # Per workload (to-c, to-b, multimodal) or request type: "wa" or "fifo"
+    # (blog: multimodal batches arrive together, a FIFO class suits them).
+    overrides: dict[str, Literal["wa", "fifo"]] = Field(default_factory=dict)
+    model: WAModelConfig = WAModelConfig()
+    rhythm: WARhythmConfig = WARhythmConfig()
+    topic_switch: WATopicSwitchConfig = WATopicSwitchConfig()
+    signature: WASignatureConfig = WASignatureConfig()
+    fallback: WAFallbackConfig = WAFallbackConfig()
+    alarm: WAAlarmConfig = WAAlarmConfig()
+
+    @field_validator("overrides")
+    @classmethod
+    def _known_override_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        allowed = ("to-c", "to-b", "multimodal", "text", "search", "image", "file", "api")
+        for key in value:
+            if key not in allowed:
+                raise ValueError(f"override key {key!r} is not a workload or request type; allowed: {', '.join(allowed)}")
+        return value
+
+    def paper_variant(self) -> "WorkloadAwareConfig":
+        """The paper's algorithm: (type, turn) categories, exact priority, no additions."""
+        return self.model_copy(
+            update={
+                "mode": "paper",
+                "life_s": self.paper_life_s,
+                "position_classes": 1,
+                "shared_class": False,
+                "protect_prefix": False,
+                "overrides": {},
+                "rhythm": self.rhythm.model_copy(update={"enabled": False}),
+                "topic_switch": self.topic_switch.model_copy(update={"enabled": False}),
+                "signature": self.signature.model_copy(update={"enabled": False}),
+                "fallback": self.fallback.model_copy(update={"enabled": False}),
+            }
+        )
 
 
 class CacheConfig(Section):

@@ -67,7 +67,7 @@ class ReplicaConfig(Section):
     name: str | None = None
     # Model name the upstream serves (openai kind); None sends the gateway's model name.
     model: str | None = None
-    # Bearer token sent to the upstream (openai kind), if it needs one.
+    # Bearer token sent to the upstream (any remote kind), if it needs one.
     api_key: str | None = None
     # Seconds to wait for an upstream's response headers before giving up.
     connect_timeout_s: float = Field(10.0, gt=0)
@@ -161,8 +161,6 @@ class ClassifierConfig(Section):
     # Ordered rules, first match wins (see ClassifierRule); the default list is the
     # issue's order: API key, header, image parts, long document, multi-turn, endpoint.
     rules: list[ClassifierRule] = DEFAULT_RULES
-    # Sessions without a `user` field are keyed by a hash of this many leading messages.
-    session_messages: int = Field(2, ge=1)
 
 
 class KvgateConfig(Section):

@@ -1,0 +1,435 @@
+"""The async engine: requests in, streamed token deltas out.
+
+All engine state (scheduler, block pool, KV tensors) is touched by exactly one
+piece of code at a time: model steps run in a single worker thread while the
+event loop waits for them, and new requests, aborts and KV events are applied
+on the event loop thread *between* steps.  So no locks, and KV-event callbacks
+always run on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+import torch
+
+from engine.block_pool import DEVICE, HOST, BlockPool
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.kv_cache import KVCache, KVShape, size_device_blocks
+from engine.model_loader import LoadedModel, load_model
+from engine.request import GenerationOutput, GenerationRequest, Usage
+from engine.runner import ModelRunner
+from engine.sampling import SequenceSampler, sample_batch
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+KVEventCallback = Callable[[str, list[int], str], None]
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: GenerationRequest
+    queue: asyncio.Queue
+    arrival: float
+    seqs: list[Sequence] = field(default_factory=list)
+    unfinished: int = 0
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        engine_cfg: EngineConfig | None = None,
+        cache_cfg: CacheConfig | None = None,
+        max_model_len: int = 2048,
+    ) -> None:
+        engine_cfg = engine_cfg or EngineConfig()
+        cache_cfg = cache_cfg or CacheConfig()
+        self.loaded = loaded
+        self.engine_cfg = engine_cfg
+        config = loaded.model.config
+        bs = engine_cfg.block_size
+        shape = KVShape.from_model_config(config, bs, loaded.dtype)
+        device_blocks = engine_cfg.device_blocks or size_device_blocks(
+            shape, loaded.device, engine_cfg.kv_memory_fraction, engine_cfg.host_blocks_multiplier
+        )
+        host_blocks = int(device_blocks * engine_cfg.host_blocks_multiplier)
+        self._events: list[tuple[str, list[int], str]] = []
+        self.pool = BlockPool(
+            device_blocks, host_blocks, cache_cfg.policy, cache_cfg, record_copies=True, on_event=self._on_pool_event
+        )
+        self.kv = KVCache(shape, device_blocks, host_blocks, loaded.device)
+        # One sequence must always fit in the device tier, or preemption could never make room.
+        limits = [max_model_len, getattr(config, "max_position_embeddings", max_model_len), device_blocks * bs]
+        self._max_model_len = min(limits)
+        if self._max_model_len < max_model_len:
+            log.warning("max_model_len lowered to %d (model or KV pool limit)", self._max_model_len)
+        self.scheduler = Scheduler(self.pool, bs, engine_cfg.max_num_seqs, engine_cfg.max_batched_tokens)
+        self.runner = ModelRunner(loaded.model, self.kv, bs, loaded.device)
+        self.eos_ids = _eos_ids(loaded)
+        self._requests: dict[str, _RequestState] = {}
+        self._pending_adds: list[_RequestState] = []
+        self._pending_aborts: list[str] = []
+        self._subscribers: list[KVEventCallback] = []
+        self._cached_view: dict[int, str] = {}
+        self._next_seq_id = 0
+        self._in_flight = False
+        self._last_stats: dict | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._stopping = False
+
+    @classmethod
+    def from_config(
+        cls,
+        model_cfg: ModelConfig | None = None,
+        engine_cfg: EngineConfig | None = None,
+        cache_cfg: CacheConfig | None = None,
+    ) -> "AsyncEngine":
+        """Load the model (blocking; seconds) and size the KV pool."""
+        model_cfg = model_cfg or ModelConfig()
+        engine_cfg = engine_cfg or EngineConfig()
+        if engine_cfg.threads:
+            torch.set_num_threads(engine_cfg.threads)
+        torch.manual_seed(engine_cfg.seed)
+        return cls(load_model(model_cfg), engine_cfg, cache_cfg, model_cfg.max_model_len)
+
+    # ---- properties the gateway reads --------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def block_size(self) -> int:
+        return self.engine_cfg.block_size
+
+    @property
+    def hash_salt(self) -> str:
+        """Salt of the block hash chain (engine.block_hash); the router must use the same."""
+        return self.loaded.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """The exact prompt tokens the engine sees for a chat request."""
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
+            out = out["input_ids"]
+        return list(out)
+
+    # ---- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._stopping = False
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvgate-engine")
+        self._task = asyncio.create_task(self._run(), name="kvgate-engine-loop")
+
+    async def shutdown(self) -> None:
+        if self._task is None:
+            return
+        self._stopping = True
+        self._wakeup.set()
+        try:
+            await self._task
+        finally:
+            self._task = None
+            for request_id in list(self._requests):
+                self._abort_now(request_id)
+            self._flush_events()
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # ---- requests ------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Stream the outputs of ``request``: deltas per choice, then its finish reason and usage.
+
+        Closing the iterator early aborts the request and frees its blocks.
+        """
+        self._validate(request)
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        await self.start()
+        state = _RequestState(request, asyncio.Queue(), time.monotonic(), unfinished=request.sampling.n)
+        self._requests[request.request_id] = state
+        self._pending_adds.append(state)
+        self._wakeup.set()
+        done = 0
+        try:
+            while done < request.sampling.n:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    done += 1
+                yield item
+        finally:
+            if done < request.sampling.n:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (now, or right after the step in flight)."""
+        if request_id not in self._requests:
+            return
+        if self._in_flight:
+            self._pending_aborts.append(request_id)
+        else:
+            self._abort_now(request_id)
+            self._flush_events()
+
+    async def idle(self) -> None:
+        """Wait until nothing is running or waiting (tests, graceful drain)."""
+        await self.start()
+        self._wakeup.set()
+        while self._in_flight or self._pending_adds or self._pending_aborts or self.scheduler.has_work():
+            self._idle.clear()
+            await self._idle.wait()
+
+    def _validate(self, request: GenerationRequest) -> None:
+        count = len(request.prompt_token_ids)
+        limit = self._max_model_len - 1
+        if count == 0:
+            raise ValueError("the prompt is empty")
+        if count > limit:
+            raise ValueError(
+                f"the prompt has {count} tokens; this engine accepts at most {limit} "
+                f"(max_model_len {self._max_model_len} minus one generated token)"
+            )
+        vocab = self.loaded.model.config.vocab_size
+        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        s = request.sampling
+        if s.n < 1 or s.max_tokens < 1:
+            raise ValueError(f"n and max_tokens must be >= 1 (got n={s.n}, max_tokens={s.max_tokens})")
+        if not 0 < s.top_p <= 1 or s.top_k < 0 or s.temperature < 0:
+            raise ValueError("need 0 < top_p <= 1, top_k >= 0 and temperature >= 0")
+        if s.logprobs is not None and s.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 (got {s.logprobs})")
+
+    # ---- the loop (event loop thread) -----------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            self._apply_pending()
+            if not self.scheduler.has_work():
+                self._flush_events()
+                self._idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self._last_stats = self._compute_stats()
+            self._in_flight = True
+            try:
+                outputs = await loop.run_in_executor(self._executor, self._step)
+            except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
+                log.exception("engine step failed")
+                outputs = []
+                self._fail_all(exc)
+            finally:
+                self._in_flight = False
+            self._flush_events()
+            self._deliver(outputs)
+        self._idle.set()
+
+    def _apply_pending(self) -> None:
+        adds, self._pending_adds = self._pending_adds, []
+        for state in adds:
+            if state.request.request_id in self._requests:
+                self._add(state)
+        aborts, self._pending_aborts = self._pending_aborts, []
+        for request_id in aborts:
+            self._abort_now(request_id)
+
+    def _add(self, state: _RequestState) -> None:
+        request = state.request
+        for index in range(request.sampling.n):
+            seq = Sequence(self._next_seq_id, request, index, self.block_size, self.hash_salt)
+            self._next_seq_id += 1
+            seq.sampler = SequenceSampler(request.sampling, self.tokenizer, request.prompt_token_ids, self.eos_ids, index)
+            state.seqs.append(seq)
+        first, *forks = state.seqs
+        # Siblings wait until the first choice has computed (and published) the
+        # prompt, then take its blocks from the prefix cache.
+        first.forks = forks
+        self.scheduler.add(first)
+
+    def _abort_now(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                state.queue.put_nowait(self._final(seq, GenerationOutput(request_id, seq.index, [], ""), "abort"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, state in list(self._requests.items()):
+            for seq in state.seqs:
+                self.scheduler.finish(seq, "abort")
+            state.queue.put_nowait(RuntimeError(f"engine step failed: {exc}"))
+            del self._requests[request_id]
+
+    def _deliver(self, outputs: list[GenerationOutput]) -> None:
+        for out in outputs:
+            state = self._requests.get(out.request_id)
+            if state is None:
+                continue
+            state.queue.put_nowait(out)
+            if out.finish_reason is not None:
+                state.unfinished -= 1
+                if state.unfinished == 0:
+                    del self._requests[out.request_id]
+
+    # ---- one step (worker thread) ---------------------------------------------
+
+    def _step(self) -> list[GenerationOutput]:
+        batch = self.scheduler.schedule()
+        # Demotions and promotions recorded while scheduling must land before the forward.
+        self.kv.apply_copies(self.pool.drain_copies())
+        if not batch:
+            return []
+        logits, seqs = self.runner.run(batch)
+        self.scheduler.after_step(batch)
+        outputs = []
+        if logits is not None:
+            results = sample_batch(logits, [seq.sampler for seq in seqs])
+            outputs = [self._accept(seq, token, logprob) for seq, (token, logprob) in zip(seqs, results)]
+        for seq, _ in batch:
+            if seq.forks and seq.num_computed >= seq.num_prompt_tokens:
+                for fork in reversed(seq.forks):
+                    self.scheduler.add(fork, front=True)
+                seq.forks = []
+        return outputs
+
+    def _accept(self, seq: Sequence, token: int, logprob) -> GenerationOutput:
+        first = seq.num_tokens == seq.num_prompt_tokens
+        seq.append(token)
+        text, finish = seq.sampler.accept(token, seq.num_tokens, self._max_model_len)
+        out = GenerationOutput(seq.request_id, seq.index, [token], text, [logprob] if logprob is not None else None)
+        if first and seq.first_scheduled is not None:
+            out.queue_time_s = max(0.0, seq.first_scheduled - self._requests_arrival(seq))
+        if finish is not None:
+            self.scheduler.finish(seq, finish)
+            self._final(seq, out, finish)
+        return out
+
+    def _requests_arrival(self, seq: Sequence) -> float:
+        state = self._requests.get(seq.request_id)
+        return state.arrival if state is not None else seq.first_scheduled
+
+    def _final(self, seq: Sequence, out: GenerationOutput, reason: str) -> GenerationOutput:
+        out.finish_reason = reason
+        out.usage = Usage(seq.num_prompt_tokens, len(seq.output_ids), seq.cached_tokens or 0)
+        return out
+
+    # ---- KV events and stats ---------------------------------------------------
+
+    def _on_pool_event(self, kind: str, keys: list[int], tier: str) -> None:
+        # Called wherever the pool changes (worker thread during a step); delivered later.
+        self._events.append((kind, keys, tier))
+
+    def _flush_events(self) -> None:
+        if not self._events:
+            return
+        events, self._events = self._events, []
+        batches: list[tuple[str, list[int], str]] = []
+        for kind, keys, tier in events:
+            for key in keys:
+                if kind == "stored":
+                    self._cached_view[key] = tier
+                elif self._cached_view.get(key) == tier:
+                    del self._cached_view[key]
+            if batches and batches[-1][0] == kind and batches[-1][2] == tier:
+                batches[-1][1].extend(keys)
+            else:
+                batches.append((kind, list(keys), tier))
+        for callback in list(self._subscribers):
+            for kind, keys, tier in batches:
+                try:
+                    callback(kind, keys, tier)
+                except Exception:  # noqa: BLE001 - a bad subscriber must not stop the engine
+                    log.exception("KV event subscriber failed")
+
+    def subscribe_kv_events(self, callback: KVEventCallback) -> Callable[[], None]:
+        """``callback(kind, keys, tier)`` on the event loop thread; kind "stored"|"removed",
+        tier "device"|"host".  Returns a function that unsubscribes."""
+        self._subscribers.append(callback)
+        return lambda: self._subscribers.remove(callback) if callback in self._subscribers else None
+
+    def cached_keys(self) -> dict[str, list[int]]:
+        """Block keys cached now, by tier, consistent with the events delivered so far."""
+        view: dict[str, list[int]] = {DEVICE: [], HOST: []}
+        for key, tier in self._cached_view.items():
+            view[tier].append(key)
+        return view
+
+    def stats(self) -> dict:
+        """Pool, cache and queue figures; during a step, those from just before it."""
+        if self._in_flight and self._last_stats is not None:
+            return self._last_stats
+        return self._compute_stats()
+
+    def _compute_stats(self) -> dict:
+        pool = self.pool
+        nd = pool.num_device
+        device = {"total": nd, "free": 0, "cached": 0, "in_use": 0}
+        for block in range(nd):
+            if pool.ref_count[block]:
+                device["in_use"] += 1
+            elif pool.block_key[block] is not None:
+                device["cached"] += 1
+            else:
+                device["free"] += 1
+        host_cached = sum(1 for key in pool.block_key[nd:] if key is not None)
+        host = {"total": pool.num_host, "free": pool.num_host - host_cached, "cached": host_cached, "in_use": 0}
+        sched = self.scheduler
+        return {
+            "model": self.model_name,
+            "block_size": self.block_size,
+            "blocks": {DEVICE: device, HOST: host},
+            "evictions": {DEVICE: pool.stats.device_evictions, HOST: pool.stats.host_evictions},
+            "demotions": pool.stats.demotions,
+            "promotions": pool.stats.promotions,
+            "swap_bytes": {"device_to_host": self.kv.bytes_to_host, "host_to_device": self.kv.bytes_to_device},
+            "prefix_cache": {"query_tokens": sched.prefix_query_tokens, "hit_tokens": sched.prefix_hit_tokens},
+            "running": len(sched.running),
+            "waiting": len(sched.waiting) + len(self._pending_adds),
+            "preemptions": sched.num_preemptions,
+            "policy_name": pool.policy_name,
+            "policy": pool.device_policy.state(),
+        }
+
+
+def _eos_ids(loaded: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        ids.add(tok_eos)
+    gen = getattr(loaded.model, "generation_config", None)
+    gen_eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos:
+        ids.update(gen_eos)
+    return ids

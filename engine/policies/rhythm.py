@@ -1,0 +1,116 @@
+"""Traffic rhythm (to-B spikes on the hour) and topic-switch detection (to-C).
+
+Both learn from arrivals only (request starts), in the order they happen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+
+
+class TrafficRhythm:
+    """Per-minute-of-hour arrival profile and a spike state.
+
+    The profile is an average of the arrivals seen in each minute of the hour
+    over the hours seen so far; the baseline is its median over observed
+    minutes (robust to the spike minutes themselves).  The state is "spike"
+    when the arrivals of the trailing ``rate_window_s`` exceed
+    ``spike_factor`` x baseline, or, with ``prearm``, when the coming minute
+    spiked in an earlier hour.
+    """
+
+    def __init__(
+        self,
+        spike_factor: float = 2.0,
+        rate_window_s: float = 10.0,
+        min_baseline_minutes: int = 10,
+        prearm: bool = True,
+        prearm_lead_minutes: int = 1,
+    ) -> None:
+        self.factor = spike_factor
+        self.rate_window = rate_window_s
+        self.min_minutes = min_baseline_minutes
+        self.prearm = prearm
+        self.lead = prearm_lead_minutes
+        self.sums = [0.0] * 60  # arrivals per minute-of-hour, summed over hours
+        self.hours = [0] * 60  # completed minutes observed per minute-of-hour
+        self.minute: int | None = None  # absolute minute being counted
+        self.count = 0
+        self.recent: deque[float] = deque()
+        self.baseline = 0.0
+        self.minutes_seen = 0
+        # Minutes-of-hour that spiked in an earlier hour (learned recurrence).
+        self.recurring: set[int] = set()
+        self.spiking = False
+        self.prearmed = False
+
+    def _close_minutes(self, minute: int) -> None:
+        if self.minute is None:
+            self.minute = minute
+            return
+        while self.minute < minute:
+            slot = self.minute % 60
+            count = self.count
+            self.sums[slot] += count
+            self.hours[slot] += 1
+            self.minutes_seen += 1
+            self.count = 0
+            self.minute += 1
+            if self.baseline > 0 and count > self.factor * self.baseline:
+                self.recurring.add(slot)
+            elif self.hours[slot] >= 2 and self.sums[slot] / self.hours[slot] <= self.factor * self.baseline:
+                self.recurring.discard(slot)
+            if self.minutes_seen >= self.min_minutes:
+                means = sorted(self.sums[m] / self.hours[m] for m in range(60) if self.hours[m])
+                self.baseline = means[len(means) // 2]
+
+    def arrival(self, now: float) -> None:
+        self.update(now)
+        self.count += 1
+        self.recent.append(now)
+
+    def update(self, now: float) -> bool:
+        """Advance to ``now``; returns the spike state."""
+        self._close_minutes(int(now // 60))
+        recent = self.recent
+        limit = now - self.rate_window
+        while recent and recent[0] < limit:
+            recent.popleft()
+        if self.baseline <= 0:
+            self.spiking = self.prearmed = False
+            return False
+        per_minute = len(recent) * 60.0 / self.rate_window
+        measured = per_minute > self.factor * self.baseline
+        minute = int(now // 60)
+        self.prearmed = self.prearm and any(
+            (minute + ahead) % 60 in self.recurring for ahead in range(0, self.lead + 1)
+        )
+        self.spiking = measured or self.prearmed
+        return self.spiking
+
+    def profile(self) -> list[float]:
+        return [self.sums[m] / self.hours[m] if self.hours[m] else math.nan for m in range(60)]
+
+
+class TopicSwitchDetector:
+    """Flags a to-C session whose last ``turns`` arrivals were each under ``max_gap_s`` apart."""
+
+    def __init__(self, turns: int = 3, max_gap_s: float = 15.0, max_sessions: int = 200_000) -> None:
+        self.turns = turns
+        self.max_gap = max_gap_s
+        self.max_sessions = max_sessions
+        self.sessions: OrderedDict[object, deque[float]] = OrderedDict()
+
+    def arrival(self, session: object, now: float) -> bool:
+        times = self.sessions.get(session)
+        if times is None:
+            times = self.sessions[session] = deque(maxlen=self.turns)
+            if len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
+        else:
+            self.sessions.move_to_end(session)
+        times.append(now)
+        if len(times) < self.turns:
+            return False
+        return all(b - a < self.max_gap for a, b in zip(times, list(times)[1:]))

@@ -1,0 +1,813 @@
+"""Workload-aware eviction (ATC'25 "KVCache Cache in the Wild", plus the blog's additions).
+
+A *category* is (workload, type, turn bucket) plus, where it pays, a few
+classes: position in the prompt, blocks shared across sessions, a predicted
+topic switch, a file signature slot.  K stays in the tens.  Each category
+keeps its evictable keys in last-release order (vLLM's tail-first release);
+inside a category the score falls with the time since last access, so an
+eviction scores only the K queue heads: O(K), whatever the number of blocks.
+
+Scores (lowest evicted first, ties to the deeper offset):
+- ``paper``: p_w * (e^{-l t} - e^{-l (t+life)}), the authors' priority.
+- ``weighted``: w_r * R + w_s * spatial + w_l * [t < W], where R is the chance
+  of a reuse within ``life`` given that none came in the first t seconds
+  (the posterior of the p/exponential mixture), spatial = 1 - offset/blocks
+  (x boost for long prompts) and W = min(c/lambda, max) the lifetime window.
+
+(lambda, p) per category are fitted online by ``ReuseModel`` from a
+metadata-only history, so reuses after eviction are observed too.  A shadow
+LRU of the same capacity runs beside the policy; when the policy trails it
+over a window the tier falls back to LRU order (the LRU order of the real
+keys is kept all along, so the switch is instant) and a shadow of this policy
+decides when to switch back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict, deque
+
+from engine.config import WorkloadAwareConfig
+from engine.context import RequestContext
+from engine.policies.base import EvictionPolicy, NoEvictableBlock
+from engine.policies.reuse_model import ReuseModel
+from engine.policies.rhythm import TopicSwitchDetector, TrafficRhythm
+from engine.policies.shadow import ShadowLRU
+
+log = logging.getLogger("kvgate.cache")
+
+INF = math.inf
+# Score units per block of offset: among equal scores the deeper block goes first
+# (the paper's -offset); far below any real score difference.
+_TIE = 1e-12
+_exp = math.exp
+
+
+def paper_priority(lam: float, p: float, t: float, life: float) -> float:
+    """The paper's ReuseProb_w(t, life) = e^{-lam t} - e^{-lam (t+life)}, times p_w (authors' PR)."""
+    return p * (math.exp(-lam * t) - math.exp(-lam * (t + life)))
+
+
+def posterior_reuse(lam: float, p: float, t: float, life: float) -> float:
+    """P(reuse within the next ``life`` s | no reuse in the t s since the last access)."""
+    e = math.exp(-lam * t)
+    q = p * e / (1.0 - p + p * e)
+    return q * (1.0 - math.exp(-lam * life))
+
+
+class CategoryTable:
+    """Category ids and their current scoring constants, shared by the real queues and shadows."""
+
+    def __init__(self, cfg: WorkloadAwareConfig, model: ReuseModel) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.paper = cfg.mode == "paper"
+        self.index: dict[tuple, int] = {}
+        self.names: list[tuple] = []
+        self.to_b: list[bool] = []
+        self.fifo: list[bool] = []
+        self.penalty: list[float] = []
+        # Scoring constants, refreshed after each refit.
+        self.lam: list[float] = []
+        self.p: list[float] = []
+        self.one_minus: list[float] = []  # 1 - e^{-lambda life}
+        self.window: list[float] = []  # lifetime window W
+        self.coef_a: list[float] = []
+        self.coef_b: list[float] = []
+        self.coef_l: list[float] = []
+        w = cfg.weights
+        self.wr, self.ws, self.wl = w.reuse, w.spatial, w.lifetime
+        self.life = cfg.life_s if cfg.life_s is not None else 30.0
+        self.relax = 1.0
+        self.version = 0  # bumped whenever constants change (score caches drop)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def get(self, name: tuple, workload: str, rtype: str, switch: bool) -> int:
+        cat = self.index.get(name)
+        if cat is not None:
+            return cat
+        if len(self.names) >= self.cfg.max_categories:
+            overflow = ("overflow", workload)
+            cat = self.index.get(overflow)
+            if cat is None:
+                cat = self._add(overflow, workload, rtype, False)
+            self.index[name] = cat
+            return cat
+        return self._add(name, workload, rtype, switch)
+
+    def _add(self, name: tuple, workload: str, rtype: str, switch: bool) -> int:
+        cfg = self.cfg
+        prior_lam = cfg.model.prior_lambda.get(workload, cfg.model.prior_lambda.get("to-c", 0.15))
+        cat = self.model.add_category(prior_lam, cfg.model.prior_p)
+        assert cat == len(self.names)
+        self.index[name] = cat
+        self.names.append(name)
+        self.to_b.append(workload == "to-b")
+        kind = cfg.overrides.get(rtype) or cfg.overrides.get(workload) or "wa"
+        self.fifo.append(kind == "fifo")
+        self.penalty.append(cfg.topic_switch.penalty if switch else 1.0)
+        self.lam.append(0.0)
+        self.p.append(0.0)
+        self.one_minus.append(0.0)
+        self.window.append(0.0)
+        self.coef_a.append(0.0)
+        self.coef_b.append(0.0)
+        self.coef_l.append(0.0)
+        self._refresh(cat)
+        self.version += 1
+        return cat
+
+    def _refresh(self, cat: int) -> None:
+        stats = self.model.stats[cat]
+        lam = max(stats.lam, 1e-9)
+        relax = self.relax if self.to_b[cat] else 1.0
+        self.lam[cat] = lam
+        self.p[cat] = min(max(stats.p, 1e-6), 1.0 - 1e-6)
+        self.one_minus[cat] = 1.0 - math.exp(-lam * self.life * relax)
+        self.window[cat] = min(self.cfg.lifetime_c / lam, self.cfg.lifetime_max_s) * relax
+        # Folded constants of the weighted score: reuse = a e / (1 + b e), e = exp(-lambda t).
+        p = self.p[cat]
+        b = p / (1.0 - p)
+        pen = self.penalty[cat]
+        self.coef_a[cat] = self.wr * self.one_minus[cat] * b * pen
+        self.coef_b[cat] = b
+        self.coef_l[cat] = self.wl * pen
+
+    def refresh(self) -> None:
+        for cat in range(len(self.names)):
+            self._refresh(cat)
+        self.version += 1
+
+
+class CategoryQueues:
+    """The O(K) structure: per-category queues of evictable keys, scored at the heads.
+
+    ``rec[key] = [category, last access, offset, spatial]`` for every key held.
+    A key is evictable iff it sits in a queue and is not in use, or sits in
+    the orphan queue (cached children of an evicted parent: they can no
+    longer be hit as a prefix, so they go first).  In-use keys of ordinary
+    classes are out of the queues; a FIFO class keeps its keys in insertion
+    order, in use or not, and passes over the busy ones.
+    """
+
+    def __init__(self, table: CategoryTable, protect_prefix: bool) -> None:
+        self.table = table
+        self.fifo = table.fifo
+        self.protect = protect_prefix
+        self.queues: list[OrderedDict[int, None]] = []
+        self.nq = 0
+        self.rec: dict[int, list] = {}
+        self.orphans: OrderedDict[int, None] = OrderedDict()
+        self.parent: dict[int, int] = {}
+        self.children: dict[int, set[int]] = {}
+        self.busy: set[int] = set()  # in-use keys still queued in a FIFO class
+        self.heads: list[float] = []  # cached head score per queue
+        self.heads_now: float | None = None
+        self.heads_version = -1
+        self.dirty: set[int] = set()
+        self.evictable = 0
+
+    def clone(self) -> "CategoryQueues":
+        other = CategoryQueues(self.table, self.protect)
+        other.queues = [OrderedDict(q) for q in self.queues]
+        other.nq = self.nq
+        other.heads = list(self.heads)
+        other.rec = {k: list(v) for k, v in self.rec.items()}
+        other.orphans = OrderedDict(self.orphans)
+        other.parent = dict(self.parent)
+        other.children = {k: set(v) for k, v in self.children.items()}
+        other.busy = set(self.busy)
+        other.evictable = self.evictable
+        return other
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.rec
+
+    def __len__(self) -> int:
+        return len(self.rec)
+
+    def _grow(self) -> None:
+        queues, heads = self.queues, self.heads
+        while len(queues) < len(self.table):
+            queues.append(OrderedDict())
+            heads.append(INF)
+        self.nq = len(queues)
+        self.heads_now = None
+
+    def _link(self, key: int, parent: int) -> None:
+        kids = self.children.get(parent)
+        if kids is not None:
+            kids.add(key)
+            self.parent[key] = parent
+        elif parent in self.rec:
+            self.children[parent] = {key}
+            self.parent[key] = parent
+
+    def access(self, key: int, cat: int, now: float, offset: int, spatial: float, parent: int | None) -> None:
+        """``key`` is hit or inserted: it is in use until ``release``."""
+        if cat >= self.nq:
+            self._grow()
+        rec = self.rec.get(key)
+        if rec is None:
+            self.rec[key] = [cat, now, offset, spatial]
+            if parent is not None and self.protect:
+                self._link(key, parent)
+            return
+        old = rec[0]
+        if self.fifo[old]:
+            q = self.queues[old]
+            if old == cat:
+                # A FIFO class keeps the key's place and its insertion time.
+                if key in q and key not in self.busy:
+                    self.busy.add(key)
+                    self.evictable -= 1
+                rec[2] = offset
+                rec[3] = spatial
+                return
+            if q.pop(key, 0) is None:
+                self.dirty.add(old)
+                if key in self.busy:
+                    self.busy.discard(key)
+                else:
+                    self.evictable -= 1
+        elif self.queues[old].pop(key, 0) is None:
+            self.evictable -= 1
+            self.dirty.add(old)
+        elif self.orphans and self.orphans.pop(key, 0) is None:
+            self.evictable -= 1
+        rec[0] = cat
+        rec[1] = now
+        rec[2] = offset
+        rec[3] = spatial
+        if parent is not None and self.protect and key not in self.parent:
+            self._link(key, parent)
+
+    def release(self, key: int) -> None:
+        rec = self.rec.get(key)
+        if rec is None:
+            return
+        cat = rec[0]
+        q = self.queues[cat]
+        if key in q:
+            if key in self.busy:
+                self.busy.discard(key)
+                self.evictable += 1
+            return
+        if key in self.orphans:
+            return
+        q[key] = None
+        self.evictable += 1
+        if len(q) == 1:
+            self.dirty.add(cat)
+
+    def _score(self, cat: int, now: float) -> float:
+        """Score of the head of ``cat`` (INF when empty); ties go to the deeper offset."""
+        q = self.queues[cat]
+        if not q:
+            return INF
+        key = next(iter(q))
+        busy = self.busy
+        if busy and key in busy:
+            # A busy FIFO head is passed over (moved behind), as S3-FIFO's scan does.
+            for _ in range(len(q)):
+                q.move_to_end(key)
+                key = next(iter(q))
+                if key not in busy:
+                    break
+            else:
+                return INF
+        rec = self.rec[key]
+        tab = self.table
+        t = now - rec[1]
+        if t < 0.0:
+            t = 0.0
+        e = _exp(-tab.lam[cat] * t)
+        if tab.paper:
+            return tab.p[cat] * e * tab.one_minus[cat] - rec[2] * _TIE
+        score = tab.coef_a[cat] * e / (1.0 + tab.coef_b[cat] * e) + tab.ws * rec[3]
+        if t < tab.window[cat]:
+            score += tab.coef_l[cat]
+        return score - rec[2] * _TIE
+
+    def _rescore_all(self, now: float) -> None:
+        """``_score`` of every head, inlined: this loop is the O(K) part of an eviction."""
+        tab = self.table
+        if self.busy or tab.paper:
+            score = self._score
+            self.heads[:] = [score(cat, now) for cat in range(self.nq)]
+            return
+        rec_of = self.rec.__getitem__
+        lams, coef_a, coef_b, coef_l, windows = tab.lam, tab.coef_a, tab.coef_b, tab.coef_l, tab.window
+        ws = tab.ws
+        heads = self.heads
+        cat = 0
+        for q in self.queues:
+            if q:
+                rec = rec_of(next(iter(q)))
+                t = now - rec[1]
+                e = _exp(-lams[cat] * t) if t > 0.0 else 1.0
+                score = coef_a[cat] * e / (1.0 + coef_b[cat] * e) + ws * rec[3] - rec[2] * _TIE
+                heads[cat] = score + coef_l[cat] if t < windows[cat] else score
+            else:
+                heads[cat] = INF
+            cat += 1
+
+    def evict(self, now: float) -> tuple[int, float]:
+        """Pop the lowest-scored evictable key; returns (key, its age)."""
+        if self.orphans:
+            key = self.orphans.popitem(last=False)[0]
+        else:
+            if self.evictable <= 0:
+                raise NoEvictableBlock("every cached block is in use")
+            heads = self.heads
+            if now != self.heads_now or self.heads_version != self.table.version:
+                if self.nq < len(self.table):
+                    self._grow()
+                self.heads_now = now
+                self.heads_version = self.table.version
+                self._rescore_all(now)
+                self.dirty.clear()
+            elif self.dirty:
+                for cat in self.dirty:
+                    heads[cat] = self._score(cat, now)
+                self.dirty.clear()
+            best = min(heads)
+            if best == INF:
+                raise NoEvictableBlock("every cached block is in use")
+            cat = heads.index(best)
+            key = self.queues[cat].popitem(last=False)[0]
+            self.dirty.add(cat)
+        self.evictable -= 1
+        rec = self.rec.pop(key)
+        if self.protect:
+            self._unlink(key)
+        return key, now - rec[1]
+
+    def _unlink(self, key: int) -> None:
+        parent = self.parent.pop(key, None)
+        if parent is not None:
+            kids = self.children.get(parent)
+            if kids is not None:
+                kids.discard(key)
+                if not kids:
+                    del self.children[parent]
+        kids = self.children.pop(key, None)
+        if kids:
+            for kid in kids:
+                self.parent.pop(kid, None)
+                rec = self.rec.get(kid)
+                if rec is None:
+                    continue
+                q = self.queues[rec[0]]
+                if kid in q and kid not in self.busy:
+                    del q[kid]
+                    self.dirty.add(rec[0])
+                    self.orphans[kid] = None
+
+    def remove(self, key: int) -> None:
+        rec = self.rec.pop(key, None)
+        if rec is None:
+            return
+        q = self.queues[rec[0]]
+        if q.pop(key, 0) is None:
+            self.dirty.add(rec[0])
+            if key in self.busy:
+                self.busy.discard(key)
+            else:
+                self.evictable -= 1
+        elif self.orphans.pop(key, 0) is None:
+            self.evictable -= 1
+        if self.protect:
+            self._unlink(key)
+
+    def evictable_keys(self) -> list[int]:
+        """Evictable keys in LRU order (last access, deeper offset first): the fallback's order."""
+        keys = [k for q in self.queues for k in q if k not in self.busy]
+        keys.extend(self.orphans)
+        rec = self.rec
+        keys.sort(key=lambda k: (rec[k][1], -rec[k][2]))
+        return keys
+
+    def evict_order(self, now: float) -> list[int]:
+        """Evictable keys in eviction order (on a clone; for tests)."""
+        other = self.clone()
+        order = []
+        while other.evictable > 0:
+            order.append(other.evict(now)[0])
+        return order
+
+
+class _SimCache:
+    """A metadata-only cache of ``capacity`` keys evicting by ``CategoryQueues``."""
+
+    def __init__(self, queues: CategoryQueues, capacity: int) -> None:
+        self.q = queues
+        self.capacity = max(int(capacity), 1)
+
+    def access(self, key: int, cat: int, now: float, offset: int, spatial: float, parent: int | None) -> bool:
+        q = self.q
+        hit = key in q.rec
+        if not hit and len(q.rec) >= self.capacity:
+            try:
+                q.evict(now)
+            except NoEvictableBlock:
+                return False
+        q.access(key, cat, now, offset, spatial, parent)
+        return hit
+
+
+class WorkloadAwarePolicy(EvictionPolicy):
+    name = "wa"
+
+    def __init__(self, capacity: int, config: WorkloadAwareConfig | None = None, name: str = "wa") -> None:
+        cfg = config or WorkloadAwareConfig()
+        self.name = name  # type: ignore[misc]
+        self.cfg = cfg
+        self.capacity = capacity
+        m = cfg.model
+        self.model = ReuseModel(
+            gap_floor_s=m.gap_floor_s,
+            window_s=m.window_s,
+            min_samples=m.min_samples,
+            refit_interval_s=m.refit_interval_s,
+            history_horizon_s=m.history_horizon_s,
+            history_max_blocks=m.history_max_blocks,
+            em_iterations=m.em_iterations,
+        )
+        self.table = CategoryTable(cfg, self.model)
+        self.paper = cfg.mode == "paper"
+        self.core = CategoryQueues(self.table, cfg.protect_prefix)
+        # LRU order of the real evictable keys while the fallback is active.
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.lru_active = False
+        self.active = "wa"
+        self.fallbacks = 0
+        self.shadow_lru = ShadowLRU(capacity) if cfg.fallback.enabled else None
+        self._shadow_keys = self.shadow_lru.keys if self.shadow_lru is not None else None
+        self._shared_on = cfg.shared_class and not self.paper
+        self._pclasses = 1 if self.paper else cfg.position_classes
+        self.shadow_wa: _SimCache | None = None
+        self.rhythm = (
+            TrafficRhythm(
+                cfg.rhythm.spike_factor,
+                cfg.rhythm.rate_window_s,
+                cfg.rhythm.min_baseline_minutes,
+                cfg.rhythm.prearm,
+                cfg.rhythm.prearm_lead_minutes,
+            )
+            if cfg.rhythm.enabled
+            else None
+        )
+        self.topics = (
+            TopicSwitchDetector(cfg.topic_switch.turns, cfg.topic_switch.max_gap_s)
+            if cfg.topic_switch.enabled
+            else None
+        )
+        self.spiking = False
+        self.reuse_alarm = False
+        self.topic_switches = 0
+        self.age_ewma: float | None = None
+        # Per-request state.
+        self._ctx: RequestContext | None = None
+        self._offset = -1
+        self._key: int | None = None
+        self._session: object = None
+        self._base: tuple = ()
+        self._workload = "to-c"
+        self._type = "text"
+        self._switch = False
+        self._blocks = 1
+        self._boost = 1.0
+        self._cat_cache: dict[tuple, int] = {}
+        self._recent: OrderedDict[int, tuple] = OrderedDict()  # id(ctx) -> classification
+        self._lead = self._lead_lru = self._lead_wa = False
+        self._requests = 0
+        # Windowed hit accounting: [accesses, hits, shadow LRU hits, shadow wa hits].
+        self._cur = [0, 0, 0, 0]
+        self._buckets: deque[list] = deque()
+        self._bucket_end = -INF
+        self._since_switch = 0  # evaluations since the last switch (or the start)
+        self._strikes = 0  # consecutive evaluations that called for a switch
+        fb = cfg.fallback
+        self._nbuckets = max(1, math.ceil(fb.window_s / fb.check_interval_s))
+        self._alarm_buckets = max(1, math.ceil(cfg.alarm.window_s / fb.check_interval_s))
+        self._patience = max(1, math.ceil(fb.sustain_s / fb.check_interval_s))
+
+    # ---- the pool's calls -------------------------------------------------
+
+    def insert(self, key: int, ctx: RequestContext, offset: int, now: float) -> None:
+        self._access(key, ctx, offset, now, False)
+
+    def hit(self, key: int, ctx: RequestContext, offset: int, now: float) -> None:
+        self._access(key, ctx, offset, now, True)
+
+    def release(self, key: int, ctx: RequestContext, now: float) -> None:
+        self.core.release(key)
+        shadow = self._shadow_keys
+        if shadow is not None:
+            if key in shadow:
+                shadow.move_to_end(key)
+            if self.shadow_wa is not None:
+                self.shadow_wa.q.release(key)
+        if self.lru_active:
+            self.lru[key] = None
+
+    def evict(self, now: float) -> int:
+        if not self.lru_active:
+            key, age = self.core.evict(now)
+        else:
+            if not self.lru:
+                raise NoEvictableBlock("every cached block is in use")
+            key = self.lru.popitem(last=False)[0]
+            rec = self.core.rec.get(key)
+            age = now - rec[1] if rec is not None else 0.0
+            self.core.remove(key)
+        ewma = self.age_ewma
+        self.age_ewma = age if ewma is None else ewma + 0.01 * (age - ewma)
+        return key
+
+    def remove(self, key: int) -> None:
+        self.core.remove(key)
+        self.lru.pop(key, None)
+
+    def num_evictable(self) -> int:
+        return self.core.evictable
+
+    def state(self) -> dict:
+        window = self._window_sums(self._nbuckets)
+        acc = window[0]
+        return {
+            "active": self.active,
+            "fallbacks": self.fallbacks,
+            "reuse_alarm": self.reuse_alarm,
+            "traffic_spike": self.spiking,
+            "categories": len(self.table),
+            "window_hit_ratio": window[1] / acc if acc else None,
+            "shadow_lru_hit_ratio": window[2] / acc if acc and self.shadow_lru is not None else None,
+            "life_s": self.table.life,
+            "topic_switches": self.topic_switches,
+            "model_refits": self.model.refits,
+        }
+
+    def categories(self) -> list[dict]:
+        """Current fit per category (for reports and `kvgate replay` recommendations)."""
+        return [
+            {"category": list(name), "lambda": self.table.lam[c], "p": self.table.p[c],
+             "fitted": self.model.stats[c].fitted}
+            for c, name in enumerate(self.table.names)
+        ]
+
+    # ---- per access -------------------------------------------------------
+
+    def _access(self, key: int, ctx: RequestContext, offset: int, now: float, cached: bool) -> None:
+        # The hot path: the model's and the shadow's bookkeeping are inlined.
+        if ctx is not self._ctx or offset <= self._offset:
+            if ctx is self._ctx and offset == self._offset and key == self._key:
+                # The pool's promotion calls insert then hit for the same block.
+                return
+            self._begin(ctx, key, offset, now)
+        parent = self._key if offset == self._offset + 1 else None
+        self._offset = offset
+        self._key = key
+        # Close the key's open episode: a reuse after `gap` seconds.
+        model = self.model
+        history = model.history
+        entry = history.get(key)
+        shared = False
+        bin_s, ring = model.bin_s, model.ring
+        b_now = int(now / bin_s)
+        if entry is not None:
+            last = entry[0]
+            stats = model.stats[entry[1]]
+            stats.pending[int(last / bin_s) % ring] -= 1
+            reuses = stats.reuses
+            row = reuses[-1] if reuses else None
+            if row is None or row[0] != b_now:
+                row = [b_now, 0, 0, 0.0]
+                reuses.append(row)
+            gap = now - last
+            if gap < model.floor:
+                row[1] += 1
+            else:
+                row[2] += 1
+                row[3] += gap - model.floor
+            history.move_to_end(key)
+            if self._shared_on:
+                shared = entry[3] or entry[2] != self._session
+        blocks = self._blocks
+        if self._pclasses > 1:
+            pos = offset * self._pclasses // blocks if offset < blocks else self._pclasses - 1
+            ck = (shared, pos)
+        else:
+            pos = 0
+            ck = shared
+        cat = self._cat_cache.get(ck)
+        if cat is None:
+            cat = self._cat_cache[ck] = self._category(shared, pos)
+        # Open the episode of this access.
+        if entry is None:
+            history[key] = [now, cat, self._session, False]
+        else:
+            entry[0] = now
+            entry[1] = cat
+            entry[3] = shared
+        model.stats[cat].pending[b_now % ring] += 1
+        spatial = (1.0 - offset / blocks) * self._boost
+        self.core.access(key, cat, now, offset, spatial, parent)
+        if self.lru_active:
+            self.lru.pop(key, None)
+        cur = self._cur
+        cur[0] += 1
+        if self._lead:
+            if cached:
+                cur[1] += 1
+            else:
+                self._lead = False
+        shadow = self._shadow_keys
+        if shadow is not None:
+            if key in shadow:
+                shadow.move_to_end(key)
+                if self._lead_lru:
+                    cur[2] += 1
+            else:
+                self._lead_lru = False
+                shadow[key] = None
+                if len(shadow) > self.capacity:
+                    shadow.popitem(last=False)
+            sim = self.shadow_wa
+            if sim is not None:
+                if sim.access(key, cat, now, offset, spatial, parent):
+                    if self._lead_wa:
+                        cur[3] += 1
+                else:
+                    self._lead_wa = False
+
+    def _category(self, shared: bool, pos: int) -> int:
+        if self.paper:
+            name = self._base
+        elif shared:
+            # Cross-session reuse (system prompts, templates) does not depend on
+            # the turn or the session's fate: one class per type.
+            name = (self._workload, self._type, "shared")
+        elif self._switch:
+            name = (self._workload, self._type, "switch")
+        else:
+            name = (*self._base, pos)
+        return self.table.get(name, self._workload, self._type, self._switch)
+
+    def _begin(self, ctx: RequestContext, first_key: int, offset: int, now: float) -> None:
+        """Calls for another request start: classify it (once), advance the clocks.
+
+        The engine may interleave a request's calls with others' (hits at
+        admission, inserts as blocks fill); a request seen recently resumes
+        with its classification and without counting a second arrival.
+        """
+        cfg = self.cfg
+        self._ctx = ctx
+        self._offset = offset - 1
+        self._key = None
+        known = self._recent.get(id(ctx)) if offset > 0 else None
+        if known is not None and known[0] is ctx:
+            _, self._session, self._switch, self._base = known
+            self._lead = self._lead_lru = self._lead_wa = False
+        else:
+            self._arrival(ctx, first_key, now)
+        self._workload, self._type = ctx.workload, ctx.type
+        self._blocks = max(ctx.prompt_blocks, offset + 1, 1)
+        self._boost = cfg.long_prompt_boost if ctx.prompt_tokens > cfg.long_prompt_tokens else 1.0
+        self._cat_cache = {}
+
+    def _arrival(self, ctx: RequestContext, first_key: int, now: float) -> None:
+        cfg = self.cfg
+        self._requests += 1
+        self._lead = self._lead_lru = self._lead_wa = True
+        if ctx.session is not None:
+            session: object = ctx.session
+        elif ctx.chat_id >= 0:
+            session = ctx.chat_id
+        else:
+            session = -self._requests
+        workload, rtype = ctx.workload, ctx.type
+        if now >= self._bucket_end:
+            self._roll(now)
+        if self.rhythm is not None:
+            if workload == "to-b":
+                self.rhythm.arrival(now)
+            else:
+                self.rhythm.update(now)
+            if self.rhythm.spiking != self.spiking:
+                self._set_spike(self.rhythm.spiking)
+        if self.model.maybe_refit(now):
+            self._after_refit()
+        switch = False
+        if self.topics is not None and workload == "to-c" and ctx.session is not None:
+            switch = self.topics.arrival(session, now)
+            self.topic_switches += switch
+        turn = min(max(ctx.turn, 1), cfg.turn_buckets)
+        if self.paper:
+            base: tuple = (workload, rtype, turn)
+        else:
+            slot = -1
+            if cfg.signature.enabled and rtype == "file":
+                signature = ctx.signature if ctx.signature is not None else first_key
+                slot = hash(signature) % cfg.signature.slots
+            base = (workload, rtype, turn, slot)
+        self._session, self._switch, self._base = session, switch, base
+        recent = self._recent
+        recent[id(ctx)] = (ctx, session, switch, base)
+        if len(recent) > 1024:
+            recent.popitem(last=False)
+
+    def _after_refit(self) -> None:
+        if self.cfg.life_s is None and not self.paper and self.age_ewma is not None:
+            # Look as far ahead as blocks currently stay: the measured residency.
+            self.table.life = min(max(self.age_ewma, 1.0), 3600.0)
+        self.table.refresh()
+
+    def _set_spike(self, spiking: bool) -> None:
+        self.spiking = spiking
+        self.table.relax = self.cfg.rhythm.relax_factor if spiking else 1.0
+        self.table.refresh()
+        log.info("kvgate.cache: to-B traffic spike %s (relax x%.1f)", "started" if spiking else "ended",
+                 self.table.relax)
+
+    # ---- shadow comparison, fallback and alarm ------------------------------
+
+    def _window_sums(self, n: int) -> list[int]:
+        sums = [0, 0, 0, 0]
+        buckets = list(self._buckets)[-n:]
+        for bucket in buckets:
+            for i in range(4):
+                sums[i] += bucket[i]
+        return sums
+
+    def _roll(self, now: float) -> None:
+        interval = self.cfg.fallback.check_interval_s
+        if self._bucket_end != -INF:
+            self._buckets.append(self._cur)
+            self._cur = [0, 0, 0, 0]
+            keep = max(self._nbuckets, self._alarm_buckets)
+            while len(self._buckets) > keep:
+                self._buckets.popleft()
+            self._evaluate(now)
+        self._bucket_end = (math.floor(now / interval) + 1) * interval
+
+    def _evaluate(self, now: float) -> None:
+        cfg = self.cfg
+        if len(self._buckets) >= self._alarm_buckets:
+            acc, hits, _, _ = self._window_sums(self._alarm_buckets)
+            alarm = acc > 0 and hits / acc < cfg.alarm.threshold
+            if alarm != self.reuse_alarm:
+                self.reuse_alarm = alarm
+                log.warning("kvgate.cache: reuse alarm %s (hit ratio %.3f over %.0f s, threshold %.2f)",
+                            "raised" if alarm else "cleared", hits / acc if acc else 0.0,
+                            cfg.alarm.window_s, cfg.alarm.threshold)
+        fb = cfg.fallback
+        if self.shadow_lru is None:
+            return
+        self._since_switch += 1
+        n = min(self._nbuckets, self._since_switch)
+        acc, hits, lru_hits, wa_hits = self._window_sums(n)
+        if acc < fb.min_accesses:
+            self._strikes = 0
+            return
+        if self.active == "wa":
+            losing = hits < lru_hits * (1.0 - fb.margin)
+        else:
+            losing = n >= self._nbuckets and wa_hits > lru_hits * (1.0 + fb.switch_back_margin)
+        # Only a sustained difference switches: one window's noise does not.
+        self._strikes = self._strikes + 1 if losing else 0
+        if self._strikes < self._patience:
+            return
+        self._strikes = 0
+        self._since_switch = 0
+        if self.active == "wa":
+            self.active = "lru"
+            self.lru_active = True
+            self.lru = OrderedDict.fromkeys(self.core.evictable_keys())
+            self.fallbacks += 1
+            self.shadow_wa = _SimCache(self.core.clone(), self.capacity)
+            log.warning("kvgate.cache: falling back to LRU (hit ratio %.4f vs shadow LRU %.4f over %d blocks)",
+                        hits / acc, lru_hits / acc, acc)
+        else:
+            self.active = "wa"
+            self.lru_active = False
+            self.lru = OrderedDict()
+            self.shadow_wa = None
+            log.info("kvgate.cache: back to workload-aware order (shadow %.4f vs LRU %.4f over %d blocks)",
+                     wa_hits / acc, lru_hits / acc, acc)
+
+
+def make_workload_aware(
+    name: str, capacity: int, cfg: WorkloadAwareConfig | None = None, **_: object
+) -> WorkloadAwarePolicy:
+    """``wa``: the configured policy; ``wa-paper``: the paper's algorithm on the same model knobs."""
+    cfg = cfg or WorkloadAwareConfig()
+    if name == "wa-paper":
+        cfg = cfg.paper_variant()
+    elif name != "wa":
+        raise ValueError(f"unknown workload-aware policy {name!r}")
+    return WorkloadAwarePolicy(capacity, cfg, name)

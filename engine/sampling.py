@@ -1,0 +1,158 @@
+"""Token sampling, stop conditions and incremental detokenisation, per sequence."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import torch
+
+from engine.request import SamplingParams, TokenLogprob
+
+# Prompt tokens the detokeniser starts from: tokenizers that merge a leading
+# space into the first piece decode a lone continuation token differently.
+_DETOK_CONTEXT = 6
+
+
+class IncrementalDetokenizer:
+    """Text deltas for one token at a time; holds bytes back until they form whole characters."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-_DETOK_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        # U+FFFD at the end: a multi-byte character split across tokens; wait for the rest.
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+
+class SequenceSampler:
+    """Sampling state of one choice: generator, penalties, stop checks, emitted text."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        tokenizer,
+        prompt_ids: list[int],
+        eos_ids: set[int],
+        index: int = 0,
+    ) -> None:
+        self.params = params
+        self.tokenizer = tokenizer
+        self.eos_ids = set() if params.ignore_eos else eos_ids
+        self.stop_ids = set(params.stop_token_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        seed = params.seed + index if params.seed is not None else random.getrandbits(63)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.counts: Counter[int] = Counter()
+        self.text = ""
+        self.emitted = 0
+        self.num_generated = 0
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature <= 0 or self.params.top_k == 1
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits suffices (batched fast path)."""
+        p = self.params
+        return self.greedy and not (p.presence_penalty or p.frequency_penalty) and p.logprobs is None
+
+    def sample(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """One token from a float32 [vocab] row of raw logits."""
+        p = self.params
+        raw = logits
+        if self.counts and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(list(self.counts), dtype=torch.long)
+            counts = torch.tensor(list(self.counts.values()), dtype=logits.dtype)
+            logits = logits.clone()
+            logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
+        if self.greedy:
+            token = int(torch.argmax(logits))
+        else:
+            token = self._draw(logits / p.temperature)
+        return token, self._logprob(raw, token) if p.logprobs is not None else None
+
+    def _draw(self, logits: torch.Tensor) -> int:
+        p = self.params
+        if 0 < p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+            # Drop a token when the ones before it already reach top_p (the first always stays).
+            drop = cum - torch.softmax(sorted_logits, -1) >= p.top_p
+            logits = logits.clone()
+            logits[order[drop]] = float("-inf")
+        probs = torch.softmax(logits, -1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _logprob(self, raw: torch.Tensor, token: int) -> TokenLogprob:
+        logprobs = torch.log_softmax(raw.float(), -1)
+        top = []
+        k = self.params.logprobs or 0
+        if k > 0:
+            values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+            top = [(int(i), self._piece(int(i)), float(v)) for v, i in zip(values, ids)]
+        return TokenLogprob(token, self._piece(token), float(logprobs[token]), top)
+
+    def _piece(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def accept(self, token: int, num_tokens: int, max_model_len: int) -> tuple[str, str | None]:
+        """Record a sampled token; returns (text delta to emit, finish reason or None)."""
+        self.num_generated += 1
+        self.counts[token] += 1
+        finish = None
+        if token in self.eos_ids or token in self.stop_ids:
+            finish = "stop"
+        else:
+            start = len(self.text)
+            self.text += self.detok.add(token)
+            if self.params.stop and len(self.text) > start:
+                finish = self._cut_stop(start)
+        if finish is None and (self.num_generated >= self.params.max_tokens or num_tokens >= max_model_len):
+            finish = "length"
+        return self._emit(finish is not None), finish
+
+    def _cut_stop(self, new_from: int) -> str | None:
+        # A stop string may begin in text emitted earlier only within the held-back tail.
+        search_from = max(0, new_from - self.holdback)
+        hits = [i for i in (self.text.find(s, search_from) for s in self.params.stop) if i >= 0]
+        if not hits:
+            return None
+        self.text = self.text[: min(hits)]
+        return "stop"
+
+    def _emit(self, finished: bool) -> str:
+        # Hold back what could still turn out to be the start of a stop string.
+        upto = len(self.text) if finished else max(self.emitted, len(self.text) - self.holdback)
+        delta, self.emitted = self.text[self.emitted : upto], upto
+        return delta
+
+
+def sample_batch(logits: torch.Tensor, samplers: list[SequenceSampler]) -> list[tuple[int, TokenLogprob | None]]:
+    """Sample one token per row; greedy rows without extras share one argmax."""
+    logits = logits.float().cpu()
+    argmax = torch.argmax(logits, -1).tolist() if any(s.plain_greedy for s in samplers) else None
+    results = []
+    for row, sampler in enumerate(samplers):
+        if sampler.plain_greedy:
+            results.append((argmax[row], None))
+        else:
+            results.append(sampler.sample(logits[row]))
+    return results

@@ -1,0 +1,168 @@
+"""Continuous batching over the block pool.
+
+Each step runs every running sequence first (a decode token, or the next
+chunk of a long prompt), then admits waiting ones while the token budget
+(``max_batched_tokens``) and ``max_num_seqs`` allow.  Admission takes the
+cached prefix from the pool and computes only the rest.  When blocks run out
+the newest running sequence is preempted: its blocks are released (the full
+ones stay cached, so the recompute usually hits them) and it waits again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, NamedTuple
+
+from engine.block_pool import BlockPool, NoFreeBlocks
+from engine.sequence import Sequence, Status
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    num_tokens: int  # new tokens computed for it this step
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        seq.status = Status.WAITING
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step --------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledSeq]:
+        now = self.clock()
+        budget = self.max_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        queue = deque(self.running)
+        self.running = []
+        preempted = False
+        while queue and budget > 0:
+            seq = queue.popleft()
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, count, queue, now):
+                preempted = True
+                continue
+            scheduled.append(ScheduledSeq(seq, count))
+            self.running.append(seq)
+            budget -= count
+        # Out of budget: the rest stay running and go first next step.
+        self.running.extend(queue)
+        # Admitting while others were just preempted would only thrash.
+        if not preempted:
+            self._admit_waiting(budget, scheduled, now)
+        return scheduled
+
+    def _grow(self, seq: Sequence, count: int, queue: deque[Sequence], now: float) -> bool:
+        """Give ``seq`` blocks for ``count`` more tokens, preempting the newest others if needed."""
+        need = seq.blocks_needed(count)
+        while True:
+            try:
+                seq.block_table.extend(self.pool.allocate(need, now))
+                return True
+            except NoFreeBlocks:
+                if queue:
+                    self.preempt(queue.pop(), now)
+                else:
+                    self.preempt(seq, now)
+                    return False
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq], now: float) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            count = self._admit(seq, budget, now)
+            if count is None:
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, count))
+            budget -= count
+
+    def _admit(self, seq: Sequence, budget: int, now: float) -> int | None:
+        """Take the cached prefix and blocks for the first chunk; None if blocks are short."""
+        ctx = seq.request.context
+        blocks = self.pool.acquire_prefix(seq.cacheable_prefix_keys(), ctx, now)
+        cached = len(blocks) * self.block_size
+        count = min(seq.num_tokens - cached, budget)
+        need = -(-(cached + count) // self.block_size) - len(blocks)
+        try:
+            fresh = self.pool.allocate(need, now)
+        except NoFreeBlocks:
+            self.pool.release(blocks[::-1], ctx, now)
+            return None
+        seq.block_table = blocks + fresh
+        seq.num_computed = cached
+        seq.num_published = len(blocks)
+        if seq.cached_tokens is None:
+            seq.cached_tokens = cached
+            self.prefix_query_tokens += seq.num_tokens
+            self.prefix_hit_tokens += cached
+        return count
+
+    def after_step(self, scheduled: list[ScheduledSeq]) -> None:
+        """The step's KV is in the pool: advance and publish blocks that filled up."""
+        now = self.clock()
+        for seq, count in scheduled:
+            seq.num_computed += count
+            self._publish(seq, now)
+
+    def _publish(self, seq: Sequence, now: float) -> None:
+        full = min(seq.num_computed // self.block_size, len(seq.block_keys))
+        ctx = seq.request.context
+        for index in range(seq.num_published, full):
+            self.pool.cache_block(seq.block_table[index], seq.block_keys[index], ctx, index, now)
+        seq.num_published = max(seq.num_published, full)
+
+    # ---- leaving ---------------------------------------------------------
+
+    def preempt(self, seq: Sequence, now: float) -> None:
+        self._release(seq, now)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove ``seq`` wherever it is and free its blocks at once."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq, self.clock())
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def _release(self, seq: Sequence, now: float) -> None:
+        # Tail first, as vLLM frees: the tail becomes evictable before the head.
+        if seq.block_table:
+            self.pool.release(seq.block_table[::-1], seq.request.context, now)
+        seq.block_table = []

@@ -1,0 +1,177 @@
+"""Workload classification: what kind of request is this, for the cache's sake.
+
+Rules from config.yaml are tried in order and the first that holds decides the
+workload and type (``ClassifierRule``).  Turn, session and tenant are facts of
+the request, not rule outcomes.  Everything here works on what parsing and
+tokenising already produced; nothing is tokenised again except the first few
+characters of a file request's document for its signature.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import xxhash
+
+from engine.context import WORKLOADS, RequestContext
+from gateway.config import ClassifierConfig, ClassifierRule
+from gateway.prefix import PrefixHasher
+from gateway.protocol import CHAT, ParsedRequest
+
+WORKLOAD_HEADER = "X-KVGate-Workload"
+TYPE_HEADER = "X-KVGate-Type"
+_TYPES = ("text", "search", "image", "file", "api")
+# Sessions remembered for parent chat ids (bounded: one entry per live session).
+_MAX_SESSIONS = 65_536
+
+
+@dataclass(slots=True)
+class Principal:
+    """Who is calling: from the API key, or anonymous when auth is off."""
+
+    tenant: str | None = None
+    workload: str | None = None
+
+
+ANONYMOUS = Principal()
+
+
+class Classifier:
+    def __init__(self, cfg: ClassifierConfig, hasher: PrefixHasher | None = None) -> None:
+        self.cfg = cfg
+        self.hasher = hasher
+        self._rules = list(cfg.rules)
+        self._chat_ids = itertools.count(1)
+        self._last_chat: OrderedDict[str, int] = OrderedDict()
+
+    def classify(
+        self,
+        req: ParsedRequest,
+        principal: Principal,
+        headers: "dict | object",
+        prompt_tokens: int,
+        prompt_blocks: int,
+        first_tokens: list[int] | None = None,
+    ) -> RequestContext:
+        header_workload = headers.get(WORKLOAD_HEADER)
+        if header_workload is not None:
+            header_workload = header_workload.strip().lower()
+            if header_workload not in WORKLOADS:
+                # An unknown value is the caller's mistake, but not worth failing the request over.
+                header_workload = None
+        is_file = self._is_file(req, prompt_tokens)
+        workload, rtype = None, None
+        for rule in self._rules:
+            matched, implied = self._match(rule, req, principal, header_workload, is_file)
+            if matched:
+                workload = rule.workload or implied
+                rtype = rule.type
+                break
+        if workload is None:
+            workload = self.cfg.completions_workload if req.endpoint != CHAT else self.cfg.default_workload
+        header_type = headers.get(TYPE_HEADER)
+        if header_type is not None and header_type.strip().lower() in _TYPES:
+            rtype = header_type.strip().lower()
+        if rtype is None:
+            rtype = self._implied_type(req, is_file)
+        session = self._session(req, principal)
+        chat_id = next(self._chat_ids)
+        parent = self._last_chat.pop(session, -1)
+        self._last_chat[session] = chat_id
+        if len(self._last_chat) > _MAX_SESSIONS:
+            self._last_chat.popitem(last=False)
+        return RequestContext(
+            workload=workload,
+            type=rtype,
+            turn=max(1, req.user_turns),
+            session=session,
+            tenant=principal.tenant,
+            signature=self._signature(req, first_tokens) if rtype == "file" or is_file else None,
+            prompt_tokens=prompt_tokens,
+            prompt_blocks=prompt_blocks,
+            chat_id=chat_id,
+            parent_chat_id=parent,
+        )
+
+    def _match(
+        self, rule: ClassifierRule, req: ParsedRequest, principal: Principal, header_workload: str | None, is_file: bool
+    ) -> tuple[bool, str | None]:
+        when = rule.when
+        if when == "api_key":
+            return principal.workload is not None, principal.workload
+        if when == "tenant":
+            return principal.tenant == rule.tenant, None
+        if when == "header":
+            return header_workload is not None, header_workload
+        if when == "image":
+            return bool(req.images), "multimodal"
+        if when == "file":
+            return is_file, None
+        if when == "multi_turn":
+            return req.endpoint == CHAT and req.user_turns > 1, None
+        if when == "endpoint":
+            implied = self.cfg.completions_workload if req.endpoint != CHAT else self.cfg.default_workload
+            return req.endpoint == rule.endpoint, implied
+        return True, None  # always
+
+    def _is_file(self, req: ParsedRequest, prompt_tokens: int) -> bool:
+        """A single very long document: one message holding most of a long prompt.
+
+        The message's token count is estimated from its share of the content
+        characters, so the prompt is not tokenised per message.
+        """
+        if prompt_tokens < self.cfg.file_min_tokens:
+            return False
+        if req.endpoint != CHAT:
+            return True
+        return req.longest_share * prompt_tokens >= self.cfg.file_min_tokens
+
+    @staticmethod
+    def _implied_type(req: ParsedRequest, is_file: bool) -> str:
+        if req.images:
+            return "image"
+        if is_file:
+            return "file"
+        if req.endpoint != CHAT:
+            return "api"
+        return "text"
+
+    def _session(self, req: ParsedRequest, principal: Principal) -> str:
+        """The `user` field when given; else a hash of the conversation's opening.
+
+        Later turns of one chat repeat its first messages, so they share the hash.
+        """
+        h = xxhash.xxh3_64()
+        if principal.tenant:
+            h.update(principal.tenant.encode())
+            h.update(b"\x00")
+        if req.user:
+            h.update(b"u:" + req.user.encode())
+            return "u" + h.hexdigest()
+        if req.messages:
+            # The system prompt(s) and the first user message: every later turn repeats them.
+            for msg in req.messages:
+                h.update(msg["role"].encode())
+                h.update(b"\x00")
+                h.update(msg["content"].encode("utf-8", "surrogatepass"))
+                h.update(b"\x01")
+                if msg["role"] == "user":
+                    break
+        elif req.prompts:
+            first = req.prompts[0]
+            h.update(first.encode("utf-8", "surrogatepass")[:256] if isinstance(first, str) else repr(first[:64]).encode())
+        return "h" + h.hexdigest()
+
+    def _signature(self, req: ParsedRequest, first_tokens: list[int] | None) -> int | None:
+        n = self.cfg.signature_tokens
+        if self.hasher is None:
+            return None
+        if req.endpoint == CHAT and req.messages and req.longest_message >= 0:
+            # The document's own first tokens: the template's preamble is the same for everyone.
+            doc = req.messages[req.longest_message]["content"]
+            tokens = self.hasher.encode(doc[: n * 16])[:n]
+        else:
+            tokens = (first_tokens or [])[:n]
+        return self.hasher.signature(tokens)

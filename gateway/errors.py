@@ -1,0 +1,81 @@
+"""OpenAI-shaped errors.
+
+Every failure a client can see leaves the gateway as
+``{"error": {"message", "type", "param", "code"}}`` with OpenAI's status codes,
+so SDKs raise their own exception classes (BadRequestError, NotFoundError, ...).
+Nothing else ever reaches the wire: no tracebacks, no aiohttp HTML pages.
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+
+class ApiError(Exception):
+    """An error meant for the client; ``status`` and body follow OpenAI."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=json.dumps(self.body()).encode(),
+            content_type="application/json",
+        )
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def unauthorized(message: str = "Incorrect API key provided.") -> ApiError:
+    return ApiError(401, message, "invalid_request_error", None, "invalid_api_key")
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )
+
+
+def not_found(path: str) -> ApiError:
+    return ApiError(404, f"Unknown request URL: {path}.", "invalid_request_error", None, "unknown_url")
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(413, f"Request body too large: the limit is {limit} bytes.", "invalid_request_error", None, "request_too_large")
+
+
+def no_replica(reason: str = "No healthy replica is available to serve this request.") -> ApiError:
+    # 503 (not 429): the client did nothing wrong, retrying later may succeed.
+    return ApiError(503, reason, "service_unavailable", None, "no_healthy_replica")
+
+
+def upstream_error(message: str) -> ApiError:
+    return ApiError(502, message, "api_error", None, "upstream_error")
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "The server had an error while processing your request.", "server_error", None, None)

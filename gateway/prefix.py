@@ -1,0 +1,94 @@
+"""Prompt tokens and block keys, exactly as the engine will see them.
+
+The router is only as good as its agreement with the engine's cache: it must
+tokenise with the same tokenizer and chat template and hash with the same
+function, block size and salt (DESIGN section 5).  The token ids computed here
+are handed to the engine with the request, so a prompt is tokenised once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+from engine.block_hash import block_hashes, content_hash
+from gateway.protocol import IMAGE_PLACEHOLDER
+
+
+class Prompt(NamedTuple):
+    token_ids: list[int]
+    # (token offset, content hash) of each image, in the engine's mm_hashes form.
+    mm_hashes: list[tuple[int, bytes]]
+    keys: list[int]
+
+
+class PrefixHasher:
+    """Tokenises requests and computes their chained block keys.
+
+    ``template`` turns chat messages into token ids; for in-process replicas it is
+    the engine's own ``apply_chat_template`` so both sides agree by construction.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        block_size: int,
+        salt: str | bytes,
+        template: Callable[[list[dict]], list[int]] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.salt = salt
+        self._template = template or self._hf_template
+        try:
+            self.vocab_size = len(tokenizer)
+        except TypeError:
+            self.vocab_size = getattr(tokenizer, "vocab_size", 1 << 31)
+
+    def _hf_template(self, messages: list[dict]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        # transformers 5 may return a BatchEncoding-like mapping.
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return list(out)
+
+    def chat(self, messages: list[dict], images: Sequence[bytes] = ()) -> Prompt:
+        ids = self._template(messages)
+        mm = self._image_offsets(messages, images) if images else []
+        return Prompt(ids, mm, block_hashes(ids, self.block_size, self.salt, mm))
+
+    def text(self, prompt: str | list[int]) -> Prompt:
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        else:
+            ids = prompt
+        return Prompt(ids, [], block_hashes(ids, self.block_size, self.salt))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _image_offsets(self, messages: list[dict], images: Sequence[bytes]) -> list[tuple[int, bytes]]:
+        """Token offset of each image placeholder, paired with the image's content hash.
+
+        The offset is the length of the tokenised template text before the
+        placeholder: deterministic, which is all block identity needs, since the
+        engine receives these pairs rather than recomputing them.
+        """
+        try:
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception:
+            rendered = "".join(m["content"] for m in messages)
+        out = []
+        pos = 0
+        for source in images:
+            found = rendered.find(IMAGE_PLACEHOLDER, pos)
+            if found < 0:
+                found = len(rendered)
+            offset = len(self.encode(rendered[:found]))
+            out.append((offset, content_hash(source)))
+            pos = found + len(IMAGE_PLACEHOLDER)
+        return out
+
+    def signature(self, token_ids: Sequence[int]) -> int:
+        """The prefix signature of a file request: a hash of its first tokens."""
+        data = b"".join(t.to_bytes(4, "little") for t in token_ids)
+        return int.from_bytes(content_hash(data)[:8], "little")

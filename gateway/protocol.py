@@ -1,0 +1,476 @@
+"""OpenAI request parsing/validation and response shaping.
+
+Parsing turns a JSON body into a ``ParsedRequest`` or raises an ``ApiError``
+naming the offending field, with OpenAI's wording where clients may match on it.
+Unknown fields are ignored, as OpenAI does.  Response builders produce the exact
+objects OpenAI returns (chat.completion, chat.completion.chunk, text_completion)
+so the official SDKs parse them without complaint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.request import SamplingParams, TokenLogprob, Usage
+from gateway.config import LimitsConfig
+from gateway.errors import bad_request
+
+CHAT, COMPLETIONS = "chat", "completions"
+
+# Roles the chat template is given; developer is OpenAI's newer name for system.
+_ROLE_MAP = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool", "function": "tool"}
+IMAGE_PLACEHOLDER = "<image>"
+# OpenAI's own bounds.
+_MAX_STOP = 4
+_MAX_TOP_LOGPROBS_CHAT = 20
+_MAX_LOGPROBS_COMPLETIONS = 5
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    endpoint: str
+    model: str
+    body: dict
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+    # None: the default for the endpoint, resolved once the prompt length is known.
+    max_tokens: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # chat: messages as the chat template wants them (role, content text).
+    messages: list[dict] | None = None
+    # chat: image sources in placeholder order (data: URL payload bytes or the URL).
+    images: list[bytes] = field(default_factory=list)
+    user_turns: int = 0
+    # chat: the index of the longest message and its share of all content chars
+    # (the classifier's "single very long document" test without re-tokenising).
+    longest_message: int = -1
+    longest_share: float = 0.0
+    content_chars: int = 0
+    # completions: one entry per prompt, text or token ids.
+    prompts: list[str | list[int]] | None = None
+    # chat logprobs use the chat shape; completions the legacy shape.
+    logprobs: bool = False
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise bad_request(
+            "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
+            "HTTP library correctly. The OpenAI API expects a JSON payload, but what was sent was not valid JSON.)"
+        ) from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return body
+
+
+def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: bool = False) -> ParsedRequest:
+    """Validate a request body; ``engine_mode`` (`kvgate engine`) lets completions
+    carry chat's top_logprobs range, since a gateway forwards chat as token ids."""
+    model = body.get("model")
+    if model is None:
+        raise bad_request("you must provide a model parameter", "model")
+    if not isinstance(model, str) or not model:
+        raise bad_request(_type_msg("model", "a string", model), "model")
+    req = ParsedRequest(endpoint=endpoint, model=model, body=body)
+    req.stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request(_type_msg("stream_options", "an object", options), "stream_options")
+        if not req.stream:
+            raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
+        req.include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_request(_type_msg("user", "a string", user), "user")
+    req.user = user or None
+    _parse_sampling(req, body, limits, _MAX_TOP_LOGPROBS_CHAT if engine_mode else _MAX_LOGPROBS_COMPLETIONS)
+    if endpoint == CHAT:
+        _parse_messages(req, body, limits)
+    else:
+        _parse_prompt(req, body, limits)
+    return req
+
+
+def _parse_sampling(req: ParsedRequest, body: dict, limits: LimitsConfig, max_logprobs: int) -> None:
+    s = req.sampling
+    max_tokens = _int(body, "max_completion_tokens", None, 1, None)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", None, 1, None)
+        param = "max_tokens"
+    else:
+        param = "max_completion_tokens"
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        raise bad_request(f"{param} is too large: {max_tokens}. This server allows at most {limits.max_tokens}.", param)
+    req.max_tokens = max_tokens
+    s.temperature = _float(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _float(body, "top_p", 1.0, 0.0, 1.0)
+    # top_p = 0 means "only the most likely token"; a tiny nucleus does exactly that.
+    s.top_p = top_p if top_p > 0 else 1e-9
+    s.n = _int(body, "n", 1, 1, None)
+    if s.n > limits.max_n:
+        raise bad_request(f"n is too large: {s.n}. This server allows at most {limits.max_n}.", "n")
+    s.presence_penalty = _float(body, "presence_penalty", 0.0, -2.0, 2.0)
+    s.frequency_penalty = _float(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    s.seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
+    # vLLM's extensions, which clients of vLLM-style servers already send.
+    s.top_k = _int(body, "top_k", 0, -1, None) or 0
+    if s.top_k < 0:
+        s.top_k = 0
+    s.ignore_eos = _bool(body, "ignore_eos", False)
+    stop = body.get("stop")
+    if stop is None:
+        s.stop = []
+    elif isinstance(stop, str):
+        s.stop = [stop] if stop else []
+    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        if len(stop) > _MAX_STOP:
+            raise bad_request(f"'stop' may hold at most {_MAX_STOP} sequences, got {len(stop)}.", "stop")
+        s.stop = [x for x in stop if x]
+    else:
+        raise bad_request(_type_msg("stop", "a string or an array of strings", stop), "stop")
+    if req.endpoint == CHAT:
+        want = _bool(body, "logprobs", False)
+        top = _int(body, "top_logprobs", None, 0, _MAX_TOP_LOGPROBS_CHAT)
+        if top is not None and not want:
+            raise bad_request("top_logprobs requires logprobs to be set to true.", "top_logprobs")
+        s.logprobs = (top or 0) if want else None
+        req.logprobs = want
+    else:
+        lp = _int(body, "logprobs", None, 0, max_logprobs)
+        s.logprobs = lp
+        req.logprobs = lp is not None
+
+
+def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> None:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("Missing required parameter: 'messages'.", "messages")
+    if not isinstance(messages, list):
+        raise bad_request(_type_msg("messages", "an array", messages), "messages")
+    if not messages:
+        raise bad_request("'messages' must contain at least one message.", "messages")
+    if len(messages) > limits.max_messages:
+        raise bad_request(
+            f"Too many messages: {len(messages)}. This server allows at most {limits.max_messages}.", "messages"
+        )
+    out = []
+    lengths = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise bad_request(_type_msg(where, "an object", msg), where)
+        role = msg.get("role")
+        mapped = _ROLE_MAP.get(role) if isinstance(role, str) else None
+        if mapped is None:
+            raise bad_request(
+                f"Invalid value for '{where}.role': {role!r}. Supported values are: 'system', 'developer', "
+                "'user', 'assistant', 'tool'.",
+                f"{where}.role",
+            )
+        text = _content_text(req, msg.get("content"), where, mapped)
+        if mapped == "user":
+            req.user_turns += 1
+        out.append({"role": mapped, "content": text})
+        lengths.append(len(text))
+    req.messages = out
+    total = sum(lengths)
+    req.content_chars = total
+    if total:
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        req.longest_message = longest
+        req.longest_share = lengths[longest] / total
+
+
+def _content_text(req: ParsedRequest, content: Any, where: str, role: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        # Assistant turns that only called tools have no content.
+        if role in ("assistant", "tool"):
+            return ""
+        raise bad_request(f"Missing required parameter: '{where}.content'.", f"{where}.content")
+    if not isinstance(content, list):
+        raise bad_request(_type_msg(f"{where}.content", "a string or an array of content parts", content), f"{where}.content")
+    pieces = []
+    for j, part in enumerate(content):
+        pwhere = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise bad_request(_type_msg(pwhere, "an object", part), pwhere)
+        kind = part.get("type")
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(_type_msg(f"{pwhere}.text", "a string", text), f"{pwhere}.text")
+            pieces.append(text)
+        elif kind == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str) or not url:
+                raise bad_request(f"Missing required parameter: '{pwhere}.image_url.url'.", f"{pwhere}.image_url.url")
+            req.images.append(_image_source(url))
+            pieces.append(IMAGE_PLACEHOLDER)
+        else:
+            raise bad_request(
+                f"Invalid value for '{pwhere}.type': {kind!r}. Supported values are: 'text' and 'image_url'.",
+                f"{pwhere}.type",
+            )
+    return "\n".join(pieces)
+
+
+def _image_source(url: str) -> bytes:
+    """What identifies an image's content: the payload of a data: URL, else the URL.
+
+    Hashing the decoded payload would cost a base64 decode per request; the
+    encoded payload identifies the same bytes just as well.
+    """
+    if url.startswith("data:"):
+        comma = url.find(",")
+        return url[comma + 1 :].encode() if comma >= 0 else url.encode()
+    return url.encode()
+
+
+def _parse_prompt(req: ParsedRequest, body: dict, limits: LimitsConfig) -> None:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("Missing required parameter: 'prompt'.", "prompt")
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        if all(isinstance(x, str) for x in prompt):
+            prompts = list(prompt)
+        elif _is_token_list(prompt):
+            prompts = [prompt]
+        elif all(isinstance(x, list) and x and _is_token_list(x) for x in prompt):
+            prompts = list(prompt)
+        else:
+            raise bad_request(
+                "Invalid prompt: expected a string, an array of strings, an array of token ids or an array of "
+                "arrays of token ids.",
+                "prompt",
+            )
+    else:
+        raise bad_request("Invalid prompt: must be a non-empty string or array.", "prompt")
+    if len(prompts) > limits.max_prompts:
+        raise bad_request(f"Too many prompts: {len(prompts)}. This server allows at most {limits.max_prompts}.", "prompt")
+    if len(prompts) * req.sampling.n > limits.max_n * limits.max_prompts:
+        raise bad_request("Too many choices requested.", "n")
+    req.prompts = prompts
+    req.user_turns = 1
+
+
+def _is_token_list(x: list) -> bool:
+    return all(type(t) is int and t >= 0 for t in x)
+
+
+def _type_msg(name: str, expected: str, value: Any) -> str:
+    return f"Invalid type for '{name}': expected {expected}, but got {_json_type(value)} instead."
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _bool(body: dict, key: str, default: bool, name: str | None = None) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(_type_msg(name or key, "a boolean", value), name or key)
+    return value
+
+
+def _int(body: dict, key: str, default: int | None, lo: int | None, hi: int | None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    # JSON has one number type; 3.0 is an integer to most clients, 3.5 is not.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if type(value) is not int:
+        raise bad_request(_type_msg(key, "an integer", value), key)
+    if lo is not None and value < lo:
+        raise bad_request(f"Invalid '{key}': integer below minimum value. Expected a value >= {lo}, but got {value} instead.", key)
+    if hi is not None and value > hi:
+        raise bad_request(f"Invalid '{key}': integer above maximum value. Expected a value <= {hi}, but got {value} instead.", key)
+    return value
+
+
+def _float(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(_type_msg(key, "a number", value), key)
+    value = float(value)
+    if not math.isfinite(value) or value < lo or value > hi:
+        raise bad_request(f"Invalid '{key}': expected a number between {lo:g} and {hi:g}, but got {value:g} instead.", key)
+    return value
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    # 96 random bits: unique enough for logs and for the engine's request table.
+    return prefix + os.urandom(12).hex()
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage_dict(usage: Usage | None) -> dict:
+    if usage is None:
+        usage = Usage(0, 0, 0)
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def chat_logprobs(items: list[TokenLogprob] | None) -> dict | None:
+    if items is None:
+        return None
+    return {
+        "content": [
+            {
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "bytes": list(lp.token.encode()),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for _, t, v in lp.top],
+            }
+            for lp in items
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(items: list[TokenLogprob] | None, text_offset: int) -> dict | None:
+    if items is None:
+        return None
+    tokens, values, tops, offsets = [], [], [], []
+    for lp in items:
+        tokens.append(lp.token)
+        values.append(lp.logprob)
+        tops.append({t: v for _, t, v in lp.top} if lp.top else None)
+        offsets.append(text_offset)
+        text_offset += len(lp.token)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """Accumulated output of one choice (non-streaming) or its stream position."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    text_len: int = 0
+    started: bool = False
+
+
+def chat_completion(rid: str, created: int, model: str, choices: list[ChoiceState], usage: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
+                "logprobs": chat_logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": usage,
+        "system_fingerprint": None,
+    }
+
+
+def text_completion(rid: str, created: int, model: str, choices: list[ChoiceState], usage: dict) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "text": "".join(c.text),
+                "logprobs": completion_logprobs(c.logprobs, 0),
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ],
+        "usage": usage,
+        "system_fingerprint": None,
+    }
+
+
+class StreamFormatter:
+    """Builds SSE frames for one streamed request.
+
+    The static part of every chunk is encoded once; a frame then costs one small
+    json.dumps of the choice.  ``include_usage`` adds ``"usage": null`` to every
+    chunk and a final chunk with empty choices, as OpenAI does.
+    """
+
+    __slots__ = ("endpoint", "include_usage", "_head", "_tail")
+
+    def __init__(self, endpoint: str, rid: str, created: int, model: str, include_usage: bool) -> None:
+        self.endpoint = endpoint
+        self.include_usage = include_usage
+        obj = "chat.completion.chunk" if endpoint == CHAT else "text_completion"
+        head = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None}
+        self._head = b"data: " + json.dumps(head)[:-1].encode() + b', "choices": ['
+        self._tail = b'], "usage": null}\n\n' if include_usage else b"]}\n\n"
+
+    def _frame(self, choice: dict) -> bytes:
+        return self._head + json.dumps(choice).encode() + self._tail
+
+    def role(self, index: int) -> bytes:
+        return self._frame(
+            {"index": index, "delta": {"role": "assistant", "content": "", "refusal": None}, "logprobs": None, "finish_reason": None}
+        )
+
+    def delta(self, index: int, text: str, logprobs: list[TokenLogprob] | None, state: ChoiceState, finish: str | None = None) -> bytes:
+        if self.endpoint == CHAT:
+            delta = {"content": text} if text or finish is None else {}
+            return self._frame(
+                {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
+            )
+        lp = completion_logprobs(logprobs, state.text_len)
+        return self._frame({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
+
+    def usage(self, usage: dict) -> bytes:
+        return self._head + b'], "usage": ' + json.dumps(usage).encode() + b"}\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_error(err_body: dict) -> bytes:
+    return b"data: " + json.dumps(err_body).encode() + b"\n\n"

@@ -1,0 +1,263 @@
+"""Replica choice: cached prefix blocks against load.
+
+The router is a plain object over per-replica indexes and its own in-flight
+accounting; it never touches the network, so a trace simulation can drive it
+with N simulated caches (anything with ``match(keys) -> int``) exactly as the
+gateway drives it with live replicas.
+
+Cost of sending a request to replica r (prefix-aware):
+
+    uncached prefill blocks on r  +  load_weight * in-flight blocks on r
+
+in blocks, not fractions (fractions over-reward short prompts).  Two guards keep
+a hot prefix or a run of misses from piling onto one replica: the imbalance
+valve (route by load alone while max-min in-flight is large) and hot-prefix
+spreading (past ``hot_prefix_inflight`` concurrent requests on one replica with
+the same first block, the next may go to a less loaded replica).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import NamedTuple, Protocol, Sequence
+
+import xxhash
+
+from gateway.config import RouterConfig
+
+DEVICE_BIT, HOST_BIT = 1, 2
+_TIER_BITS = {"device": DEVICE_BIT, "host": HOST_BIT}
+
+
+class PrefixIndex(Protocol):
+    def match(self, keys: Sequence[int]) -> int:
+        """Length of the leading run of ``keys`` the replica holds."""
+
+
+class ExactIndex:
+    """The block keys a replica holds, kept exactly from its KV events.
+
+    A key can sit on the device tier, the host tier or (briefly, between a
+    demotion's two events) both; it is held while any tier holds it.
+    """
+
+    __slots__ = ("tiers",)
+
+    def __init__(self) -> None:
+        self.tiers: dict[int, int] = {}
+
+    def match(self, keys: Sequence[int]) -> int:
+        tiers = self.tiers
+        n = 0
+        for key in keys:
+            if key not in tiers:
+                break
+            n += 1
+        return n
+
+    def apply(self, kind: str, keys: Sequence[int], tier: str) -> None:
+        bit = _TIER_BITS.get(tier, DEVICE_BIT)
+        tiers = self.tiers
+        if kind == "stored":
+            for key in keys:
+                tiers[key] = tiers.get(key, 0) | bit
+        elif kind == "removed":
+            for key in keys:
+                left = tiers.get(key, 0) & ~bit
+                if left:
+                    tiers[key] = left
+                else:
+                    tiers.pop(key, None)
+        elif kind == "cleared":
+            tiers.clear()
+
+    def reset(self, held: dict[str, Sequence[int]]) -> None:
+        self.tiers = {}
+        for tier, keys in held.items():
+            self.apply("stored", keys, tier)
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+
+class ApproxIndex:
+    """What an external replica probably holds: what we sent it, recently.
+
+    Without KV events the best guess is that the blocks of a routed prompt stay
+    cached for ``ttl_s`` and that the cache holds at most ``capacity`` blocks,
+    oldest dropped first (an LRU model of the remote cache).
+    """
+
+    __slots__ = ("ttl_s", "capacity", "_seen", "_clock")
+
+    def __init__(self, ttl_s: float, capacity: int, clock=time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.capacity = capacity
+        self._seen: OrderedDict[int, float] = OrderedDict()
+        self._clock = clock
+
+    def match(self, keys: Sequence[int]) -> int:
+        cutoff = self._clock() - self.ttl_s
+        seen = self._seen
+        n = 0
+        for key in keys:
+            stamp = seen.get(key)
+            if stamp is None or stamp < cutoff:
+                break
+            n += 1
+        return n
+
+    def record(self, keys: Sequence[int]) -> None:
+        now = self._clock()
+        seen = self._seen
+        for key in keys:
+            seen[key] = now
+            seen.move_to_end(key)
+        while len(seen) > self.capacity:
+            seen.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+class Decision(NamedTuple):
+    replica: int
+    # prefix | load | imbalance | hot-spread | round-robin | session | only
+    reason: str
+    matched_blocks: int
+
+
+class Ticket:
+    """One request's share of a replica's load; ``Router.release`` is idempotent."""
+
+    __slots__ = ("replica", "tokens", "hot_key", "released")
+
+    def __init__(self, replica: int, tokens: int, hot_key: int | None) -> None:
+        self.replica = replica
+        self.tokens = tokens
+        self.hot_key = hot_key
+        self.released = False
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, names: Sequence[str], block_size: int) -> None:
+        self.cfg = cfg
+        self.names = list(names)
+        self.block_size = max(1, block_size)
+        n = len(self.names)
+        self.inflight_tokens = [0] * n
+        self.inflight_requests = [0] * n
+        self._hot: dict[tuple[int, int], int] = {}
+        self._turn = 0
+        self._name_seeds = [name.encode() for name in self.names]
+
+    # -- decisions
+
+    def choose(
+        self,
+        keys: Sequence[int],
+        indexes: Sequence[PrefixIndex],
+        healthy: Sequence[bool],
+        session: str | None = None,
+        exclude: Sequence[int] = (),
+    ) -> Decision | None:
+        """Pick a replica for a prompt with block ``keys``; None when none is usable."""
+        cands = [i for i in range(len(self.names)) if healthy[i] and i not in exclude]
+        if not cands:
+            return None
+        self._turn += 1
+        policy = self.cfg.policy
+        if len(cands) == 1:
+            i = cands[0]
+            return Decision(i, "only", indexes[i].match(keys) if policy == "prefix-aware" else 0)
+        if policy == "round-robin":
+            return Decision(cands[self._turn % len(cands)], "round-robin", 0)
+        if policy == "session" and session is not None:
+            return Decision(self._rendezvous(session, cands), "session", 0)
+        if policy != "prefix-aware" or self._imbalanced(cands):
+            reason = "imbalance" if policy == "prefix-aware" else "load"
+            i = self._least_loaded(cands)
+            return Decision(i, reason, indexes[i].match(keys) if policy == "prefix-aware" else 0)
+        return self._prefix_aware(keys, indexes, cands)
+
+    def _prefix_aware(self, keys: Sequence[int], indexes: Sequence[PrefixIndex], cands: list[int]) -> Decision:
+        nblocks = len(keys)
+        weight = self.cfg.load_weight / self.block_size
+        loads = self.inflight_tokens
+        n = len(self.names)
+        best = None
+        best_rank = None
+        matched = {}
+        for i in cands:
+            m = indexes[i].match(keys) if nblocks else 0
+            matched[i] = m
+            # Ties break by load, then by a rotating order so equal misses spread.
+            rank = ((nblocks - m) + weight * loads[i], loads[i], (i - self._turn) % n)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = i, rank
+        if not matched[best]:
+            return Decision(best, "load", 0)
+        # The hot prefix is the cached run this request shares (e.g. a system prompt),
+        # named by its last block's key.
+        key = keys[matched[best] - 1]
+        hot = self._hot.get((best, key), 0)
+        if hot >= self.cfg.hot_prefix_inflight:
+            # Replicate a hot prefix rather than queueing everyone on its holder.
+            alt = min(
+                (i for i in cands if i != best),
+                key=lambda i: (self._hot.get((i, key), 0), loads[i], (i - self._turn) % n),
+            )
+            if loads[alt] < loads[best] and self._hot.get((alt, key), 0) < hot:
+                return Decision(alt, "hot-spread", matched[alt])
+        return Decision(best, "prefix", matched[best])
+
+    def _imbalanced(self, cands: list[int]) -> bool:
+        loads = [self.inflight_tokens[i] for i in cands]
+        lo, hi = min(loads), max(loads)
+        return hi - lo > self.cfg.imbalance_abs_tokens and hi > self.cfg.imbalance_rel * lo
+
+    def _least_loaded(self, cands: list[int]) -> int:
+        n = len(self.names)
+        return min(cands, key=lambda i: (self.inflight_tokens[i], self.inflight_requests[i], (i - self._turn) % n))
+
+    def _rendezvous(self, session: str, cands: list[int]) -> int:
+        # Highest random weight: a replica leaving moves only its own sessions.
+        s = session.encode()
+        return max(cands, key=lambda i: xxhash.xxh3_64_intdigest(s, seed=xxhash.xxh3_64_intdigest(self._name_seeds[i])))
+
+    # -- in-flight accounting
+
+    def acquire(self, replica: int, tokens: int, keys: Sequence[int] = (), matched: int = 0) -> Ticket:
+        """Count a request against ``replica`` *before* it is sent.
+
+        ``matched`` is how many leading ``keys`` the replica holds (the decision's
+        ``matched_blocks``); the request then counts towards that prefix's heat.
+        """
+        hot_key = keys[matched - 1] if 0 < matched <= len(keys) else None
+        self.inflight_tokens[replica] += tokens
+        self.inflight_requests[replica] += 1
+        if hot_key is not None:
+            slot = (replica, hot_key)
+            self._hot[slot] = self._hot.get(slot, 0) + 1
+        return Ticket(replica, tokens, hot_key)
+
+    def release(self, ticket: Ticket) -> None:
+        """Undo ``acquire``; safe to call more than once (every path calls it in ``finally``)."""
+        if ticket.released:
+            return
+        ticket.released = True
+        r = ticket.replica
+        self.inflight_tokens[r] -= ticket.tokens
+        self.inflight_requests[r] -= 1
+        if ticket.hot_key is not None:
+            slot = (r, ticket.hot_key)
+            left = self._hot.get(slot, 0) - 1
+            if left > 0:
+                self._hot[slot] = left
+            else:
+                self._hot.pop(slot, None)
+
+    def load_tokens(self, prompt_tokens: int, max_tokens: int, n: int) -> int:
+        """In-flight tokens charged for a request: its prompt plus expected decode."""
+        return prompt_tokens + n * min(max_tokens, self.cfg.decode_tokens_estimate)

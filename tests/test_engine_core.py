@@ -1,0 +1,268 @@
+"""The bundled engine on the tiny random-init model: exactness, caching, batching, lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from engine.block_hash import block_hashes
+from engine.request import GenerationRequest, SamplingParams
+from tests.engine_helpers import (
+    assert_no_references,
+    collect,
+    greedy,
+    hf_greedy,
+    hf_reference,
+    make_engine,
+    text,
+    tokens,
+)
+
+
+@pytest.fixture
+async def engines(tiny_model_dir):
+    """Factory of engines on the tiny model; after the test every block reference must be back to zero."""
+    made = []
+
+    def factory(**kwargs):
+        engine = make_engine(tiny_model_dir, **kwargs)
+        made.append(engine)
+        return engine
+
+    yield factory
+    for engine in made:
+        await engine.idle()
+        assert_no_references(engine)
+        await engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    return hf_reference(tiny_model_dir)
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, 500, (length,), generator=g).tolist()
+
+
+async def test_greedy_matches_hf_generate(engines, reference):
+    engine = engines()
+    prompts = [prompt_of(n, seed=n) for n in (5, 23, 70)]
+    results = await asyncio.gather(*(collect(engine, greedy(f"r{i}", p, 20)) for i, p in enumerate(prompts)))
+    for prompt, result in zip(prompts, results):
+        assert tokens(result[0]) == hf_greedy(reference, prompt, 20)
+        final = result[0][-1]
+        assert final.finish_reason == "length"
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt), 20)
+
+
+async def test_cached_prefix_gives_same_tokens(engines, reference):
+    engine = engines()
+    prompt = prompt_of(100, seed=1)
+    cold = await collect(engine, greedy("cold", prompt, 12))
+    assert cold[0][-1].usage.cached_tokens == 0
+    warm = await collect(engine, greedy("warm", prompt, 12))
+    # All full blocks but the one holding the last prompt token come from the cache.
+    assert warm[0][-1].usage.cached_tokens == (len(prompt) - 1) // 16 * 16 == 96
+    assert tokens(warm[0]) == tokens(cold[0]) == hf_greedy(reference, prompt, 12)
+    # A different suffix after a shared prefix reuses the prefix only.
+    branch = prompt[:64] + prompt_of(20, seed=2)
+    out = await collect(engine, greedy("branch", branch, 12))
+    assert out[0][-1].usage.cached_tokens == 64
+    assert tokens(out[0]) == hf_greedy(reference, branch, 12)
+    stats = engine.stats()
+    assert stats["prefix_cache"]["hit_tokens"] == 96 + 64
+    assert stats["prefix_cache"]["query_tokens"] == 100 + 100 + 84
+
+
+async def test_batch_of_mixed_lengths_equals_one_by_one(engines):
+    # A small token budget forces chunked prefill next to running decodes.
+    engine = engines(max_batched_tokens=48, max_num_seqs=4)
+    prompts = [prompt_of(n, seed=10 + n) for n in (3, 17, 40, 64, 130)]
+    alone = []
+    for i, prompt in enumerate(prompts):
+        alone.append(tokens((await collect(engine, greedy(f"one{i}", prompt, 16)))[0]))
+    batched_engine = engines(max_batched_tokens=48, max_num_seqs=4)
+    results = await asyncio.gather(*(collect(batched_engine, greedy(f"b{i}", p, 16)) for i, p in enumerate(prompts)))
+    assert [tokens(r[0]) for r in results] == alone
+
+
+async def test_preempt_and_resume_gives_same_tokens(engines, reference):
+    # 10 blocks of 16 tokens cannot hold four 40+40-token sequences (5 blocks each).
+    engine = engines(device_blocks=10, host_blocks_multiplier=0.0, max_num_seqs=4)
+    prompts = [prompt_of(40, seed=20 + i) for i in range(4)]
+    results = await asyncio.gather(*(collect(engine, greedy(f"p{i}", p, 40)) for i, p in enumerate(prompts)))
+    assert engine.stats()["preemptions"] > 0
+    for prompt, result in zip(prompts, results):
+        assert tokens(result[0]) == hf_greedy(reference, prompt, 40)
+        assert result[0][-1].usage.completion_tokens == 40
+
+
+async def test_closing_the_stream_aborts_and_frees_blocks(engines):
+    engine = engines()
+    stream = engine.generate(greedy("long", prompt_of(50, seed=3), 500))
+    seen = 0
+    async for _ in stream:
+        seen += 1
+        if seen == 3:
+            break
+    await stream.aclose()
+    await engine.idle()
+    assert engine.stats()["blocks"]["device"]["in_use"] == 0
+
+
+async def test_abort_by_id_ends_the_stream(engines):
+    engine = engines()
+    outputs = []
+    async for out in engine.generate(greedy("victim", prompt_of(30, seed=4), 500)):
+        outputs.append(out)
+        if len(outputs) == 2:
+            engine.abort("victim")
+    assert outputs[-1].finish_reason == "abort"
+    assert outputs[-1].usage.prompt_tokens == 30
+    await engine.idle()
+    assert engine.stats()["blocks"]["device"]["in_use"] == 0
+
+
+async def test_demotion_then_promotion_keeps_kv_bit_exact(engines, reference):
+    engine = engines(device_blocks=8, host_blocks_multiplier=4.0)
+    pool, kv = engine.pool, engine.kv
+    prompt = prompt_of(65, seed=5)
+    first = await collect(engine, greedy("a", prompt, 4))
+    keys = block_hashes(prompt, 16, engine.hash_salt)
+    snapshot = {key: kv.block(pool.cached[key]) for key in keys}
+    assert all(pool.is_device(pool.cached[key]) for key in keys)
+    # Other prompts push the first one's blocks down to the host tier.
+    for i in range(3):
+        await collect(engine, greedy(f"filler{i}", prompt_of(100, seed=30 + i), 2))
+    demoted = [key for key in keys if key in pool.cached and not pool.is_device(pool.cached[key])]
+    assert demoted, "expected some blocks of the first prompt on the host tier"
+    for key in demoted:
+        assert torch.equal(kv.block(pool.cached[key]), snapshot[key])
+    again = await collect(engine, greedy("a-again", prompt, 4))
+    assert engine.stats()["promotions"] > 0
+    assert again[0][-1].usage.cached_tokens == 64
+    for key in keys:
+        assert pool.is_device(pool.cached[key])
+        assert torch.equal(kv.block(pool.cached[key]), snapshot[key])
+    assert tokens(again[0]) == tokens(first[0]) == hf_greedy(reference, prompt, 4)
+    swap = engine.stats()["swap_bytes"]
+    assert swap["device_to_host"] > 0 and swap["host_to_device"] > 0
+
+
+async def test_seed_gives_same_sample(engines):
+    engine = engines()
+    prompt = prompt_of(20, seed=6)
+
+    def sampled(rid, seed):
+        params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, top_k=50, seed=seed, ignore_eos=True)
+        return GenerationRequest(rid, prompt, params)
+
+    a = tokens((await collect(engine, sampled("s1", 123)))[0])
+    b = tokens((await collect(engine, sampled("s2", 123)))[0])
+    c = tokens((await collect(engine, sampled("s3", 7)))[0])
+    assert a == b
+    assert a != c
+
+
+async def test_stop_string_cuts_text(engines):
+    engine = engines()
+    prompt = prompt_of(12, seed=7)
+    full = text((await collect(engine, greedy("full", prompt, 40)))[0])
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert len(stop) == 3 and stop.strip()
+    out = (await collect(engine, greedy("stopped", prompt, 40, stop=[stop])))[0]
+    assert text(out) == full[: full.find(stop)]
+    assert out[-1].finish_reason == "stop"
+
+
+async def test_stop_token_ids_and_eos(engines):
+    engine = engines()
+    prompt = prompt_of(12, seed=8)
+    first_two = tokens((await collect(engine, greedy("probe", prompt, 2)))[0])
+    out = (await collect(engine, greedy("stop-id", prompt, 10, stop_token_ids=[first_two[1]])))[0]
+    assert tokens(out) == first_two and out[-1].finish_reason == "stop"
+    # The same token as the model's EOS stops unless ignore_eos.
+    engine.eos_ids = {first_two[0]}
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    out = (await collect(engine, GenerationRequest("eos", prompt, params)))[0]
+    assert tokens(out) == first_two[:1] and out[-1].finish_reason == "stop"
+
+
+async def test_n_choices_share_the_prompt_blocks(engines):
+    engine = engines()
+    prompt = prompt_of(40, seed=9)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11, n=2, ignore_eos=True)
+    result = await collect(engine, GenerationRequest("two", prompt, params))
+    assert sorted(result) == [0, 1]
+    usage = [result[i][-1].usage for i in (0, 1)]
+    assert all(u.completion_tokens == 8 and u.prompt_tokens == 40 for u in usage)
+    assert usage[0].cached_tokens == 0 and usage[1].cached_tokens == 32
+    assert tokens(result[0]) != tokens(result[1])
+
+
+async def test_logprobs_match_the_model(engines, reference):
+    engine = engines()
+    prompt = prompt_of(15, seed=10)
+    out = (await collect(engine, greedy("lp", prompt, 5, logprobs=3)))[0]
+    with torch.inference_mode():
+        logits = reference(torch.tensor([prompt])).logits[0, -1]
+    expected = torch.log_softmax(logits.float(), -1)
+    first = out[0].logprobs[0]
+    assert first.token_id == out[0].token_ids[0] == int(expected.argmax())
+    assert first.logprob == pytest.approx(float(expected.max()), abs=1e-4)
+    for o in out:
+        (lp,) = o.logprobs
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id
+        assert lp.logprob == pytest.approx(lp.top[0][2]) and lp.logprob <= 0
+        assert [t[2] for t in lp.top] == sorted((t[2] for t in lp.top), reverse=True)
+
+
+async def test_frequency_penalty_discourages_repeats(engines):
+    engine = engines()
+    out = (await collect(engine, greedy("pen", prompt_of(10, seed=11), 30, frequency_penalty=100.0)))[0]
+    generated = tokens(out)
+    assert len(set(generated)) == len(generated)
+
+
+async def test_too_long_prompt_is_rejected_before_allocation(engines):
+    engine = engines(device_blocks=8)
+    assert engine.max_model_len == 128
+    with pytest.raises(ValueError, match="at most 127"):
+        async for _ in engine.generate(greedy("long", prompt_of(128), 4)):
+            pass
+    assert engine.stats()["blocks"]["device"]["free"] == 8
+
+
+async def test_length_is_capped_by_max_model_len(engines):
+    engine = engines(device_blocks=8)
+    out = (await collect(engine, greedy("cap", prompt_of(120), 50)))[0]
+    assert out[-1].finish_reason == "length"
+    assert out[-1].usage.completion_tokens == 8
+
+
+async def test_kv_events_and_cached_keys(engines):
+    engine = engines()
+    events = []
+    engine.subscribe_kv_events(lambda kind, keys, tier: events.append((kind, list(keys), tier)))
+    prompt = prompt_of(50, seed=12)
+    await collect(engine, greedy("ev", prompt, 2))
+    stored = [k for kind, keys, tier in events if kind == "stored" and tier == "device" for k in keys]
+    expected = block_hashes(prompt, engine.block_size, engine.hash_salt)
+    assert stored[: len(expected)] == expected
+    assert set(expected) <= set(engine.cached_keys()["device"])
+
+
+async def test_chat_template_tokens(engines, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    engine = engines()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = engine.apply_chat_template(messages)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == list(expected) and all(isinstance(i, int) for i in ids)
+    assert engine.hash_salt == engine.model_name

@@ -1,0 +1,113 @@
+"""Engine parts without the async loop: model loading errors, KV copies, detokenisation, sampling."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import ModelConfig
+from engine.context import RequestContext
+from engine.kv_cache import KVCache, KVShape, size_device_blocks
+from engine.model_loader import ModelLoadError, load_model
+from engine.request import SamplingParams
+from engine.sampling import IncrementalDetokenizer, SequenceSampler
+
+
+def test_missing_directory_names_path_and_reason(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="nope.*directory not found"):
+        load_model(ModelConfig(path=missing, device="cpu"))
+
+
+def test_broken_model_directory_is_one_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": "big"}))
+    with pytest.raises(ModelLoadError) as info:
+        load_model(ModelConfig(path=str(tmp_path), device="cpu"))
+    assert str(tmp_path) in str(info.value) and info.value.reason
+
+
+def test_missing_gguf(tmp_path):
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        load_model(ModelConfig(path=str(tmp_path / "m.gguf"), device="cpu"))
+
+
+def test_tiny_model_dir_loads(tiny_model_dir):
+    loaded = load_model(ModelConfig(path=tiny_model_dir, device="cpu"))
+    assert loaded.name == os.path.basename(tiny_model_dir)
+    assert loaded.dtype == torch.float32 and loaded.tokenizer.eos_token_id is not None
+
+
+def _kv(device_blocks=4, host_blocks=4):
+    shape = KVShape(num_layers=2, num_kv_heads=2, head_dim=4, block_size=3, dtype=torch.float32)
+    return KVCache(shape, device_blocks, host_blocks, torch.device("cpu"))
+
+
+def test_copies_move_blocks_between_tiers_in_order():
+    kv = _kv()
+    kv.device_kv.normal_()
+    before = kv.block(1)
+    # Demote device 1 -> host 4 (id 4 = host index 0), then promote it into device 3.
+    kv.apply_copies([(1, 4), (4, 3)])
+    assert torch.equal(kv.block(4), before) and torch.equal(kv.block(3), before)
+    assert kv.bytes_to_host == kv.bytes_to_device == kv.shape.bytes_per_block == 2 * 2 * 3 * 2 * 4 * 4
+
+
+def test_pool_copies_drive_kv_copies():
+    kv = _kv(device_blocks=2, host_blocks=2)
+    pool = BlockPool(2, 2, record_copies=True)
+    ctx = RequestContext()
+    (block,) = pool.allocate(1)
+    kv.device_kv[:, :, block] = 7.0
+    pool.cache_block(block, 111, ctx, 0, 0.0)
+    pool.release([block], ctx, 0.0)
+    pool.allocate(2)  # evicts key 111 from the device tier: demotion
+    kv.apply_copies(pool.drain_copies())
+    host = pool.cached[111]
+    assert not pool.is_device(host) and torch.all(kv.block(host) == 7.0)
+
+
+def test_cpu_sizing_respects_the_cap():
+    shape = KVShape(30, 3, 64, 16, torch.float32)
+    blocks = size_device_blocks(shape, torch.device("cpu"), 0.9, 3.0)
+    assert 1 <= blocks * shape.bytes_per_block * 4 <= 2 << 30
+
+
+class _Tok:
+    """Byte-per-token stand-in: decode like a byte-level BPE (invalid UTF-8 -> U+FFFD)."""
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_never_emits_broken_utf8():
+    data = "café 東京 🙂!".encode()
+    detok = IncrementalDetokenizer(_Tok(), [])
+    deltas = [detok.add(b) for b in data]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == data.decode()
+
+
+def test_stop_string_spanning_tokens_is_held_back():
+    params = SamplingParams(max_tokens=50, stop=["END"])
+    sampler = SequenceSampler(params, _Tok(), [], set())
+    emitted = []
+    for b in b"abc EN":
+        delta, finish = sampler.accept(b, 0, 100)
+        emitted.append(delta)
+        assert finish is None
+    assert "".join(emitted) == "abc "  # "EN" may start the stop string
+    delta, finish = sampler.accept(ord("D"), 0, 100)
+    assert finish == "stop" and "".join(emitted) + delta == "abc "
+
+
+def test_top_k_one_is_greedy_and_penalties_apply():
+    params = SamplingParams(temperature=1.0, top_k=1, presence_penalty=5.0)
+    sampler = SequenceSampler(params, _Tok(), [], set())
+    logits = torch.tensor([0.0, 3.0, 2.9, -1.0])
+    assert sampler.sample(logits)[0] == 1
+    sampler.accept(1, 0, 100)
+    assert sampler.sample(logits)[0] == 2

@@ -1,0 +1,228 @@
+"""The gateway on a real loopback server over real engines (tiny model), via the openai SDK.
+
+One module-scoped gateway with two in-process replicas serves most tests
+(loading two engines per test would dominate the run time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+
+from engine.config import EngineConfig, ModelConfig
+from gateway.app import GATEWAY, create_app
+from gateway.config import ApiKeyConfig, KvgateConfig, ReplicaConfig, RouterConfig, ServerConfig
+from gateway.server import start_server
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "tiny"
+
+
+def _config(model_dir: str, replicas: int = 2, **server) -> KvgateConfig:
+    return KvgateConfig(
+        model=ModelConfig(path=model_dir, served_name=MODEL, device="cpu", max_model_len=1024),
+        engine=EngineConfig(block_size=16, device_blocks=256, max_num_seqs=8, max_batched_tokens=1024, threads=1),
+        server=ServerConfig(**server),
+        # Spreading is what the burst test checks; a small valve makes it quick.
+        router=RouterConfig(imbalance_abs_tokens=256),
+        replicas=[ReplicaConfig(kind="inprocess") for _ in range(replicas)],
+    )
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gw(tiny_model_dir):
+    app = create_app(_config(tiny_model_dir))
+    server = await start_server(app)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    yield app, server, client
+    await client.close()
+    await server.stop()
+
+
+def _decisions(app) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in app[GATEWAY].metrics.registry.collect():
+        if metric.name == "kvgate_router_decisions":
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.labels["replica"]] = out.get(sample.labels["replica"], 0) + sample.value
+    return out
+
+
+async def _settled(app, timeout=30.0):
+    """Wait until no request is in flight anywhere: router counts and engine blocks."""
+    gw = app[GATEWAY]
+    for _ in range(int(timeout / 0.05)):
+        busy = any(gw.router.inflight_requests) or any(_engine_busy(r.engine) for r in gw.replicas)
+        if not busy:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"still busy: router={gw.router.inflight_requests} engines={[r.engine.stats() for r in gw.replicas]}")
+
+
+def _engine_busy(engine) -> bool:
+    stats = engine.stats()
+    return bool(stats["running"] or stats["waiting"] or stats["blocks"]["device"]["in_use"])
+
+
+async def test_chat_plain_and_streamed_with_usage(gw):
+    app, server, client = gw
+    resp = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=5, temperature=0
+    )
+    assert resp.object == "chat.completion" and resp.model == MODEL
+    assert resp.choices[0].message.role == "assistant" and isinstance(resp.choices[0].message.content, str)
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    u = resp.usage
+    assert u.prompt_tokens > 0 and 1 <= u.completion_tokens <= 5 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens >= 0
+
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=5,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == u.completion_tokens
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == resp.choices[0].message.content  # greedy: same answer both ways
+
+
+async def test_completions_and_models(gw):
+    app, server, client = gw
+    resp = await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0, n=2)
+    assert resp.object == "text_completion" and len(resp.choices) == 2
+    assert resp.usage.completion_tokens <= 8
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_errors_surface_as_sdk_exceptions(gw):
+    app, server, client = gw
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=100)
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model=MODEL, prompt="word " * 2000, max_tokens=4)
+    assert info.value.code == "context_length_exceeded"
+    resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert resp.choices
+
+
+async def test_shared_system_prompt_lands_where_cached_and_burst_spreads(gw):
+    app, server, client = gw
+    await _settled(app)
+    system = "You are a helpful assistant. Answer the question briefly and politely. " * 12
+    msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
+    before = _decisions(app)
+    await client.chat.completions.create(model=MODEL, messages=msgs("What is the weather like today?"), max_tokens=2)
+    after = _decisions(app)
+    owner = next(name for name in after if after[name] > before.get(name, 0))
+    for q in ("What is the capital of Germany?", "Please summarise the document.", "Numbers: 1 2 3"):
+        before = _decisions(app)
+        resp = await client.chat.completions.create(model=MODEL, messages=msgs(q), max_tokens=2)
+        after = _decisions(app)
+        assert after[owner] == before.get(owner, 0) + 1, "sequential requests must follow the cached prefix"
+        assert resp.usage.prompt_tokens_details.cached_tokens >= 16 * 8
+    before = _decisions(app)
+    await asyncio.gather(
+        *(client.chat.completions.create(model=MODEL, messages=msgs(f"Burst question {i}?"), max_tokens=8) for i in range(8))
+    )
+    after = _decisions(app)
+    spread = {name: after[name] - before.get(name, 0) for name in after}
+    assert all(v > 0 for v in spread.values()) and len(spread) == 2, spread
+    await _settled(app)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_disconnect_leaves_nothing_behind(gw, stream):
+    app, server, client = gw
+    await _settled(app)
+    aborted = []
+    for replica in app[GATEWAY].replicas:
+        real = replica.engine.abort
+        replica.engine.abort = lambda rid, real=real: (aborted.append(rid), real(rid))[1]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 900,
+            "stream": stream, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        if stream:
+            resp = await session.post(server.url + "/v1/chat/completions", json=body)
+            await resp.content.readline()
+            resp.close()
+        else:
+            task = asyncio.create_task(session.post(server.url + "/v1/chat/completions", json=body))
+            for _ in range(100):
+                if any(app[GATEWAY].router.inflight_requests):
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    try:
+        # 900 tokens take far longer than this: only an abort frees the blocks in time.
+        await _settled(app, timeout=3)
+        assert len(aborted) == 1
+    finally:
+        for replica in app[GATEWAY].replicas:
+            del replica.engine.abort
+
+
+async def test_auth_required_when_keys_configured(tiny_model_dir):
+    config = _config(tiny_model_dir, replicas=1, api_keys=[ApiKeyConfig(key="sk-test", tenant="acme", workload="to-b")])
+    app = create_app(config)
+    server = await start_server(app)
+    try:
+        bad = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+        await bad.close()
+        good = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
+        resp = await good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+        assert resp.choices
+        await good.close()
+    finally:
+        await server.stop()
+
+
+async def test_engine_server_behind_gateway_end_to_end(tiny_model_dir):
+    """`kvgate engine` (engine_mode app) + a gateway following it as a remote replica."""
+    config = _config(tiny_model_dir, replicas=0)
+    engine_server = await start_server(create_app(config, engine_mode=True))
+    gw_config = config.model_copy(update={"replicas": [ReplicaConfig(kind="engine", url=engine_server.url)]})
+    app = create_app(gw_config)
+    gateway = await start_server(app)
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    try:
+        replica = app[GATEWAY].replicas[0]
+        for _ in range(200):
+            if replica.healthy:
+                break
+            await asyncio.sleep(0.05)
+        assert replica.healthy
+        system = "You are a helpful assistant. Answer the question briefly and politely. " * 6
+        msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
+        first = await client.chat.completions.create(model=MODEL, messages=msgs("Hi?"), max_tokens=3)
+        assert first.choices[0].message.content is not None
+        # Stored events arrive over /kv_events and match the gateway's own block keys.
+        keys = app[GATEWAY].hasher.chat(msgs("Hello?")).keys
+        for _ in range(100):
+            if replica.index.match(keys) > 0:
+                break
+            await asyncio.sleep(0.05)
+        assert replica.index.match(keys) >= len(system) // 16 // 4
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=msgs("Hello?"), max_tokens=3, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [c async for c in stream]
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    finally:
+        await client.close()
+        await gateway.stop()
+        await engine_server.stop()

@@ -1,0 +1,321 @@
+"""Gateway pieces without a server: parsing, classification, router, indexes."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_hash import block_hashes
+from gateway.classify import Classifier, Principal
+from gateway.config import ClassifierConfig, ClassifierRule, KvgateConfig, LimitsConfig, RouterConfig
+from gateway.errors import ApiError
+from gateway.prefix import PrefixHasher
+from gateway.protocol import CHAT, COMPLETIONS, StreamFormatter, parse_json, parse_request
+from gateway.router import ApproxIndex, ExactIndex, Router
+from tests.gateway_fake_engine import ByteTokenizer
+
+LIMITS = LimitsConfig()
+
+
+def chat(**kw):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    body.update(kw)
+    return parse_request(CHAT, body, LIMITS)
+
+
+@pytest.mark.parametrize(
+    "field,value,param",
+    [
+        ("temperature", 3, "temperature"),
+        ("temperature", "hot", "temperature"),
+        ("top_p", -0.1, "top_p"),
+        ("n", 0, "n"),
+        ("n", 99, "n"),
+        ("n", True, "n"),
+        ("max_tokens", -1, "max_tokens"),
+        ("max_tokens", 10**30, "max_tokens"),
+        ("max_completion_tokens", 5000, "max_completion_tokens"),
+        ("stop", [1], "stop"),
+        ("stop", ["a", "b", "c", "d", "e"], "stop"),
+        ("presence_penalty", 2.5, "presence_penalty"),
+        ("stream", "yes", "stream"),
+        ("top_logprobs", 3, "top_logprobs"),
+        ("seed", 1.5, "seed"),
+        ("user", 5, "user"),
+        ("messages", [], "messages"),
+        ("messages", "hi", "messages"),
+        ("messages", [{"role": "wizard", "content": "x"}], "messages[0].role"),
+        ("messages", [{"role": "user"}], "messages[0].content"),
+        ("messages", [{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0].type"),
+        ("stream_options", {"include_usage": True}, "stream_options"),
+    ],
+)
+def test_invalid_fields_name_the_param(field, value, param):
+    with pytest.raises(ApiError) as info:
+        chat(**{field: value})
+    assert info.value.status == 400
+    assert info.value.param == param
+    assert info.value.type == "invalid_request_error"
+
+
+def test_valid_chat_fields_are_honoured_and_unknown_ignored():
+    req = chat(
+        temperature=0, top_p=0.5, n=2, stop="x", seed=7, max_completion_tokens=9, presence_penalty=1,
+        frequency_penalty=-1, logprobs=True, top_logprobs=2, user="u1", stream=True,
+        stream_options={"include_usage": True}, some_future_field={"x": 1},
+        messages=[
+            {"role": "developer", "content": "sys"},
+            {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+            {"role": "assistant", "content": None},
+            {"role": "user", "content": "again"},
+        ],
+    )
+    s = req.sampling
+    assert (s.temperature, s.top_p, s.n, s.stop, s.seed, s.logprobs) == (0, 0.5, 2, ["x"], 7, 2)
+    assert req.max_tokens == 9 and req.include_usage and req.user == "u1"
+    assert req.messages[0]["role"] == "system"
+    assert req.images == [b"AAAA"] and req.user_turns == 2
+    assert "<image>" in req.messages[1]["content"]
+
+
+def test_limits():
+    with pytest.raises(ApiError) as info:
+        parse_request(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}] * 5}, LimitsConfig(max_messages=4))
+    assert info.value.status == 400 and info.value.param == "messages"
+    with pytest.raises(ApiError):
+        parse_json(b"{not json")
+    with pytest.raises(ApiError):
+        parse_json(b"\xff\xfe\xfa")
+    with pytest.raises(ApiError):
+        parse_json(b"[1, 2]")
+
+
+def test_completions_prompt_forms():
+    for prompt, count in (("hi", 1), (["a", "b"], 2), ([1, 2, 3], 1), ([[1, 2], [3]], 2)):
+        req = parse_request(COMPLETIONS, {"model": "m", "prompt": prompt}, LIMITS)
+        assert len(req.prompts) == count
+    for bad in ([], [1, "a"], 5, [[]], [-1]):
+        with pytest.raises(ApiError):
+            parse_request(COMPLETIONS, {"model": "m", "prompt": bad}, LIMITS)
+    with pytest.raises(ApiError):
+        parse_request(COMPLETIONS, {"model": "m", "prompt": "x", "logprobs": 6}, LIMITS)
+
+
+def test_stream_formatter_frames():
+    fmt = StreamFormatter(CHAT, "chatcmpl-1", 5, "m", include_usage=True)
+    frame = fmt.role(0)
+    assert frame.startswith(b"data: {") and frame.endswith(b"\n\n")
+    import json
+
+    obj = json.loads(frame[6:])
+    assert obj["object"] == "chat.completion.chunk" and obj["choices"][0]["delta"]["role"] == "assistant"
+    assert obj["usage"] is None
+    final = json.loads(fmt.usage({"prompt_tokens": 1})[6:])
+    assert final["choices"] == [] and final["usage"] == {"prompt_tokens": 1}
+
+
+# ----------------------------------------------------------------------------- classification
+
+
+def _hasher():
+    return PrefixHasher(ByteTokenizer(), 4, "salt")
+
+
+def test_classification_rules_first_match_wins():
+    cfg = ClassifierConfig(file_min_tokens=100)
+    clf = Classifier(cfg, _hasher())
+    plain = chat()
+    ctx = clf.classify(plain, Principal(), {}, 10, 2)
+    assert (ctx.workload, ctx.type, ctx.turn) == ("to-c", "text", 1)
+    # API key workload beats everything.
+    ctx = clf.classify(plain, Principal("acme", "to-b"), {"X-KVGate-Workload": "multimodal"}, 10, 2)
+    assert ctx.workload == "to-b" and ctx.tenant == "acme"
+    # Header next.
+    assert clf.classify(plain, Principal(), {"X-KVGate-Workload": "to-b"}, 10, 2).workload == "to-b"
+    # Image parts.
+    img = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])
+    ctx = clf.classify(img, Principal(), {}, 10, 2)
+    assert (ctx.workload, ctx.type) == ("multimodal", "image")
+    # One long document.
+    doc = chat(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "word " * 400}])
+    ctx = clf.classify(doc, Principal(), {}, 2000, 500)
+    assert (ctx.workload, ctx.type) == ("to-b", "file") and ctx.signature is not None
+    # Multi-turn chat.
+    multi = chat(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}])
+    ctx = clf.classify(multi, Principal(), {}, 10, 2)
+    assert (ctx.workload, ctx.turn) == ("to-c", 2)
+    # Endpoint.
+    comp = parse_request(COMPLETIONS, {"model": "m", "prompt": "x"}, LIMITS)
+    ctx = clf.classify(comp, Principal(), {}, 10, 2)
+    assert (ctx.workload, ctx.type) == ("to-b", "api")
+
+
+def test_tenant_rule_and_sessions():
+    cfg = ClassifierConfig(rules=[ClassifierRule(when="tenant", tenant="acme", workload="to-b", type="search"), ClassifierRule(when="always", workload="to-c")])
+    clf = Classifier(cfg, _hasher())
+    ctx = clf.classify(chat(), Principal("acme"), {}, 10, 2)
+    assert (ctx.workload, ctx.type) == ("to-b", "search")
+    assert clf.classify(chat(), Principal("other"), {}, 10, 2).workload == "to-c"
+    # Same opening messages -> same session; parent chat id chains turns.
+    a = clf.classify(chat(messages=[{"role": "user", "content": "q1"}]), Principal(), {}, 5, 1)
+    b = clf.classify(chat(messages=[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "r"}, {"role": "user", "content": "q2"}]), Principal(), {}, 5, 1)
+    assert a.session == b.session and b.parent_chat_id == a.chat_id
+    assert clf.classify(chat(user="alice"), Principal(), {}, 5, 1).session != a.session
+
+
+def test_config_rule_errors_name_the_key():
+    from engine.config import ConfigError
+    from gateway.config import load_config
+
+    import tempfile, os
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write("classifier:\n  rules:\n    - when: tenant\n")
+    try:
+        with pytest.raises(ConfigError) as info:
+            load_config(f.name)
+        assert "classifier.rules.0" in str(info.value)
+    finally:
+        os.unlink(f.name)
+
+
+def test_prefix_hasher_matches_engine_hash_and_images():
+    h = _hasher()
+    msgs = [{"role": "user", "content": "hello <image> there"}]
+    p = h.chat(msgs, [b"img1"])
+    assert p.keys == block_hashes(p.token_ids, 4, "salt", p.mm_hashes)
+    q = h.chat(msgs, [b"img2"])
+    assert p.token_ids == q.token_ids and p.keys != q.keys  # image content changes identity
+    assert p.mm_hashes[0][0] == len(ByteTokenizer().encode("<user>hello "))
+
+
+# ----------------------------------------------------------------------------- router
+
+
+def _index(keys):
+    idx = ExactIndex()
+    idx.apply("stored", keys, "device")
+    return idx
+
+
+def test_exact_index_tiers():
+    idx = ExactIndex()
+    idx.apply("stored", [1, 2, 3], "device")
+    idx.apply("stored", [2], "host")
+    idx.apply("removed", [2], "device")
+    assert idx.match([1, 2, 3]) == 3
+    idx.apply("removed", [2], "host")
+    assert idx.match([1, 2, 3]) == 1
+
+
+def test_approx_index_ttl_and_capacity():
+    now = [0.0]
+    idx = ApproxIndex(ttl_s=10, capacity=3, clock=lambda: now[0])
+    idx.record([1, 2, 3])
+    assert idx.match([1, 2, 3]) == 3
+    idx.record([4])
+    assert idx.match([1, 2]) == 0 and idx.match([2, 3, 4]) == 3
+    now[0] = 11
+    assert idx.match([2]) == 0
+
+
+def test_prefix_aware_prefers_cached_replica_but_load_spreads():
+    keys = list(range(40))
+    router = Router(RouterConfig(hot_prefix_inflight=100), ["a", "b"], block_size=16)
+    idx = [_index(keys[:30]), ExactIndex()]
+    d = router.choose(keys, idx, [True, True])
+    assert (d.replica, d.reason, d.matched_blocks) == (0, "prefix", 30)
+    tickets = []
+    seen = set()
+    for _ in range(8):
+        d = router.choose(keys, idx, [True, True])
+        seen.add(d.replica)
+        tickets.append(router.acquire(d.replica, router.load_tokens(640, 64, 1), keys, d.matched_blocks))
+    assert seen == {0, 1}
+    for t in tickets:
+        router.release(t)
+        router.release(t)  # idempotent
+    assert router.inflight_tokens == [0, 0] and router.inflight_requests == [0, 0]
+
+
+def test_misses_spread_and_unhealthy_skipped():
+    router = Router(RouterConfig(), ["a", "b", "c"], block_size=16)
+    idx = [ExactIndex(), ExactIndex(), ExactIndex()]
+    picks = [router.choose([1, 2], idx, [True, True, True]).replica for _ in range(6)]
+    assert set(picks) == {0, 1, 2}
+    assert router.choose([1], idx, [False, True, False]).replica == 1
+    assert router.choose([1], idx, [False, False, False]) is None
+    assert router.choose([1], idx, [True, True, False], exclude=[0]).replica == 1
+
+
+def test_imbalance_valve_and_hot_spread():
+    keys = list(range(200))
+    router = Router(RouterConfig(imbalance_abs_tokens=100, hot_prefix_inflight=2, load_weight=0.0), ["a", "b"], block_size=16)
+    idx = [_index(keys), ExactIndex()]
+    t1 = router.acquire(0, 10, keys, 200)
+    t2 = router.acquire(0, 10, keys, 200)
+    d = router.choose(keys, idx, [True, True])
+    assert d.reason == "hot-spread" and d.replica == 1
+    router.release(t1)
+    router.release(t2)
+    router.acquire(0, 1000, [])
+    d = router.choose(keys, idx, [True, True])
+    assert (d.replica, d.reason) == (1, "imbalance")
+
+
+def test_other_policies():
+    idx = [ExactIndex(), ExactIndex()]
+    rr = Router(RouterConfig(policy="round-robin"), ["a", "b"], 16)
+    assert {rr.choose([], idx, [True, True]).replica for _ in range(2)} == {0, 1}
+    ses = Router(RouterConfig(policy="session"), ["a", "b"], 16)
+    first = ses.choose([], idx, [True, True], session="s1").replica
+    assert all(ses.choose([], idx, [True, True], session="s1").replica == first for _ in range(5))
+    assert ses.choose([], idx, [not first == 0, not first == 1], session="s1").replica != first
+    ll = Router(RouterConfig(policy="least-load"), ["a", "b"], 16)
+    ll.acquire(0, 50)
+    assert ll.choose([], idx, [True, True]).replica == 1
+
+
+def test_default_config_still_loads():
+    cfg = KvgateConfig()
+    assert cfg.router.policy == "prefix-aware" and cfg.classifier.rules[0].when == "api_key"
+
+
+# ----------------------------------------------------------------------------- fuzzing
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+_fields = st.sampled_from(
+    ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+     "seed", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "user", "stream",
+     "stream_options", "top_k", "ignore_eos"]
+)
+
+
+_part = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url", "audio", 3])},
+    optional={"text": _json, "image_url": st.one_of(_json, st.fixed_dictionaries({"url": _json}))},
+)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "wizard", None])},
+    optional={"content": st.one_of(st.text(max_size=8), st.none(), st.lists(_part, max_size=3), _json)},
+)
+_body = st.fixed_dictionaries(
+    {"model": st.sampled_from(["m", 1, None])},
+    optional={"messages": st.one_of(st.lists(_message, max_size=3), _json), "prompt": _json},
+).flatmap(lambda base: st.dictionaries(_fields, _json, max_size=6).map(lambda extra: {**extra, **base}))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_body, st.sampled_from([CHAT, COMPLETIONS]))
+def test_fuzzed_bodies_parse_or_raise_api_error(body, endpoint):
+    """Any JSON object either parses or is refused with a 4xx ApiError; nothing else escapes."""
+    try:
+        parse_request(endpoint, body, LIMITS)
+    except ApiError as exc:
+        assert 400 <= exc.status < 500 and exc.message

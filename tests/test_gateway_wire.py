@@ -1,0 +1,255 @@
+"""The OpenAI wire surface on a real loopback server, over the fake engine.
+
+Fast checks of framing, errors, auth, limits, routing accounting and
+disconnects; tests/test_gateway_engine.py repeats the essentials on the real
+engine with the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import openai
+import pytest
+
+from gateway.app import GATEWAY, create_app
+from gateway.config import ApiKeyConfig, KvgateConfig, ServerConfig
+from gateway.replicas import InProcessReplica
+from gateway.server import start_server
+from tests.gateway_fake_engine import FakeEngine
+
+MODEL = "fake-model"
+
+
+async def _serve(engines, config=None):
+    config = config or KvgateConfig()
+    replicas = [InProcessReplica(f"r{i}", engine=e) for i, e in enumerate(engines)]
+    app = create_app(config, replicas)
+    server = await start_server(app)
+    return app, server
+
+
+@pytest.fixture
+async def gw():
+    engines = [FakeEngine(), FakeEngine()]
+    app, server = await _serve(engines)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    yield app, server, client, engines
+    await client.close()
+    await server.stop()
+
+
+async def test_chat_plain_and_streamed(gw):
+    app, server, client, engines = gw
+    resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=3)
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == "t0 t1 t2 "
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 3 and resp.usage.prompt_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 3
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=3, n=2,
+        stream=True, stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    text = {0: "", 1: ""}
+    for c in chunks[:-1]:
+        for ch in c.choices:
+            text[ch.index] += ch.delta.content or ""
+    assert text == {0: "t0 t1 t2 ", 1: "t0 t1 t2 "}
+    finishes = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
+    assert finishes == ["length", "length"]
+
+
+async def test_raw_sse_framing(gw):
+    app, server, client, engines = gw
+    async with aiohttp.ClientSession() as s:
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 2, "stream": True}
+        async with s.post(server.url + "/v1/completions", json=body) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            raw = await r.read()
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    first = json.loads(events[0][len(b"data: "):])
+    assert first["object"] == "text_completion" and "usage" not in first
+
+
+async def test_completions_models_and_logprobs(gw):
+    app, server, client, engines = gw
+    resp = await client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=2, n=2, logprobs=2)
+    assert resp.object == "text_completion" and [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert resp.choices[3].text == "t0 t1 "
+    assert resp.choices[0].logprobs.tokens == ["t0 ", "t1 "] and resp.choices[0].logprobs.text_offset == [0, 3]
+    assert resp.usage.completion_tokens == 8
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True, top_logprobs=1
+    )
+    assert chat.choices[0].logprobs.content[0].token == "t0 "
+    assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 1
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    # Token-id prompts are passed through without re-tokenising.
+    resp = await client.completions.create(model=MODEL, prompt=[65, 66, 67], max_tokens=1)
+    assert any(r.prompt_token_ids == [65, 66, 67] for e in engines for r in e.requests)
+
+
+async def test_errors_are_sdk_exceptions_and_server_survives(gw):
+    app, server, client, engines = gw
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert info.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=5)
+    assert info.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4090)
+    assert info.value.code == "context_length_exceeded"
+    async with aiohttp.ClientSession() as s:
+        for data, status in (
+            (b"{trunc", 400),
+            (b"\xff\xfe", 400),
+            (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 2000}).encode(), 400),
+            (b"x" * (9 * 1024 * 1024), 413),
+        ):
+            async with s.post(server.url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}) as r:
+                assert r.status == status
+                err = (await r.json())["error"]
+                assert set(err) == {"message", "type", "param", "code"}
+        async with s.get(server.url + "/v1/nothing") as r:
+            assert r.status == 404 and "error" in await r.json()
+        async with s.get(server.url + "/health") as r:
+            assert r.status == 200
+        async with s.get(server.url + "/ready") as r:
+            assert r.status == 200
+    resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "still here"}], max_tokens=1)
+    assert resp.choices[0].message.content == "t0 "
+
+
+async def test_auth_from_config_and_env(monkeypatch):
+    monkeypatch.setenv("KVGATE_API_KEYS", "envkey:envtenant:to-b")
+    config = KvgateConfig(server=ServerConfig(api_keys=[ApiKeyConfig(key="sk-good", tenant="acme")]))
+    engine = FakeEngine()
+    app, server = await _serve([engine], config)
+    try:
+        bad = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-bad", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(openai.AuthenticationError):
+            await bad.models.list()
+        await bad.close()
+        for key, tenant, workload in (("sk-good", "acme", "to-c"), ("envkey", "envtenant", "to-b")):
+            good = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+            await good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+            await good.close()
+            ctx = engine.requests[-1].context
+            assert (ctx.tenant, ctx.workload) == (tenant, workload)
+    finally:
+        await server.stop()
+
+
+async def test_shared_prefix_goes_where_cached_and_burst_spreads(gw):
+    app, server, client, engines = gw
+    system = "You are a careful assistant. " * 20
+    msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
+    first = await client.chat.completions.create(model=MODEL, messages=msgs("q0"), max_tokens=1)
+    owner = 0 if engines[0].requests else 1
+    for i in range(4):
+        resp = await client.chat.completions.create(model=MODEL, messages=msgs(f"q{i + 1}"), max_tokens=1)
+        assert resp.usage.prompt_tokens_details.cached_tokens > 0
+    assert len(engines[owner].requests) == 5 and not engines[1 - owner].requests
+    for e in engines:
+        e.token_delay_s = 0.01
+    await asyncio.gather(
+        *(client.chat.completions.create(model=MODEL, messages=msgs(f"b{i}"), max_tokens=20) for i in range(8))
+    )
+    assert engines[1 - owner].requests, "a burst must spread over both replicas"
+    router = app[GATEWAY].router
+    assert router.inflight_tokens == [0, 0] and router.inflight_requests == [0, 0]
+
+
+async def test_metrics_series(gw):
+    app, server, client, engines = gw
+    await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(server.url + "/metrics") as r:
+            text = await r.text()
+    for name in (
+        'kvgate_requests_total{endpoint="chat",status="200",workload="to-c"} 1.0',
+        "kvgate_time_to_first_token_seconds_bucket",
+        "kvgate_e2e_request_latency_seconds_bucket",
+        "kvgate_prefix_cache_queries_tokens_total",
+        "kvgate_router_decisions_total",
+        'kvgate_replica_healthy{replica="r0"} 1.0',
+        'kvgate_replica_inflight{replica="r1"} 0.0',
+    ):
+        assert name in text, name
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_disconnect_aborts_and_releases(gw, stream):
+    app, server, client, engines = gw
+    for e in engines:
+        e.token_delay_s = 0.02
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 500, "stream": stream}
+    session = aiohttp.ClientSession()
+    try:
+        if stream:
+            resp = await session.post(server.url + "/v1/chat/completions", json=body)
+            await resp.content.readline()
+            resp.close()
+        else:
+            # No headers come before the whole answer: give up while waiting for them.
+            pending = asyncio.create_task(session.post(server.url + "/v1/chat/completions", json=body))
+            await asyncio.sleep(0.2)
+            assert any(e.active for e in engines)
+            pending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+    finally:
+        await session.close()
+    router = app[GATEWAY].router
+    for _ in range(100):
+        if not any(e.active for e in engines) and router.inflight_requests == [0, 0]:
+            break
+        await asyncio.sleep(0.02)
+    assert not any(e.active for e in engines)
+    assert sum(len(e.aborted) for e in engines) == 1
+    assert router.inflight_tokens == [0, 0] and router.inflight_requests == [0, 0]
+
+
+async def test_no_healthy_replica_is_503(gw):
+    app, server, client, engines = gw
+    for r in app[GATEWAY].replicas:
+        r.healthy = False
+    with pytest.raises(openai.InternalServerError) as info:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    assert info.value.status_code == 503
+    async with aiohttp.ClientSession() as s:
+        async with s.get(server.url + "/ready") as r:
+            assert r.status == 503
+    assert (await client.models.list()).data == []
+
+
+async def test_image_parts_are_hashed_by_content(gw):
+    app, server, client, engines = gw
+
+    def msgs(data):
+        return [{"role": "user", "content": [
+            {"type": "text", "text": "What is in this picture?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}},
+        ]}]
+
+    for data in ("AAAA", "BBBB"):
+        await client.chat.completions.create(model=MODEL, messages=msgs(data), max_tokens=1)
+    reqs = [r for e in engines for r in e.requests]
+    assert all(r.context.workload == "multimodal" and r.context.type == "image" for r in reqs)
+    (off_a, hash_a), (off_b, hash_b) = reqs[0].mm_hashes[0], reqs[1].mm_hashes[0]
+    assert off_a == off_b and hash_a != hash_b
+    assert reqs[0].prompt_token_ids == reqs[1].prompt_token_ids

@@ -1,0 +1,418 @@
+"""The workload-aware policy: O(K) eviction, online model, paper mode, rhythm, topic switch, fallback."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from pydantic import ValidationError
+
+from engine.block_pool import BlockPool
+from engine.config import CacheConfig, WorkloadAwareConfig, format_config_error
+from engine.context import RequestContext
+from engine.policies import NoEvictableBlock, make_policy
+from engine.policies.reuse_model import ReuseModel, fit_lambda, fit_mixture
+from engine.policies.rhythm import TopicSwitchDetector, TrafficRhythm
+from engine.policies.workload_aware import WorkloadAwarePolicy, paper_priority, posterior_reuse
+
+
+def ctx(workload="to-c", rtype="text", turn=1, session=None, ts=0.0, blocks=1, tokens=100, chat_id=-1):
+    return RequestContext(workload=workload, type=rtype, turn=turn, session=session, timestamp=ts,
+                          prompt_blocks=blocks, prompt_tokens=tokens, chat_id=chat_id)
+
+
+def request(pool: BlockPool, keys: list[int], context: RequestContext, now: float, hold: bool = False):
+    """Replay semantics: touch or insert every key, then release tail first (unless held)."""
+    blocks, hits = pool.touch_or_insert(keys, context, now)
+    if not hold:
+        pool.release(list(reversed(blocks)), context, now)
+    return blocks, hits
+
+
+def quiet(**update) -> WorkloadAwareConfig:
+    base = {"rhythm": {"enabled": False}, "topic_switch": {"enabled": False}, "fallback": {"enabled": False}}
+    base.update(update)
+    return WorkloadAwareConfig.model_validate(base)
+
+
+# ---- O(K) structure ----------------------------------------------------------
+
+
+def test_eviction_skips_in_use_and_picks_the_lowest_scored_head():
+    policy = WorkloadAwarePolicy(1000, quiet(model={"min_samples": 1, "refit_interval_s": 1.0}))
+    rng = random.Random(7)
+    types = ["text", "search", "image", "file"]
+    in_use: set[int] = set()
+    key = 0
+    for i in range(300):
+        c = ctx(rtype=types[i % 4], turn=1 + i % 3, session=f"s{i % 17}", blocks=3, tokens=48)
+        now = i * 0.5
+        keys = []
+        for offset in range(3):
+            key += 1
+            keys.append(key)
+            policy.insert(key, c, offset, now)
+        if rng.random() < 0.2:
+            in_use.update(keys)  # this request never releases: its keys stay in use
+        else:
+            for k in reversed(keys):
+                policy.release(k, c, now)
+    core = policy.core
+    now = 200.0
+    scored = []
+    original = core._score
+
+    def counting(cat, t):
+        scored.append(cat)
+        return original(cat, t)
+
+    core._score = counting
+    evicted = 0
+    while True:
+        heads = [core.queues[c] for c in range(core.nq) if core.queues[c]]
+        expected = None
+        if not core.orphans and heads:
+            # Brute force over every queue head, scored independently.
+            expected = min((original(c, now), c) for c in range(core.nq) if core.queues[c])[1]
+            expected_key = next(iter(core.queues[expected]))
+        scored.clear()
+        try:
+            victim = policy.evict(now)
+        except NoEvictableBlock:
+            break
+        assert victim not in in_use
+        assert len(scored) <= core.nq  # only heads are scored: O(K)
+        if expected is not None:
+            assert victim == expected_key
+        evicted += 1
+    assert evicted == 300 * 3 - len(in_use)
+    assert policy.num_evictable() == 0
+
+
+def test_prefix_children_go_before_their_parent_is_missed():
+    # With protect_prefix, evicting a parent sends its cached children to the front.
+    policy = WorkloadAwarePolicy(100, quiet(weights={"reuse": 1.0, "spatial": 0.0, "lifetime": 0.0}))
+    a = ctx(session="a", blocks=3)
+    for offset, k in enumerate([1, 2, 3]):
+        policy.insert(k, a, offset, 0.0)
+    for k in (3, 2, 1):
+        policy.release(k, a, 0.0)
+    # Another session re-uses key 1 only; 1 becomes more recent than its children.
+    b = ctx(session="b", blocks=1)
+    policy.hit(1, b, 0, 5.0)
+    policy.release(1, b, 5.0)
+    core = policy.core
+    core._unlink(1)  # as if 1 were evicted: its children are orphans now
+    assert list(core.orphans) == [2]  # 2 is 1's child; 3 is 2's child and goes when 2 goes
+    assert policy.evict(6.0) == 2
+    assert 3 in core.orphans
+
+
+# ---- online model ----------------------------------------------------------------
+
+
+def test_mle_recovers_lambda_from_exponential_gaps():
+    rng = random.Random(1)
+    lam, floor = 0.2, 0.3
+    gaps = [floor + rng.expovariate(lam) for _ in range(20000)] + [rng.uniform(0, floor) for _ in range(500)]
+    assert fit_lambda(gaps, floor) == pytest.approx(lam, rel=0.03)
+
+
+def test_mixture_fit_recovers_lambda_and_p_under_censoring():
+    # Episodes reused with p=0.6 after Exp(0.05); each observed only up to a random age.
+    rng = random.Random(2)
+    lam, p, floor = 0.05, 0.6, 0.3
+    n_fast = n_slow = 0
+    sum_slow = 0.0
+    censored = []
+    for _ in range(20000):
+        horizon = rng.uniform(0.0, 200.0)
+        gap = floor + rng.expovariate(lam) if rng.random() < p else math.inf
+        if gap <= horizon:
+            n_slow += 1
+            sum_slow += gap - floor
+        else:
+            censored.append((horizon, 1))
+    fitted_lam, fitted_p = 0.15, 0.5
+    for _ in range(20):  # refits warm-start from the previous fit
+        fitted_lam, fitted_p = fit_mixture(n_fast, n_slow, sum_slow, censored, floor, fitted_lam, fitted_p, 6)
+    assert fitted_lam == pytest.approx(lam, rel=0.1)
+    assert fitted_p == pytest.approx(p, rel=0.1)
+
+
+def test_reuse_model_learns_from_history_not_cache_residency():
+    # A tiny cache (2 blocks) never holds a key until its reuse 20 s later,
+    # but the metadata history still observes the gap.
+    rng = random.Random(3)
+    events = []
+    for i in range(400):
+        events.append((i * 2.0, i, "first"))
+        events.append((i * 2.0 + 0.3 + rng.expovariate(1 / 20), i, "second"))
+    events.sort()
+    policy = WorkloadAwarePolicy(2, quiet(model={"min_samples": 20, "refit_interval_s": 5.0}))
+    pool = BlockPool(2, 0, policy="lru")
+    pool.device_policy = policy
+    for now, i, _ in events:
+        request(pool, [10 + i], ctx(session=f"s{i}", ts=now), now)
+    policy.model.refit(events[-1][0])
+    cat = policy.table.index[("to-c", "text", 1, -1, 0)]
+    assert policy.model.stats[cat].fitted
+    assert policy.model.stats[cat].lam == pytest.approx(1 / 20, rel=0.3)
+    assert policy.model.stats[cat].p == pytest.approx(0.5, abs=0.1)  # half the episodes are second visits
+
+
+# ---- no peeking ----------------------------------------------------------------------
+
+
+def _run_decisions(trace: list[tuple[float, list[int], RequestContext]], prefix: int) -> list[int]:
+    pool = BlockPool(40, 0, "wa", CacheConfig())
+    victims: list[int] = []
+    evict = pool.device_policy.evict
+
+    def record(now):
+        key = evict(now)
+        victims.append(key)
+        return key
+
+    pool.device_policy.evict = record
+    marks = []
+    for i, (now, keys, c) in enumerate(trace):
+        request(pool, keys, c, now)
+        if i == prefix - 1:
+            marks = list(victims)
+    return marks
+
+
+def test_no_peeking_prefix_decisions_do_not_depend_on_the_future():
+    rng = random.Random(5)
+
+    def make(seed_offset: int, n: int, start: float):
+        r = random.Random(seed_offset)
+        out = []
+        for i in range(n):
+            now = start + i * 0.7
+            length = r.randint(1, 6)
+            base = r.randint(0, 30) * 100
+            c = ctx(rtype=r.choice(["text", "search"]), turn=r.randint(1, 3), session=f"s{r.randint(0, 9)}",
+                    ts=now, blocks=length, tokens=length * 16)
+            out.append((now, [base + j for j in range(length)], c))
+        return out
+
+    prefix = make(11, 300, 0.0)
+    suffix_a = make(12, 200, 300 * 0.7)
+    suffix_b = make(13, 200, 300 * 0.7)
+    assert rng  # deterministic inputs
+    first = _run_decisions(prefix + suffix_a, len(prefix))
+    second = _run_decisions(prefix + suffix_b, len(prefix))
+    assert first and first == second
+
+
+# ---- scoring ---------------------------------------------------------------------------
+
+
+def test_paper_priority_formula_and_paper_mode_order():
+    lam, p, t, life = 0.15, 0.4, 3.0, 5.0
+    assert paper_priority(lam, p, t, life) == pytest.approx(p * (math.exp(-lam * t) - math.exp(-lam * (t + life))))
+    # The posterior is the paper's unconditional probability over the survival.
+    e = math.exp(-lam * t)
+    assert posterior_reuse(lam, p, t, life) == pytest.approx(paper_priority(lam, p, t, life) / (1 - p + p * e))
+
+    policy = make_policy("wa-paper", 100, CacheConfig())
+    assert policy.cfg.mode == "paper" and policy.table.life == 5.0
+    assert not policy.cfg.fallback.enabled and not policy.cfg.rhythm.enabled
+    # Two categories with hand-set fits: the one with the lower priority goes first.
+    c1 = ctx(rtype="text", turn=1, blocks=2)
+    c2 = ctx(rtype="search", turn=2, blocks=2)
+    for offset, k in enumerate([1, 2]):
+        policy.insert(k, c1, offset, 0.0)
+    for offset, k in enumerate([11, 12]):
+        policy.insert(k, c2, offset, 1.0)
+    for k in (2, 1):
+        policy.release(k, c1, 0.0)
+    for k in (12, 11):
+        policy.release(k, c2, 1.0)
+    tab = policy.table
+    cat1 = tab.index[("to-c", "text", 1)]
+    cat2 = tab.index[("to-c", "search", 2)]
+    tab.model.stats[cat1].lam, tab.model.stats[cat1].p = 0.05, 0.9
+    tab.model.stats[cat2].lam, tab.model.stats[cat2].p = 0.8, 0.9
+    tab.refresh()
+    now = 4.0
+    expected = sorted(
+        [(paper_priority(0.05, 0.9, now - 0.0, 5.0), -off, k) for off, k in enumerate([1, 2])]
+        + [(paper_priority(0.8, 0.9, now - 1.0, 5.0), -off, k) for off, k in enumerate([11, 12])]
+    )
+    assert [policy.evict(now) for _ in range(4)] == [k for _, _, k in expected]
+
+
+def test_weighted_score_uses_configured_weights():
+    cfg = quiet(weights={"reuse": 0.0, "spatial": 1.0, "lifetime": 0.0})
+    policy = WorkloadAwarePolicy(100, cfg)
+    c = ctx(blocks=4, tokens=64)
+    for offset, k in enumerate([1, 2, 3, 4]):
+        policy.insert(k, c, offset, 0.0)
+    for k in (4, 3, 2, 1):
+        policy.release(k, c, 0.0)
+    # Spatial only: the tail goes first, the head last.
+    assert [policy.evict(1.0) for _ in range(4)] == [4, 3, 2, 1]
+
+
+# ---- traffic rhythm and topic switches ----------------------------------------------------
+
+
+def test_rhythm_detects_hourly_spikes_and_prearms():
+    rhythm = TrafficRhythm(spike_factor=2.0, rate_window_s=10.0, min_baseline_minutes=10, prearm=True,
+                           prearm_lead_minutes=1)
+    states: dict[float, bool] = {}
+    t = 0.0
+    end = 2.5 * 3600
+    while t < end:
+        minute = int(t // 60) % 60
+        gap = 0.6 if minute == 5 else 6.0  # 100/min at minute 5 of every hour, else 10/min
+        rhythm.arrival(t)
+        states[t] = rhythm.spiking
+        t += gap
+    assert rhythm.baseline == pytest.approx(10, rel=0.2)
+    second_hour = 3600.0
+
+    def state_at(when: float) -> bool:
+        return states[max(k for k in states if k <= when)]
+
+    assert state_at(second_hour + 5 * 60 + 30)  # inside the spike
+    assert not state_at(second_hour + 30 * 60)  # quiet half hour
+    assert 5 in rhythm.recurring
+    # The first hour's spike came before a baseline existed; the second taught
+    # the recurrence, so the third hour is pre-armed a minute ahead.
+    third_hour = 7200.0
+    assert not state_at(third_hour + 2 * 60 + 30)
+    assert rhythm.prearm and state_at(third_hour + 4 * 60 + 5)
+    quiet_rates = [t for t in states if third_hour + 4 * 60 <= t < third_hour + 5 * 60]
+    assert all(states[t] for t in quiet_rates)  # rate is still low there: pre-armed, not measured
+
+
+def test_policy_relaxes_to_b_window_while_spiking():
+    policy = WorkloadAwarePolicy(100, WorkloadAwareConfig(fallback={"enabled": False}))
+    c = ctx(workload="to-b", rtype="api", blocks=1)
+    policy.insert(1, c, 0, 0.0)
+    cat = policy.core.rec[1][0]
+    normal = policy.table.window[cat]
+    policy._set_spike(True)
+    assert policy.state()["traffic_spike"] is True
+    assert policy.table.window[cat] == pytest.approx(min(normal * 3.0, 300.0 * 3.0))
+
+
+def test_topic_switch_after_three_quick_turns():
+    detector = TopicSwitchDetector(turns=3, max_gap_s=15.0)
+    assert not detector.arrival("a", 0.0)
+    assert not detector.arrival("a", 5.0)
+    assert detector.arrival("a", 12.0)
+    assert not detector.arrival("b", 0.0)
+    assert not detector.arrival("b", 30.0)
+    assert not detector.arrival("b", 40.0)  # 30 s gap inside the last three
+
+    policy = WorkloadAwarePolicy(100, WorkloadAwareConfig(fallback={"enabled": False}))
+    names = []
+    for turn, now in enumerate([0.0, 5.0, 12.0], 1):
+        c = ctx(session="quick", turn=turn, ts=now, blocks=1)
+        policy.insert(100 + turn, c, 0, now)
+        policy.release(100 + turn, c, now)
+        names.append(policy.table.names[policy.core.rec[100 + turn][0]])
+    assert [n[2] for n in names[:2]] == [1, 2]
+    assert names[2] == ("to-c", "text", "switch")
+    assert policy.table.penalty[policy.table.index[names[2]]] == 0.5
+    assert policy.state()["topic_switches"] == 1
+
+
+def test_file_signature_joins_the_category():
+    policy = WorkloadAwarePolicy(100, WorkloadAwareConfig(fallback={"enabled": False}, signature={"slots": 64}))
+    c1 = RequestContext(type="file", signature=3, session="x", prompt_blocks=1)
+    c2 = RequestContext(type="file", signature=4, session="y", prompt_blocks=1)
+    policy.insert(1, c1, 0, 0.0)
+    policy.insert(2, c2, 0, 0.0)
+    assert policy.core.rec[1][0] != policy.core.rec[2][0]
+
+
+# ---- shadow LRU fallback ----------------------------------------------------------------
+
+
+def test_fallback_to_lru_on_an_adversarial_stream_and_back():
+    # A deliberately bad score (spatial only, head and tail classes: every tail
+    # goes before any head) loses to LRU on a small working set mixed with
+    # one-off requests, then wins on a loop larger than the cache (LRU's worst case).
+    cfg = WorkloadAwareConfig.model_validate({
+        "weights": {"reuse": 0.0, "spatial": 1.0, "lifetime": 0.0}, "position_classes": 2,
+        "rhythm": {"enabled": False}, "topic_switch": {"enabled": False}, "shared_class": False,
+        "fallback": {"window_s": 60.0, "check_interval_s": 10.0, "min_accesses": 100, "margin": 0.05, "sustain_s": 30.0},
+        "alarm": {"window_s": 60.0},
+    })
+    capacity = 40
+    pool = BlockPool(capacity, 0, "wa", CacheConfig(workload_aware=cfg))
+    policy = pool.device_policy
+    now = 0.0
+    one_off = 10_000
+    # Phase 1: 8 hot two-block requests cycled, each followed by a one-off request.
+    while now < 200.0:
+        for i in range(8):
+            now += 0.5
+            request(pool, [i * 2 + 1, i * 2 + 2], ctx(blocks=2, ts=now, chat_id=i), now)
+            one_off += 2
+            request(pool, [one_off, one_off + 1], ctx(blocks=2, ts=now, chat_id=one_off), now)
+    assert policy.state()["active"] == "lru"
+    assert policy.state()["fallbacks"] >= 1
+    # Phase 2: a loop of 30 two-block requests (60 keys > 40 blocks).
+    while now < 600.0 and policy.state()["active"] == "lru":
+        for i in range(30):
+            now += 0.5
+            request(pool, [50_000 + i * 2, 50_001 + i * 2], ctx(blocks=2, ts=now, chat_id=50_000 + i), now)
+    assert policy.state()["active"] == "wa"
+    state = policy.state()
+    assert set(state) >= {"active", "fallbacks", "reuse_alarm", "traffic_spike"}
+
+
+def test_reuse_alarm_raised_and_logged(caplog):
+    cfg = WorkloadAwareConfig.model_validate({
+        "fallback": {"enabled": False, "check_interval_s": 10.0}, "alarm": {"window_s": 30.0, "threshold": 0.4}})
+    pool = BlockPool(50, 0, "wa", CacheConfig(workload_aware=cfg))
+    with caplog.at_level("WARNING", logger="kvgate.cache"):
+        for i in range(200):
+            now = i * 0.5
+            request(pool, [i * 10 + 1, i * 10 + 2], ctx(blocks=2, ts=now, chat_id=i), now)
+    assert pool.device_policy.state()["reuse_alarm"] is True
+    assert any("reuse alarm raised" in r.getMessage() for r in caplog.records)
+
+
+# ---- config -----------------------------------------------------------------------------------
+
+
+def test_config_section_validates():
+    cfg = WorkloadAwareConfig()
+    assert (cfg.weights.reuse, cfg.model.gap_floor_s, cfg.model.prior_lambda["to-b"]) == (cfg.weights.reuse, 0.3, 0.8)
+    with pytest.raises(ValidationError):
+        WorkloadAwareConfig.model_validate({"weigths": {}})
+    with pytest.raises(ValidationError):
+        WorkloadAwareConfig.model_validate({"mode": "greedy"})
+    with pytest.raises(ValidationError):
+        WorkloadAwareConfig.model_validate({"overrides": {"video": "fifo"}})
+    with pytest.raises(ValidationError):
+        WorkloadAwareConfig.model_validate({"weights": {"reuse": -1}})
+    with pytest.raises(ValidationError) as info:
+        CacheConfig.model_validate({"workload_aware": {"rhythm": {"spike_factr": 2}}})
+    message = format_config_error(info.value, "config.yaml", CacheConfig)
+    assert "workload_aware.rhythm.spike_factr" in message and "spike_factor" in message
+    assert WorkloadAwareConfig.model_validate({"overrides": {"multimodal": "fifo"}}).overrides == {"multimodal": "fifo"}
+
+
+def test_multimodal_fifo_override_keeps_insertion_order():
+    policy = WorkloadAwarePolicy(100, quiet(overrides={"multimodal": "fifo"}))
+    c = ctx(workload="multimodal", rtype="image", blocks=1)
+    for k in (1, 2, 3):
+        policy.insert(k, c, 0, float(k))
+        policy.release(k, c, float(k))
+    policy.hit(1, c, 0, 10.0)  # a hit does not move a FIFO key, but holds it
+    assert policy.num_evictable() == 2
+    assert policy.evict(11.0) == 2
+    policy.release(1, c, 11.0)
+    # The busy head was passed over (moved behind 3), as S3-FIFO's scan does.
+    assert policy.evict(12.0) == 3
+    assert policy.evict(12.0) == 1
