@@ -142,7 +142,8 @@ DEFAULT_RULES = [
     ClassifierRule(when="api_key"),
     ClassifierRule(when="header"),
     ClassifierRule(when="image", workload="multimodal", type="image"),
-    ClassifierRule(when="file", workload="to-b", type="file"),
+    # A long document is a file request of whoever sent it: to-C from chat, to-B from the API.
+    ClassifierRule(when="file", type="file"),
     ClassifierRule(when="multi_turn", workload="to-c", type="text"),
     ClassifierRule(when="endpoint", endpoint="completions", workload="to-b", type="api"),
     ClassifierRule(when="endpoint", endpoint="chat", workload="to-c", type="text"),

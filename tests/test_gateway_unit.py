@@ -138,7 +138,8 @@ def test_classification_rules_first_match_wins():
     # One long document.
     doc = chat(messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "word " * 400}])
     ctx = clf.classify(doc, Principal(), {}, 2000, 500)
-    assert (ctx.workload, ctx.type) == ("to-b", "file") and ctx.signature is not None
+    # A document pasted into chat is a to-C file request (trace A's "file" type).
+    assert (ctx.workload, ctx.type) == ("to-c", "file") and ctx.signature is not None
     # Multi-turn chat.
     multi = chat(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}])
     ctx = clf.classify(multi, Principal(), {}, 10, 2)
