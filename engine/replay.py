@@ -3,7 +3,11 @@
 Semantics (DESIGN section 3): requests in timestamp order; a request's hits
 are the leading run of its keys already cached; then every key is touched or
 inserted; then its blocks are released tail first.  Hit ratio = hit blocks /
-prompt blocks.  Nothing here is a second cache implementation: it is the
+prompt blocks.  Recordings of served traffic say what the engine did more
+exactly: a trailing partial prompt block is an access that is never cached
+(``cacheable``), and the blocks the engine filled with generated tokens
+(``output_keys``) are cached after the prompt, as the engine publishes them,
+without counting as accesses.  Nothing here is a second cache implementation: it is the
 ``BlockPool`` the engine uses, with no KV tensors behind it.
 """
 
@@ -13,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, NoFreeBlocks
 from engine.config import CacheConfig
 from engine.traces import Trace
 
@@ -73,6 +77,27 @@ class _EvictionTimer:
         return ordered[len(ordered) // 2] / 1000.0
 
 
+def _insert_outputs(pool: BlockPool, keys: list[int], ctx, first_offset: int, now: float) -> list[int]:
+    """Blocks the engine filled with generated tokens (recorded traces only).
+
+    The engine publishes them as they fill, so a later turn that resends the
+    answer can hit them; replay caches them the same way, after the prompt,
+    without counting them as accesses.  A key already cached stays as it is
+    (the engine keeps its duplicate private and frees it).
+    """
+    blocks: list[int] = []
+    for i, key in enumerate(keys):
+        if key in pool.cached:
+            continue
+        try:
+            block = pool.allocate(1, now)[0]
+        except NoFreeBlocks:
+            break
+        pool.cache_block(block, key, ctx, first_offset + i, now)
+        blocks.append(block)
+    return blocks
+
+
 def replay(
     trace: Trace,
     policy: str,
@@ -98,9 +123,15 @@ def replay(
     for index, request in enumerate(trace.requests):
         ctx = request.context
         now = request.timestamp
-        blocks, hit = touch(request.keys, ctx, now)
+        keys = request.keys
+        cacheable = request.cacheable
+        if 0 <= cacheable < len(keys):
+            keys = keys[:cacheable]
+        blocks, hit = touch(keys, ctx, now)
         hits += hit
         accesses += len(request.keys)
+        if request.output_keys:
+            blocks += _insert_outputs(pool, request.output_keys, ctx, len(keys), now)
         blocks.reverse()
         release(blocks, ctx, now)
         if progress is not None and index % step == step - 1:

@@ -8,6 +8,8 @@ last token of sequences that sample this step.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from engine.attention import PagedBatch, PrefillItem, use_paged_attention
@@ -22,6 +24,8 @@ class ModelRunner:
         self.kv = kv
         self.block_size = block_size
         self.device = device
+        # varlen_attn metadata; CUDA only (tests may force it to check the metadata).
+        self.build_varlen = device.type == "cuda"
         use_paged_attention(model)
 
     @torch.inference_mode()
@@ -84,12 +88,16 @@ class ModelRunner:
             paged.decode_blocks = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], device=dev)
             lens = torch.tensor(decode_lens, device=dev)
             paged.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
-        if dev.type == "cuda":
+        if self.build_varlen:
             width = max(len(t) for t in tables)
             i32 = torch.int32
             paged.cu_seq_q = torch.tensor(cu_q, dtype=i32, device=dev)
             paged.seq_lens = torch.tensor(seq_lens, dtype=i32, device=dev)
             paged.block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=i32, device=dev)
+            paged.cu_seq_k = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=i32, device=dev)
+            paged.context_slots = torch.tensor(
+                [t[p // bs] * bs + p % bs for t, n in zip(tables, seq_lens) for p in range(n)], device=dev
+            )
             paged.max_q = max(count for _, count in batch)
             paged.max_k = max(seq_lens)
         return ids, positions, paged, sample_rows, samplers

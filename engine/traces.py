@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.context import RequestContext
+from engine.context import WORKLOADS, RequestContext
 
 BAILIAN_BLOCK_TOKENS = 16
 MOONCAKE_BLOCK_TOKENS = 512
@@ -30,6 +30,12 @@ class TraceRequest:
     input_length: int
     output_length: int
     context: RequestContext = field(default_factory=RequestContext)
+    # Blocks the engine filled with generated tokens and cached (recordings only):
+    # replay inserts them after the prompt, uncounted, as the engine publishes them.
+    output_keys: list[int] = field(default_factory=list)
+    # Leading keys the engine could cache (recordings: the full prompt blocks; the
+    # trailing partial block is counted as an access but never cached); -1: all.
+    cacheable: int = -1
 
 
 @dataclass(slots=True)
@@ -44,10 +50,10 @@ class Trace:
         return sum(len(r.keys) for r in self.requests)
 
     def unique_blocks(self) -> int:
-        return len({key for r in self.requests for key in r.keys})
+        return len({key for r in self.requests for key in (*r.keys, *r.output_keys)})
 
     def ideal_hit_ratio(self) -> float:
-        """Hit ratio of an infinite cache with prefix semantics."""
+        """Hit ratio of an infinite cache with prefix semantics (caching what replay caches)."""
         seen: set[int] = set()
         hits = 0
         for request in self.requests:
@@ -55,7 +61,11 @@ class Trace:
                 if key not in seen:
                     break
                 hits += 1
-            seen.update(request.keys)
+            keys = request.keys
+            if 0 <= request.cacheable < len(keys):
+                keys = keys[: request.cacheable]
+            seen.update(keys)
+            seen.update(request.output_keys)
         accesses = self.accesses
         return hits / accesses if accesses else 0.0
 
@@ -93,7 +103,7 @@ def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
             if fmt == "auto":
                 fmt = "bailian" if "chat_id" in record or "type" in record else "mooncake"
             if fmt == "bailian":
-                requests.append(_bailian_request(record, where, chain, sessions, len(requests)))
+                requests.append(_bailian_request(record, where, chain, len(requests)))
             else:
                 requests.append(_mooncake_request(record, where, len(requests)))
     if not requests:
@@ -102,6 +112,11 @@ def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
     requests.sort(key=lambda r: r.timestamp)
     for index, request in enumerate(requests):
         request.context.request_index = index
+        if fmt == "bailian":
+            # In arrival order, so a parent is always seen before its child; a
+            # recording is written as requests complete, which need not be that order.
+            ctx = request.context
+            ctx.session = str(sessions.setdefault(ctx.chat_id, sessions.get(ctx.parent_chat_id, ctx.chat_id)))
     block_tokens = BAILIAN_BLOCK_TOKENS if fmt == "bailian" else MOONCAKE_BLOCK_TOKENS
     return Trace(source, fmt, block_tokens, requests)
 
@@ -124,11 +139,11 @@ def _kind_name(kind: type | tuple) -> str:
     return names.get(kind, kind.__name__)
 
 
-def _hash_ids(record: dict, where: str) -> list[int]:
-    ids = _field(record, "hash_ids", list, where)
+def _hash_ids(record: dict, where: str, name: str = "hash_ids") -> list[int]:
+    ids = _field(record, name, list, where)
     for value in ids:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TraceError(f"{where}: hash_ids must hold integers, found {value!r}"[:300])
+            raise TraceError(f"{where}: {name} must hold integers, found {value!r}"[:300])
     return ids
 
 
@@ -163,8 +178,19 @@ def _mooncake_request(record: dict, where: str, index: int) -> TraceRequest:
     return TraceRequest(timestamp, keys, input_length, output_length, ctx)
 
 
+def _chain(ids: list[int], parent_key: int, chain: dict[tuple[int, int], int]) -> list[int]:
+    keys = []
+    for block_id in ids:
+        link = (parent_key, block_id)
+        parent_key = chain.get(link)
+        if parent_key is None:
+            parent_key = chain[link] = len(chain) + 1
+        keys.append(parent_key)
+    return keys
+
+
 def _bailian_request(
-    record: dict, where: str, chain: dict[tuple[int, int], int], sessions: dict[int, int], index: int
+    record: dict, where: str, chain: dict[tuple[int, int], int], index: int
 ) -> TraceRequest:
     input_length, output_length = _lengths(record, where)
     ids = _hash_ids(record, where)
@@ -173,25 +199,29 @@ def _bailian_request(
     turn = _field(record, "turn", int, where, default=1)
     chat_id = _field(record, "chat_id", int, where, default=index)
     parent = _field(record, "parent_chat_id", int, where, default=-1)
-    session = sessions.setdefault(chat_id, sessions.get(parent, chat_id))
+    # Recordings by `kvgate serve --record-trace` carry the gateway's workload; the
+    # public traces do not, and it is inferred from the type.
+    workload = record.get("workload")
+    if workload not in WORKLOADS:
+        workload = workload_of(request_type)
     # Bailian ids name single blocks; chain them so a key names a whole prefix.
-    keys = []
-    parent_key = 0
-    for block_id in ids:
-        link = (parent_key, block_id)
-        parent_key = chain.get(link)
-        if parent_key is None:
-            parent_key = chain[link] = len(chain) + 1
-        keys.append(parent_key)
+    keys = _chain(ids, 0, chain)
+    output_keys: list[int] = []
+    if "output_hash_ids" in record:
+        # They continue the prompt's last *full* block (a trailing partial block
+        # has an id of its own that nothing else shares).
+        block_tokens = _field(record, "block_tokens", int, where, default=BAILIAN_BLOCK_TOKENS)
+        full = min(len(keys), input_length // max(block_tokens, 1))
+        output_keys = _chain(_hash_ids(record, where, "output_hash_ids"), keys[full - 1] if full else 0, chain)
+    cacheable = _field(record, "cacheable_blocks", int, where, default=-1)
     ctx = RequestContext(
-        workload=workload_of(request_type),
+        workload=workload,
         type=request_type,
         turn=turn,
-        session=str(session),
         timestamp=timestamp,
         prompt_tokens=input_length,
         prompt_blocks=len(keys),
         chat_id=chat_id,
         parent_chat_id=parent,
     )
-    return TraceRequest(timestamp, keys, input_length, output_length, ctx)
+    return TraceRequest(timestamp, keys, input_length, output_length, ctx, output_keys, cacheable)

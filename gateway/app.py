@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -34,6 +35,7 @@ from gateway.classify import ANONYMOUS, Classifier, Principal
 from gateway.config import KvgateConfig
 from gateway.errors import ApiError, bad_request
 from gateway.metrics import GatewayMetrics
+from gateway.observe import Finished, Observer
 from gateway.prefix import PrefixHasher, Prompt
 from gateway.protocol import (
     CHAT,
@@ -72,6 +74,7 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"
 _KV_EVENTS_BACKLOG = 100_000
 # Status label for requests whose client went away (nginx's convention).
 CLIENT_GONE = "499"
+_STATIC = Path(__file__).parent / "static"
 
 
 @dataclass(slots=True)
@@ -96,6 +99,7 @@ class Gateway:
         self.replicas = replicas
         self.engine_mode = engine_mode
         self.metrics = GatewayMetrics()
+        self.observer = Observer(config, self.metrics)
         self.principals = _load_keys(config)
         self.router: Router | None = None
         self.hasher: PrefixHasher | None = None
@@ -131,15 +135,20 @@ class Gateway:
         self.classifier = Classifier(self.config.classifier, self.hasher)
         self.router = Router(self.config.router, [r.name for r in self.replicas], self.hasher.block_size)
         for i, r in enumerate(self.replicas):
+            # Backends with a metrics_url report load the gateway cannot count itself.
+            r.load_listener = lambda waiting, usage, i=i: self.router.set_external_load(i, waiting, usage)
+        for i, r in enumerate(self.replicas):
             self.metrics.watch_replica(
                 r.name,
                 lambda i=i: self.router.inflight_requests[i],
                 lambda r=r: 1.0 if r.healthy else 0.0,
                 lambda r=r: len(r.index),
             )
+        self.observer.start(self.replicas, lambda i: self.router.inflight_requests[i], self.hasher.block_size, self.hasher.salt)
 
     async def close(self) -> None:
         await asyncio.gather(*(r.close() for r in self.replicas), return_exceptions=True)
+        await self.observer.close()
 
     # -- small endpoints
 
@@ -152,9 +161,24 @@ class Gateway:
         return web.json_response({"ready": bool(healthy), "healthy_replicas": healthy}, status=status)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        await self.observer.refresh()
         resp = web.Response(body=self.metrics.render())
         resp.headers["Content-Type"] = self.metrics.content_type
         return resp
+
+    async def stats(self, request: web.Request) -> web.Response:
+        """The dashboard's data (schema in gateway/stats.py)."""
+        await self.observer.refresh()
+        return web.json_response(self.observer.stats_json())
+
+    async def dashboard(self, request: web.Request) -> web.FileResponse:
+        # Served from the package: the page loads nothing from anywhere else.
+        return web.FileResponse(_STATIC / "dashboard.html", headers={"Cache-Control": "no-cache"})
+
+    async def engine_stats(self, request: web.Request) -> web.Response:
+        """`kvgate engine`: AsyncEngine.stats(), polled by gateways for their /metrics and /stats."""
+        self.authenticate(request)
+        return web.json_response(self.replicas[0].engine.stats())
 
     async def models(self, request: web.Request) -> web.Response:
         self.authenticate(request)
@@ -363,6 +387,9 @@ class Gateway:
         job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens)
         load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
         workload = sub.context.workload
+        # Per-token work stays at a clock read and a histogram observation.
+        observe_gap = self.metrics.itl.labels(workload).observe
+        arrival = time.monotonic()
         tried: list[int] = []
         while True:
             decision = router.choose(
@@ -377,18 +404,39 @@ class Gateway:
             replica = self.replicas[decision.replica]
             ticket = router.acquire(decision.replica, load, sub.prompt.keys, decision.matched_blocks)
             self.metrics.decisions.labels(replica.name, decision.reason).inc()
-            self.metrics.predicted_hits.labels(workload, replica.name).inc(decision.matched_blocks * self.hasher.block_size)
+            # The engine never serves the block holding the prompt's last token from
+            # cache (its logits must be computed), so neither is it predicted.
+            bs = self.hasher.block_size
+            predicted = min(decision.matched_blocks, (len(sub.prompt.token_ids) - 1) // bs)
+            self.metrics.predicted_hits.labels(workload, replica.name).inc(predicted * bs)
             produced = False
+            usage = _UsageSum(1)
+            last_token: float | None = None
+            # The recorder also wants the blocks the engine fills with generated tokens.
+            generated: list[int] | None = [] if self.observer.recording else None
             gen = replica.generate(job)
             try:
                 async for out in gen:
                     produced = True
-                    if out.usage is not None and out.index in (0, USAGE_ALL):
-                        self.metrics.prefix_queries.labels(workload, replica.name).inc(out.usage.prompt_tokens)
-                        self.metrics.prefix_hits.labels(workload, replica.name).inc(out.usage.cached_tokens)
+                    if out.index == 0 and (out.token_ids or out.text):
+                        now = time.perf_counter()
+                        if last_token is not None:
+                            observe_gap(now - last_token)
+                        last_token = now
+                        if generated is not None:
+                            generated.extend(out.token_ids)
+                    if out.usage is not None:
+                        usage.add(0, out)
+                        if out.index in (0, USAGE_ALL):
+                            self.metrics.prefix_queries.labels(workload, replica.name).inc(out.usage.prompt_tokens)
+                            self.metrics.prefix_hits.labels(workload, replica.name).inc(out.usage.cached_tokens)
                     if out.queue_time_s is not None:
                         self.metrics.queue_time.labels(workload).observe(out.queue_time_s)
                     yield out
+                self.observer.finished(Finished(
+                    sub.context, replica.name, sub.prompt, usage.prompt[0] or len(sub.prompt.token_ids),
+                    usage.cached[0], usage.completion[0], arrival, parsed.user, generated,
+                ))
                 return
             except ValueError as exc:
                 # The engine refuses requests it cannot run (prompt too long for its
@@ -455,6 +503,50 @@ class Gateway:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def batched(self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int) -> AsyncIterator[tuple[list, bool]]:
+        """``merged``'s outputs grouped: (everything ready at that moment, whether it is the last).
+
+        A pump task runs the engine side until it has to wait; the stream then
+        sends all that is ready at once.  Tokens that come one at a time still
+        leave one at a time, with no added delay; bursts (n > 1, several
+        prompts, a fast backend) cost one send instead of one per frame, the
+        largest per-request cost of streaming (bench/gateway.py).
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
+
+        async def pump() -> None:
+            gen = self.merged(subs, parsed, max_tokens)
+            try:
+                async for item in gen:
+                    queue.put_nowait(item)
+                queue.put_nowait(end)
+            except Exception as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait(exc)
+            finally:
+                await _aclose(gen)
+
+        task = asyncio.create_task(pump())
+        try:
+            while True:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                batch = []
+                for item in items:
+                    if item is end or isinstance(item, BaseException):
+                        if batch or item is end:
+                            yield batch, item is end
+                        if item is end:
+                            return
+                        raise item
+                    batch.append(item)
+                yield batch, False
+        finally:
+            if not task.done():
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
     async def complete(self, parsed: ParsedRequest, subs: list[Sub], max_tokens: int, start: float) -> web.Response:
         n = parsed.sampling.n
         choices = [ChoiceState() for _ in range(n * len(subs))]
@@ -466,7 +558,7 @@ class Gateway:
             async for shift, out in gen:
                 if first:
                     first = False
-                    self.metrics.ttft.labels(workload).observe(time.perf_counter() - start)
+                    self.observer.first_token(workload, time.perf_counter() - start)
                 usage.add(shift // n, out)
                 if out.index == USAGE_ALL:
                     continue
@@ -496,37 +588,47 @@ class Gateway:
         usage = _UsageSum(len(subs))
         workload = subs[0].context.workload
         resp: web.StreamResponse | None = None
-        gen = self.merged(subs, parsed, max_tokens)
+        gen = self.batched(subs, parsed, max_tokens)
         try:
-            async for shift, out in gen:
-                usage.add(shift // n, out)
-                if out.index == USAGE_ALL:
-                    continue
-                if resp is None:
-                    # Headers go out with the first output so that failures before
-                    # it (no replica, upstream 4xx) still get a proper status code.
-                    resp = web.StreamResponse(headers=_SSE_HEADERS)
-                    await resp.prepare(request)
-                    self.metrics.ttft.labels(workload).observe(time.perf_counter() - start)
-                index = shift + out.index
-                state = states[index]
+            tail_frames = b""
+            async for batch, last in gen:
+                # Everything that arrived together leaves in one send (the last
+                # batch with the stream's tail and end).
                 frames = []
-                if chat and not state.started:
-                    frames.append(fmt.role(index))
-                state.started = True
-                if out.finish_reason is not None:
-                    _check_finish(out.finish_reason)
-                if out.text or out.logprobs or out.finish_reason is not None:
-                    frames.append(fmt.delta(index, out.text, out.logprobs, state, out.finish_reason))
-                state.text_len += len(out.text)
-                if frames:
+                try:
+                    for shift, out in batch:
+                        usage.add(shift // n, out)
+                        if out.index == USAGE_ALL:
+                            continue
+                        if resp is None:
+                            # Headers go out with the first output so that failures before
+                            # it (no replica, upstream 4xx) still get a proper status code.
+                            resp = _SseResponse(headers=_SSE_HEADERS)
+                            await resp.prepare(request)
+                            self.observer.first_token(workload, time.perf_counter() - start)
+                        index = shift + out.index
+                        state = states[index]
+                        if chat and not state.started:
+                            frames.append(fmt.role(index))
+                        state.started = True
+                        if out.finish_reason is not None:
+                            _check_finish(out.finish_reason)
+                        if out.text or out.logprobs or out.finish_reason is not None:
+                            frames.append(fmt.delta(index, out.text, out.logprobs, state, out.finish_reason))
+                        state.text_len += len(out.text)
+                except ApiError:
+                    if frames:
+                        await resp.write(b"".join(frames))  # what came before the failure
+                    raise
+                if last:
+                    tail_frames = b"".join(frames)
+                elif frames:
                     await resp.write(b"".join(frames))
             if resp is None:
-                resp = web.StreamResponse(headers=_SSE_HEADERS)
+                resp = _SseResponse(headers=_SSE_HEADERS)
                 await resp.prepare(request)
             tail = fmt.usage(usage.as_dict(subs)) + DONE if parsed.include_usage else DONE
-            await resp.write(tail)
-            await resp.write_eof()
+            await resp.write_eof(tail_frames + tail)  # one send for the last frames, the tail and the end
             return resp
         except Exception as exc:
             if resp is None:
@@ -536,9 +638,10 @@ class Gateway:
                     raise  # the client is gone; nobody to tell
                 log.exception("stream %s failed after its first byte", rid)
                 exc = errors.internal_error()
-            # Mid-stream: the status is already sent; OpenAI clients raise on an error event.
+            # Mid-stream: the status is already sent; OpenAI clients raise on an error
+            # event, and [DONE] still ends the stream for clients that wait for it.
             with contextlib.suppress(ConnectionError):
-                await resp.write(sse_error(exc.body()))
+                await resp.write(sse_error(exc.body()) + DONE)
                 await resp.write_eof()
             return resp
         finally:
@@ -610,6 +713,12 @@ class Gateway:
         # Long-lived /kv_events streams would otherwise hold shutdown for its full timeout.
         for queue in list(self._kv_streams):
             queue.put_nowait(None)
+
+
+class _SseResponse(web.StreamResponse):
+    # Headers ride with the first frames (one send, not two); aiohttp's own
+    # web.Response does the same.
+    _send_headers_immediately = False
 
 
 class _UsageSum:
@@ -742,7 +851,10 @@ def create_app(
     app.router.add_get("/health", gw.health)
     app.router.add_get("/ready", gw.ready)
     app.router.add_get("/metrics", gw.metrics_endpoint)
+    app.router.add_get("/stats", gw.stats)
+    app.router.add_get("/dashboard", gw.dashboard)
     if engine_mode:
         app.router.add_get("/kv_events", gw.kv_events)
         app.router.add_get("/kvgate/info", gw.kvgate_info)
+        app.router.add_get("/kvgate/stats", gw.engine_stats)
     return app

@@ -1,4 +1,4 @@
-"""The `kvgate` command: serve, engine, replay, synth.
+"""The `kvgate` command: serve, engine, replay, tune, synth.
 
 Heavy imports (torch, transformers, aiohttp) happen inside the subcommand
 that needs them, so `kvgate replay` starts in a fraction of a second.
@@ -64,7 +64,27 @@ def _build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", metavar="OUT", help="write results as JSON")
     replay.add_argument("--plot", metavar="OUT.png", help="plot hit ratio against capacity")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.add_argument("--replicas", type=int, default=1,
+                        help="simulate N replicas behind the router (capacity is per replica)")
+    replay.add_argument("--routing", default=None,
+                        help="with --replicas: comma-separated prefix-aware,least-load,round-robin,session")
     replay.set_defaults(run=_run_replay)
+
+    tune = sub.add_parser("tune", help="search the workload-aware weights and windows on a trace")
+    tune.add_argument("trace", help="Bailian or Mooncake JSONL trace (e.g. a `serve --record-trace` recording)")
+    tune.add_argument("--format", default="auto", choices=["auto", "bailian", "mooncake"])
+    tune_sizes = tune.add_mutually_exclusive_group()
+    tune_sizes.add_argument("--capacity", type=float, default=None,
+                            help="device tier as a fraction of the trace's unique blocks (default 0.05)")
+    tune_sizes.add_argument("--capacity-blocks", type=int, default=None, help="device tier in blocks (the engine's)")
+    tune.add_argument("--host-blocks", type=int, default=0, help="host tier behind the device tier")
+    tune.add_argument("--config", help="config.yaml: its cache section is the starting point and the baseline")
+    tune.add_argument("--time-limit", type=float, default=300.0, metavar="S", help="stop searching after S seconds")
+    tune.add_argument("--max-evals", type=int, default=None, metavar="N", help="stop after N replays")
+    tune.add_argument("--holdout", type=float, default=0.0, metavar="F",
+                      help="search on the first 1-F of the trace, report all three on the last F")
+    tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tune.set_defaults(run=_run_tune)
 
     synth = sub.add_parser("synth", help="generate a Bailian-format trace, or print a trace's statistics")
     synth.add_argument("--profile", choices=["to-c", "to-b", "mixed"], default="to-c")
@@ -148,6 +168,16 @@ def _run_replay(args: argparse.Namespace) -> int:
     else:
         fractions = _parse_list(args.capacity or "0.01,0.02,0.05,0.1,0.2", float, "--capacity")
         capacities = [max(1, round(f * unique)) for f in fractions]
+    if args.replicas > 1 or args.routing:
+        if args.replicas < 1:
+            raise CliError("--replicas: give a positive number")
+        from gateway.routing_sim import main_from_cli
+
+        try:
+            return main_from_cli(args, trace, policies, capacities, config,
+                                 trace_summary(trace, unique, trace.ideal_hit_ratio()), unique)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
     future = future_accesses(trace) if "belady" in policies else None
     summary = trace_summary(trace, unique, trace.ideal_hit_ratio())
     results = []
@@ -164,6 +194,44 @@ def _run_replay(args: argparse.Namespace) -> int:
         write_json(args.json, summary, results)
     if args.plot:
         write_plot(args.plot, summary, results)
+    return 0
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from engine.traces import TraceError, load_trace
+    from engine.tune import format_report, tune
+
+    config = _load_config(args.config)
+    try:
+        trace = load_trace(args.trace, args.format)
+    except TraceError as exc:
+        raise CliError(str(exc)) from None
+    unique = trace.unique_blocks()
+    if args.capacity_blocks is not None:
+        if args.capacity_blocks <= 0:
+            raise CliError("--capacity-blocks: give a positive number of blocks")
+        capacity = args.capacity_blocks
+    else:
+        fraction = 0.05 if args.capacity is None else args.capacity
+        if not 0 < fraction:
+            raise CliError("--capacity: give a positive fraction of the unique blocks")
+        capacity = max(1, round(fraction * unique))
+    if not 0 <= args.holdout < 1:
+        raise CliError("--holdout: give a fraction in [0, 1)")
+    with tqdm(total=1, unit="replay", file=sys.stderr, disable=True if args.no_progress else None, leave=False) as bar:
+        def progress(done: int, planned: int, label: str) -> None:
+            bar.total = planned
+            bar.set_description(label[:60])
+            bar.update(done - bar.n)
+
+        try:
+            result = tune(trace, capacity, config.cache, host_blocks=args.host_blocks, time_limit_s=args.time_limit,
+                          max_evaluations=args.max_evals, holdout=args.holdout, progress=progress)
+        except ValueError as exc:
+            raise CliError(f"tune: {exc}") from None
+    print(format_report(result, args.trace, len(trace.requests), unique))
     return 0
 
 

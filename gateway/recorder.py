@@ -1,94 +1,171 @@
 """Record served traffic as a Qwen-Bailian trace for `kvgate replay` and `kvgate tune`.
 
-No prompt text is written: each block key is replaced by a small id that is
-stable within one recording (and meaningless outside it), so prefix sharing
-survives and content does not.  Replay chains the ids back into prefix keys,
-and because each id stands for one chained key, the chain reproduces exactly
-the engine's prefix structure.  The trailing partial block of a prompt gets an
-id of its own, as in the Bailian traces (len(hash_ids) == ceil(input_length / 16)).
+One JSON line per engine request, written when the request completes:
+``chat_id``, ``parent_chat_id``, ``turn`` and ``type`` from the gateway's
+classification, ``timestamp`` (arrival, seconds since the recording began),
+``input_length`` / ``output_length`` (engine-reported tokens) and
+``hash_ids``.  Lines are in completion order; readers order them by timestamp.
 
-Past ``max_bytes`` the file rotates (FILE -> FILE.1 -> ...) and the id maps
-start afresh, so each file is a self-contained trace and memory stays bounded.
+No prompt text is written: each block key is replaced by a small id that is
+stable within one recording file (and meaningless outside it), so prefix
+sharing survives and content does not.  Replay chains the ids back into
+prefix keys; because each id stands for one chained key, the chain rebuilds
+exactly the engine's prefix structure.  The trailing partial block of a
+prompt gets a fresh id of its own, as in the Bailian traces:
+``len(hash_ids) == ceil(input_length / block)``.  Ids are per engine block,
+``block_tokens`` tokens each (16 by default, the Bailian convention).
+
+Fields beyond the public format (readers that do not know them ignore them),
+so that replay does what the engine did rather than approximately so:
+- ``workload``: the gateway's workload (otherwise guessed from the type);
+- ``cacheable_blocks``: the full prompt blocks, present when a partial block
+  follows; the engine never caches a partial block, so replay counts it as an
+  access but does not insert it;
+- ``output_hash_ids``: the blocks the engine filled with generated tokens and
+  cached (in-process replicas, whose outputs carry token ids); a later turn
+  that resends the answer hits them, so replay caches them after the prompt,
+  uncounted;
+- ``block_tokens``: the engine's block size when it is not 16.
+
+Past ``max_bytes`` the file rotates (FILE -> FILE.1 -> ...; ``keep`` files)
+and the id maps start afresh, so each file is a self-contained trace and
+memory stays bounded.  An existing FILE is rotated away at start for the same
+reason: appending new ids to an old recording would alias unrelated blocks.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from pathlib import Path
 from typing import Sequence
 
+from engine.block_hash import hash_block, root_hash
 from engine.context import RequestContext
 
 
 class TraceRecorder:
     def __init__(self, path: str | os.PathLike, max_bytes: int = 64 * 1024 * 1024, keep: int = 5,
-                 block_tokens: int = 16) -> None:
+                 block_tokens: int = 16, clock=time.monotonic) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
-        self.keep = keep
+        self.keep = max(1, keep)
         self.block_tokens = block_tokens
-        self._start = time.monotonic()
-        self._reset_ids()
+        self.lines = 0
+        self._clock = clock
+        self._start = clock()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
-
-    def _reset_ids(self) -> None:
-        self._ids: dict[int, int] = {}
-        self._next_id = 0
-        self._next_chat = 0
-        self._last_chat_of_session: dict[str, int] = {}
+        if self.path.exists() and self.path.stat().st_size > 0:
+            self._shift_old_files()
+        self._open()
 
     def record(self, ctx: RequestContext, block_keys: Sequence[int], prompt_tokens: int,
-               completion_tokens: int, now: float | None = None) -> None:
-        chat_id = self._next_chat
-        self._next_chat += 1
-        parent = -1
-        if ctx.session is not None:
-            parent = self._last_chat_of_session.get(ctx.session, -1)
-            self._last_chat_of_session[ctx.session] = chat_id
-        ids = [self._id_of(key) for key in block_keys]
-        total_blocks = math.ceil(prompt_tokens / self.block_tokens)
-        while len(ids) < total_blocks:
+               completion_tokens: int, arrival: float | None = None, output_keys: Sequence[int] = ()) -> None:
+        """One completed request; ``arrival`` is on the recorder's clock (monotonic by default).
+
+        ``output_keys``: keys of the blocks the engine filled with generated
+        tokens and cached (see ``generated_keys``); a later turn that resends
+        the answer hits them, so replay must know they were cached.
+        """
+        ids = self._ids_of(block_keys)
+        full = len(ids)
+        blocks = -(-prompt_tokens // self.block_tokens)
+        while len(ids) < blocks:
             ids.append(self._fresh_id())
-        timestamp = (now if now is not None else time.monotonic()) - self._start
-        line = json.dumps({
+        chat_id = ctx.chat_id
+        if chat_id < 0:
+            # No classification ids (not expected from the gateway): keep lines distinct.
+            self._next_chat -= 1
+            chat_id = self._next_chat
+        timestamp = (arrival if arrival is not None else self._clock()) - self._start
+        fields = {
             "chat_id": chat_id,
-            "parent_chat_id": parent,
-            "timestamp": round(timestamp, 6),
+            "parent_chat_id": ctx.parent_chat_id,
+            "timestamp": round(max(timestamp, 0.0), 6),
             "input_length": prompt_tokens,
             "output_length": completion_tokens,
             "type": ctx.type,
             "turn": ctx.turn,
+            "workload": ctx.workload,
             "hash_ids": ids,
-        }, separators=(",", ":"))
-        self._file.write(line + "\n")
+        }
+        if full < len(ids):
+            # The engine never caches a partial block: replay counts it, but does not insert it.
+            fields["cacheable_blocks"] = full
+        if output_keys:
+            fields["output_hash_ids"] = self._ids_of(output_keys)
+            if self.block_tokens != 16:
+                # Replay chains the output ids after the prompt's last full block.
+                fields["block_tokens"] = self.block_tokens
+        line = json.dumps(fields, separators=(",", ":")) + "\n"
+        # Flushed per line: a crash loses at most the line being written.
+        self._file.write(line)
         self._file.flush()
-        if self._file.tell() >= self.max_bytes:
+        self._bytes += len(line)  # ASCII JSON: characters are bytes
+        self.lines += 1
+        if self._bytes >= self.max_bytes:
             self._rotate()
 
     def close(self) -> None:
-        self._file.close()
+        if not self._file.closed:
+            self._file.close()
 
-    def _id_of(self, key: int) -> int:
-        block_id = self._ids.get(key)
-        if block_id is None:
-            block_id = self._ids[key] = self._fresh_id()
-        return block_id
+    def _ids_of(self, keys: Sequence[int]) -> list[int]:
+        ids_of = self._ids
+        ids = []
+        for key in keys:
+            block_id = ids_of.get(key)
+            if block_id is None:
+                block_id = ids_of[key] = self._fresh_id()
+            ids.append(block_id)
+        return ids
 
     def _fresh_id(self) -> int:
         self._next_id += 1
         return self._next_id
 
-    def _rotate(self) -> None:
+    def _open(self) -> None:
+        self._ids: dict[int, int] = {}
+        self._next_id = 0
+        self._next_chat = 0
+        self._bytes = 0
+        self._file = open(self.path, "w", encoding="ascii")
+
+    def _shift_old_files(self) -> None:
         """FILE -> FILE.1 -> FILE.2 ...; the oldest past ``keep`` is dropped."""
-        self._file.close()
         for index in range(self.keep - 1, 0, -1):
             older = self.path.with_name(f"{self.path.name}.{index}")
             if older.exists():
                 older.replace(self.path.with_name(f"{self.path.name}.{index + 1}"))
         self.path.replace(self.path.with_name(f"{self.path.name}.1"))
-        self._reset_ids()
-        self._file = open(self.path, "a", encoding="utf-8")
+
+    def _rotate(self) -> None:
+        self._file.close()
+        self._shift_old_files()
+        self._open()
+
+
+def generated_keys(prompt_ids: Sequence[int], prompt_keys: Sequence[int], generated: Sequence[int],
+                   block_size: int, salt: str | bytes, mm_hashes: Sequence[tuple[int, bytes]] = ()) -> list[int]:
+    """Keys of the blocks the engine caches beyond the prompt's full blocks.
+
+    The engine publishes every block whose tokens all have computed KV: the
+    prompt and all generated tokens but the last (sampled, never fed back).
+    The chain continues from the prompt's last full block exactly as
+    ``engine.sequence.Sequence.append`` extends it.
+    """
+    tokens = list(prompt_ids) + list(generated[:-1])
+    full = len(tokens) // block_size
+    start = len(prompt_keys)
+    if full <= start:
+        return []
+    extra: dict[int, list[bytes]] = {}
+    for offset, content in mm_hashes:
+        extra.setdefault(offset // block_size, []).append(content)
+    parent = prompt_keys[-1] if prompt_keys else root_hash(salt)
+    keys = []
+    for index in range(start, full):
+        parent = hash_block(parent, tokens[index * block_size:(index + 1) * block_size], extra.get(index, ()))
+        keys.append(parent)
+    return keys

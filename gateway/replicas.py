@@ -85,6 +85,9 @@ class Replica:
         self.healthy = False
         self.info: ReplicaInfo | None = None
         self.index: ExactIndex | ApproxIndex = ExactIndex()
+        # Set by the gateway: called with (waiting requests, KV usage 0..1 or None)
+        # whenever a backend reports load the gateway did not count itself.
+        self.load_listener: Callable[[float, float | None], None] | None = None
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -100,6 +103,7 @@ class Replica:
 
 
 KvListener = Callable[[int, str, list[int], str], None]
+_MODEL_LOAD_LOCK = threading.Lock()
 
 
 class InProcessReplica(Replica):
@@ -126,8 +130,17 @@ class InProcessReplica(Replica):
             from engine.async_engine import AsyncEngine
 
             cfg = self.config
+
+            def load():
+                # One load at a time: transformers sets torch's process-wide default
+                # dtype while it builds a model, so two loads in two threads race and
+                # leave some layers in the other one's dtype (bf16 vs float32 matmul
+                # errors at the first step).
+                with _MODEL_LOAD_LOCK:
+                    return AsyncEngine.from_config(cfg.model, cfg.engine, cfg.cache)
+
             # Loading a model takes seconds; keep the loop responsive meanwhile.
-            self.engine = await asyncio.to_thread(AsyncEngine.from_config, cfg.model, cfg.engine, cfg.cache)
+            self.engine = await asyncio.to_thread(load)
         started = self.engine.start()
         if inspect.isawaitable(started):
             await started
@@ -199,6 +212,17 @@ class RemoteReplica(Replica):
     Requests are always streamed upstream, whatever the client asked, so the
     gateway sees tokens as they come and a client disconnect closes the
     upstream connection, which aborts the work there.
+
+    Health, in one place: a background probe every ``health_interval_s``;
+    ``breaker_failures`` straight failures (probes, refused or broken
+    requests) open the breaker for ``breaker_reset_s``; a request that dies
+    after its first byte opens it at once (the replica is gone or broken, and
+    the next request would find out the slow way).  While open the replica is
+    out of routing; it rejoins when a probe succeeds after the reset time
+    and, for a `kvgate engine`, once its KV events are followed again (an
+    index that missed events must not steer requests).  Opening the breaker
+    also cuts the replica's live upstream streams, so a replica that hangs
+    instead of dying still ends its streams with an error instead of never.
     """
 
     def __init__(self, cfg: ReplicaConfig, router_cfg: RouterConfig, fallback: ReplicaInfo, name: str | None = None) -> None:
@@ -214,7 +238,13 @@ class RemoteReplica(Replica):
         self._tasks: list[asyncio.Task] = []
         self._failures = 0
         self._open_until = 0.0
+        self._following = False
+        self._live: set[aiohttp.ClientResponse] = set()
         self.events_seen = 0
+        self.trips = 0
+        # Last figures from the backend's Prometheus endpoint (metrics_url).
+        self.waiting: float = 0.0
+        self.kv_usage: float | None = None
 
     # -- lifecycle
 
@@ -241,6 +271,8 @@ class RemoteReplica(Replica):
                 self.healthy = await self._probe()
             with contextlib.suppress(Exception):
                 await self._fetch_models()
+            if self.cfg.metrics_url:
+                self._tasks.append(asyncio.create_task(self._poll_metrics(), name=f"metrics:{self.name}"))
         self._tasks.append(asyncio.create_task(self._health_loop(), name=f"health:{self.name}"))
 
     async def close(self) -> None:
@@ -250,6 +282,7 @@ class RemoteReplica(Replica):
         for task in self._tasks:
             with contextlib.suppress(BaseException):
                 await task
+        self._cut_live()
         if self._session is not None:
             await self._session.close()
 
@@ -275,6 +308,8 @@ class RemoteReplica(Replica):
         if model:
             self.info = ReplicaInfo(model, self.info.block_size, self.info.hash_salt, self.info.max_model_len)
 
+    # -- health and the circuit breaker
+
     async def _probe(self) -> bool:
         path = "/health" if self.kind == "engine" else "/v1/models"
         try:
@@ -287,29 +322,50 @@ class RemoteReplica(Replica):
         interval = self.router_cfg.health_interval_s
         while True:
             await asyncio.sleep(interval)
-            ok = await self._probe()
-            if ok:
+            if await self._probe():
                 self._failures = 0
-                if self.kind == "openai" or self._following:
-                    self.healthy = time.monotonic() >= self._open_until
+                self._maybe_rejoin()
             else:
                 self._note_failure()
 
+    def _maybe_rejoin(self) -> None:
+        if time.monotonic() < self._open_until or (self.kind == "engine" and not self._following):
+            return
+        if not self.healthy:
+            log.info("replica %s is healthy: back in routing", self.name)
+        self.healthy = True
+
     def _note_failure(self) -> None:
-        # Circuit breaker: after N straight failures stop routing here for a while.
         self._failures += 1
         if self._failures >= self.router_cfg.breaker_failures:
-            self.healthy = False
-            self._open_until = time.monotonic() + self.router_cfg.breaker_reset_s
+            self._trip(f"{self._failures} failures in a row")
 
-    _following = False
+    def _trip(self, why: str) -> None:
+        """Open the breaker: out of routing for breaker_reset_s, live streams cut."""
+        if self.healthy:
+            log.warning("replica %s leaves routing: %s", self.name, why)
+        self.trips += 1
+        self.healthy = False
+        self._failures = 0
+        self._open_until = time.monotonic() + self.router_cfg.breaker_reset_s
+        self._cut_live()
+
+    def _cut_live(self) -> None:
+        # Closing a response makes its reader fail at once (-> an error event).
+        for resp in list(self._live):
+            resp.close()
+
+    @property
+    def breaker_open(self) -> bool:
+        return time.monotonic() < self._open_until
 
     async def _follow_kv_events(self) -> None:
         """Keep the index equal to the replica's cache: snapshot, then ordered events.
 
         A gap in sequence numbers or a dropped stream means events were lost:
         start over from a fresh snapshot (the index is cleared meanwhile so the
-        router never trusts a stale view).
+        router never trusts a stale view).  A stream that cannot even be
+        reopened means the engine is gone: it leaves routing at once.
         """
         backoff = 0.2
         while True:
@@ -327,7 +383,7 @@ class RemoteReplica(Replica):
                                     await self._fetch_info()
                             self._following = True
                             self._failures = 0
-                            self.healthy = time.monotonic() >= self._open_until
+                            self._maybe_rejoin()
                             backoff = 0.2
                             continue
                         seq = data["seq"]
@@ -338,15 +394,39 @@ class RemoteReplica(Replica):
                         last = seq
                         self.events_seen += 1
                         self.index.apply(data["kind"], data["keys"], data["tier"])
+                    raise ReplicaUnavailable("/kv_events ended")
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - any failure means: resync
+            except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
+                # Nothing listens there: the engine is down, not merely resyncing.
+                if self.healthy:
+                    self._trip(f"unreachable ({exc})")
+            except Exception as exc:  # noqa: BLE001 - any other failure means: resync
                 log.info("replica %s: kv event stream lost (%s); resyncing", self.name, exc)
             self._following = False
             self.index.reset({})
-            self._note_failure()
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _poll_metrics(self) -> None:
+        """vLLM/SGLang Prometheus figures -> the router's load term (see Router.set_external_load)."""
+        interval = self.router_cfg.health_interval_s
+        while True:
+            try:
+                async with self._session.get(self.cfg.metrics_url, headers=self._auth(),
+                                             timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    resp.raise_for_status()
+                    text = await resp.text()
+                waiting, usage = parse_backend_metrics(text, self.cfg.model or (self.info.model if self.info else None))
+                self.waiting, self.kv_usage = waiting, usage
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - stale figures are worse than none
+                log.debug("replica %s: metrics unavailable (%s)", self.name, exc)
+                self.waiting, self.kv_usage = 0.0, None
+            if self.load_listener is not None:
+                self.load_listener(self.waiting, self.kv_usage)
+            await asyncio.sleep(interval)
 
     # -- requests
 
@@ -391,19 +471,19 @@ class RemoteReplica(Replica):
         return path, body
 
     async def generate(self, job: Job) -> AsyncIterator[GenerationOutput]:
-        if time.monotonic() < self._open_until or self._session is None:
+        if self.breaker_open or self._session is None:
             raise ReplicaUnavailable(f"replica {self.name} is not taking requests")
         path, body = self._payload(job)
         chat = self.kind != "engine" and job.parsed.endpoint == CHAT
         headers = self._auth()
-        if isinstance(self.index, ApproxIndex):
-            self.index.record(job.keys)
         rid = job.request.request_id
         try:
             resp = await self._session.post(self.base + path, json=body, headers=headers)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             self._note_failure()
             raise ReplicaUnavailable(f"replica {self.name}: {exc}") from exc
+        self._live.add(resp)
+        produced = False
         try:
             if resp.status != 200:
                 try:
@@ -411,12 +491,17 @@ class RemoteReplica(Replica):
                 except Exception:  # noqa: BLE001
                     err = {}
                 if resp.status >= 500 or not isinstance(err, dict) or "error" not in err:
-                    self._note_failure()
-                    raise ReplicaUnavailable(f"replica {self.name} answered {resp.status}")
+                    raise ReplicaUnavailable(f"replica {self.name} answered {resp.status}")  # counted below
                 raise UpstreamError(resp.status, err)
             self._failures = 0
-            text_offsets: dict[int, int] = {}
+            if isinstance(self.index, ApproxIndex):
+                # Only a prompt the server accepted can be in its cache.
+                self.index.record(job.keys)
+            ended = False
             async for _event, chunk in _sse_events(resp.content):
+                if chunk is DONE_EVENT:
+                    ended = True
+                    break
                 if "error" in chunk:
                     raise UpstreamError(500, chunk)
                 for choice in chunk.get("choices") or ():
@@ -430,21 +515,68 @@ class RemoteReplica(Replica):
                     finish = choice.get("finish_reason")
                     if not text and finish is None and not lps:
                         continue  # the role chunk
-                    text_offsets[index] = text_offsets.get(index, 0) + len(text)
+                    produced = True
                     yield GenerationOutput(rid, index, [], text, lps, finish)
                 usage = chunk.get("usage")
                 if usage:
                     details = usage.get("prompt_tokens_details") or {}
+                    produced = True
                     yield GenerationOutput(
                         rid, USAGE_ALL, [], "", None, None,
                         Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), details.get("cached_tokens") or 0),
                     )
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            self._note_failure()
+            if not ended:
+                # EOF without [DONE]: the server went away; a silent truncation
+                # would look like a complete answer to the client.
+                raise ReplicaUnavailable(f"replica {self.name} closed the stream before [DONE]")
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, ReplicaUnavailable) as exc:
+            # ValueError: a broken frame (JSONDecodeError) from a dying server.
+            if produced:
+                self._trip(f"failed mid-request: {exc}")
+            else:
+                self._note_failure()
+            if isinstance(exc, ReplicaUnavailable):
+                raise
             raise ReplicaUnavailable(f"replica {self.name} failed mid-request: {exc}") from exc
         finally:
+            self._live.discard(resp)
             # Closing the connection is what aborts the request upstream.
             resp.close()
+
+
+# Vendor names of the two load figures; SGLang's first, then vLLM's (old and new).
+_WAITING_METRICS = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+_KV_USAGE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+
+
+def parse_backend_metrics(text: str, model: str | None = None) -> tuple[float, float | None]:
+    """(waiting requests, KV cache usage 0..1 or None) from a Prometheus text page.
+
+    A server may serve several models (one series each, label model_name);
+    when ``model`` names one of them only its series count, else all are
+    summed (waiting) or the highest taken (usage).
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    waiting: dict[str, float] = {}
+    usage: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in _WAITING_METRICS:
+                target = waiting
+            elif sample.name in _KV_USAGE_METRICS:
+                target = usage
+            else:
+                continue
+            target[sample.labels.get("model_name", "")] = sample.value
+    if model is not None and model in waiting:
+        waiting = {model: waiting[model]}
+    if model is not None and model in usage:
+        usage = {model: usage[model]}
+    kv = max(usage.values()) if usage else None
+    if kv is not None and kv > 1.0:
+        kv /= 100.0  # a percentage, whatever the name says
+    return float(sum(waiting.values())), kv
 
 
 def _chat_logprobs(lp: dict | None) -> list[TokenLogprob] | None:
@@ -466,8 +598,13 @@ def _completion_logprobs(lp: dict | None) -> list[TokenLogprob] | None:
     ]
 
 
+# What _sse_events yields for ``data: [DONE]`` (then it stops).
+DONE_EVENT: Any = object()
+
+
 async def _sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[str, Any]]:
-    """(event name, decoded data) of each SSE event until ``[DONE]`` or EOF."""
+    """(event name, decoded data) of each SSE event until ``[DONE]`` (yielded as
+    ``DONE_EVENT``, so callers can tell a finished stream from a cut one) or EOF."""
     event = "message"
     data: list[bytes] = []
     async for line in stream:
@@ -477,6 +614,7 @@ async def _sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[str, 
                 payload = b"\n".join(data)
                 data = []
                 if payload == b"[DONE]":
+                    yield event, DONE_EVENT
                     return
                 yield event, json.loads(payload)
             event = "message"

@@ -9,7 +9,9 @@ Cost of sending a request to replica r (prefix-aware):
 
     uncached prefill blocks on r  +  load_weight * in-flight blocks on r
 
-in blocks, not fractions (fractions over-reward short prompts).  Two guards keep
+in blocks, not fractions (fractions over-reward short prompts).  In-flight
+blocks are the gateway's own requests plus, for external backends with a
+metrics endpoint, the load they report (``set_external_load``).  Two guards keep
 a hot prefix or a run of misses from piling onto one replica: the imbalance
 valve (route by load alone while max-min in-flight is large) and hot-prefix
 spreading (past ``hot_prefix_inflight`` concurrent requests on one replica with
@@ -27,6 +29,11 @@ import xxhash
 from gateway.config import RouterConfig
 
 DEVICE_BIT, HOST_BIT = 1, 2
+# Pricing of backend-reported load (Router.set_external_load).
+_PRIOR_REQUEST_TOKENS = 1024
+_MEAN_DECAY = 0.01
+_KV_PRESSURE_START = 0.9
+_KV_FULL_REQUESTS = 4.0
 _TIER_BITS = {"device": DEVICE_BIT, "host": HOST_BIT}
 
 
@@ -148,6 +155,12 @@ class Router:
         n = len(self.names)
         self.inflight_tokens = [0] * n
         self.inflight_requests = [0] * n
+        # Load a backend reports that the gateway did not send or cannot see
+        # (other clients, queueing): tokens added to the load term.  Only
+        # external replicas with a metrics_url set it (set_external_load).
+        self.external_tokens = [0] * n
+        # Mean tokens charged per request, to price a reported waiting request.
+        self._mean_request_tokens = float(_PRIOR_REQUEST_TOKENS)
         self._hot: dict[tuple[int, int], int] = {}
         self._turn = 0
         self._name_seeds = [name.encode() for name in self.names]
@@ -184,7 +197,7 @@ class Router:
     def _prefix_aware(self, keys: Sequence[int], indexes: Sequence[PrefixIndex], cands: list[int]) -> Decision:
         nblocks = len(keys)
         weight = self.cfg.load_weight / self.block_size
-        loads = self.inflight_tokens
+        loads = self._loads()
         n = len(self.names)
         best = None
         best_rank = None
@@ -212,14 +225,22 @@ class Router:
                 return Decision(alt, "hot-spread", matched[alt])
         return Decision(best, "prefix", matched[best])
 
+    def _loads(self) -> list[int]:
+        ext = self.external_tokens
+        if not any(ext):
+            return self.inflight_tokens
+        return [a + b for a, b in zip(self.inflight_tokens, ext)]
+
     def _imbalanced(self, cands: list[int]) -> bool:
-        loads = [self.inflight_tokens[i] for i in cands]
+        all_loads = self._loads()
+        loads = [all_loads[i] for i in cands]
         lo, hi = min(loads), max(loads)
         return hi - lo > self.cfg.imbalance_abs_tokens and hi > self.cfg.imbalance_rel * lo
 
     def _least_loaded(self, cands: list[int]) -> int:
         n = len(self.names)
-        return min(cands, key=lambda i: (self.inflight_tokens[i], self.inflight_requests[i], (i - self._turn) % n))
+        loads = self._loads()
+        return min(cands, key=lambda i: (loads[i], self.inflight_requests[i], (i - self._turn) % n))
 
     def _rendezvous(self, session: str, cands: list[int]) -> int:
         # Highest random weight: a replica leaving moves only its own sessions.
@@ -235,6 +256,7 @@ class Router:
         ``matched_blocks``); the request then counts towards that prefix's heat.
         """
         hot_key = keys[matched - 1] if 0 < matched <= len(keys) else None
+        self._mean_request_tokens += (tokens - self._mean_request_tokens) * _MEAN_DECAY
         self.inflight_tokens[replica] += tokens
         self.inflight_requests[replica] += 1
         if hot_key is not None:
@@ -257,6 +279,22 @@ class Router:
                 self._hot[slot] = left
             else:
                 self._hot.pop(slot, None)
+
+    def set_external_load(self, replica: int, waiting: float, kv_usage: float | None) -> None:
+        """A backend's own load figures (vLLM: num_requests_waiting, kv_cache_usage_perc).
+
+        Each waiting request counts as an average request of this gateway's
+        traffic.  KV usage past ``_KV_PRESSURE_START`` means the next request
+        will wait for blocks or evict cached prefixes: it ramps up to
+        ``_KV_FULL_REQUESTS`` more waiting requests at 100%.  (The gateway's
+        own queued requests are in ``waiting`` too and so count twice; that
+        only happens when the backend is already queueing, where leaning
+        away from it is the right direction anyway.)
+        """
+        extra = max(0.0, waiting)
+        if kv_usage is not None and kv_usage > _KV_PRESSURE_START:
+            extra += _KV_FULL_REQUESTS * min(1.0, (kv_usage - _KV_PRESSURE_START) / (1.0 - _KV_PRESSURE_START))
+        self.external_tokens[replica] = int(extra * self._mean_request_tokens)
 
     def load_tokens(self, prompt_tokens: int, max_tokens: int, n: int) -> int:
         """In-flight tokens charged for a request: its prompt plus expected decode."""

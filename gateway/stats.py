@@ -1,13 +1,31 @@
 """The JSON behind `GET /stats` and the dashboard: recent history in bounded memory.
 
-Every ``sample_s`` seconds the requests finished since the last sample are
-folded into one history point (hit ratio per workload, TTFT p50/p99); the
-last ``keep`` points are kept (10 minutes at the defaults).
+Every ``sample_s`` seconds what happened since the last sample is folded into
+one history point: hit ratio per workload (engine-reported cached tokens /
+prompt tokens), TTFT p50/p99 and requests per second per replica.  The last
+``keep`` points are kept (10 minutes at the defaults).  A snapshot ends with
+the period still filling, marked ``partial``, so a fresh gateway shows its
+first requests at once instead of after a full period.
+
+Schema (the dashboard's ``render()`` reads exactly this)::
+
+    {"now": t, "sample_s": s,
+     "history": [{"t", "partial", "hit_ratio": {workload: r}, "ttft_p50", "ttft_p99",
+                  "rps": {replica: requests/s}}],
+     "replicas": [{"name", "healthy", "inflight",
+                   "cache": {tier: {"free", "cached", "in_use"}},
+                   "policy": {"name", "active", "fallbacks", "reuse_alarm", "traffic_spike"}}],
+     "totals": {"requests", "prompt_tokens", "cached_tokens", "hit_ratio"}}
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
+from typing import Mapping
+
+# TTFT samples kept per period for the percentiles; past this, every other one
+# is dropped (a uniform thinning), so a burst cannot grow memory.
+_MAX_TTFTS = 4096
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -17,6 +35,28 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def replica_entry(name: str, healthy: bool, inflight: int, engine: Mapping | None) -> dict:
+    """One replica in the snapshot; ``engine`` is its engine stats dict (None: no engine behind it)."""
+    cache: dict[str, dict] = {}
+    policy: dict = {}
+    if engine:
+        for tier, counts in (engine.get("blocks") or {}).items():
+            cache[tier] = {k: counts.get(k, 0) for k in ("free", "cached", "in_use")}
+        if "policy_name" in engine:
+            state = engine.get("policy") or {}
+            policy_name = engine["policy_name"]
+            # "active" is the order evicting now: the policy itself, or "lru" during a fallback.
+            active = state.get("active", policy_name)
+            policy = {
+                "name": policy_name,
+                "active": policy_name if active == "wa" else active,
+                "fallbacks": state.get("fallbacks", 0),
+                "reuse_alarm": bool(state.get("reuse_alarm", False)),
+                "traffic_spike": bool(state.get("traffic_spike", False)),
+            }
+    return {"name": name, "healthy": healthy, "inflight": inflight, "cache": cache, "policy": policy}
+
+
 class StatsHistory:
     def __init__(self, sample_s: float = 5.0, keep: int = 120) -> None:
         self.sample_s = sample_s
@@ -24,26 +64,37 @@ class StatsHistory:
         self._period_start: float | None = None
         self._tokens: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         self._ttfts: list[float] = []
+        self._per_replica: Counter[str] = Counter()
         self.requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
-    def record(self, workload: str, prompt_tokens: int, cached_tokens: int, ttft_s: float | None, now: float) -> None:
+    def first_token(self, ttft_s: float, now: float) -> None:
+        self._roll(now)
+        ttfts = self._ttfts
+        ttfts.append(ttft_s)
+        if len(ttfts) >= _MAX_TTFTS:
+            del ttfts[::2]
+
+    def finished(self, workload: str, replica: str, prompt_tokens: int, cached_tokens: int, now: float) -> None:
         self._roll(now)
         tally = self._tokens[workload]
         tally[0] += prompt_tokens
         tally[1] += cached_tokens
-        if ttft_s is not None:
-            self._ttfts.append(ttft_s)
+        self._per_replica[replica] += 1
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
 
     def snapshot(self, replicas: list[dict], now: float) -> dict:
         self._roll(now)
+        history = list(self.history)
+        if self._period_start is not None and (self._tokens or self._ttfts or self._per_replica):
+            history.append(self._point(now, partial=True))
         return {
             "now": now,
-            "history": list(self.history),
+            "sample_s": self.sample_s,
+            "history": history,
             "replicas": replicas,
             "totals": {
                 "requests": self.requests,
@@ -53,19 +104,27 @@ class StatsHistory:
             },
         }
 
+    def _point(self, end: float, partial: bool) -> dict:
+        elapsed = max(end - self._period_start, 1e-3)
+        return {
+            "t": end,
+            "partial": partial,
+            "hit_ratio": {w: cached / prompt for w, (prompt, cached) in self._tokens.items() if prompt},
+            "ttft_p50": percentile(self._ttfts, 0.50),
+            "ttft_p99": percentile(self._ttfts, 0.99),
+            "rps": {name: count / elapsed for name, count in self._per_replica.items()},
+        }
+
     def _roll(self, now: float) -> None:
         if self._period_start is None:
             self._period_start = now
             return
         if now - self._period_start < self.sample_s:
             return
-        if self._tokens or self._ttfts:
-            self.history.append({
-                "t": now,
-                "hit_ratio": {w: cached / prompt for w, (prompt, cached) in self._tokens.items() if prompt},
-                "ttft_p50": percentile(self._ttfts, 0.50),
-                "ttft_p99": percentile(self._ttfts, 0.99),
-            })
+        if self._tokens or self._ttfts or self._per_replica:
+            # Stamped at the period's end, even when the roll comes late (after idle time).
+            self.history.append(self._point(min(now, self._period_start + self.sample_s), partial=False))
         self._tokens.clear()
         self._ttfts = []
+        self._per_replica.clear()
         self._period_start = now

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.async_engine import AsyncEngine
@@ -9,12 +11,16 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.request import GenerationOutput, GenerationRequest, SamplingParams
 
 
+# bench/gpu_check.sh runs the engine tests on CUDA with KVGATE_TEST_DEVICE=cuda.
+DEVICE = os.environ.get("KVGATE_TEST_DEVICE", "cpu")
+
+
 def make_engine(path: str | None, **engine_kwargs) -> AsyncEngine:
     engine_kwargs.setdefault("device_blocks", 64)
     engine_kwargs.setdefault("host_blocks_multiplier", 2.0)
     policy = engine_kwargs.pop("policy", "lru")
     return AsyncEngine.from_config(
-        ModelConfig(path=path, dtype="float32", device="cpu"),
+        ModelConfig(path=path, dtype="float32", device=DEVICE),
         EngineConfig(**engine_kwargs),
         CacheConfig(policy=policy),
     )
@@ -45,14 +51,14 @@ def hf_reference(path: str):
     """The same weights through plain transformers (its own attention, its own cache)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
     model.generation_config.eos_token_id = None  # compare with ignore_eos
     return model
 
 
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False, min_new_tokens=0
     )

@@ -209,8 +209,8 @@ async def test_logprobs_match_the_model(engines, reference):
     prompt = prompt_of(15, seed=10)
     out = (await collect(engine, greedy("lp", prompt, 5, logprobs=3)))[0]
     with torch.inference_mode():
-        logits = reference(torch.tensor([prompt])).logits[0, -1]
-    expected = torch.log_softmax(logits.float(), -1)
+        logits = reference(torch.tensor([prompt], device=reference.device)).logits[0, -1]
+    expected = torch.log_softmax(logits.float().cpu(), -1)
     first = out[0].logprobs[0]
     assert first.token_id == out[0].token_ids[0] == int(expected.argmax())
     assert first.logprob == pytest.approx(float(expected.max()), abs=1e-4)
@@ -266,3 +266,38 @@ async def test_chat_template_tokens(engines, tiny_model_dir):
     expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert ids == list(expected) and all(isinstance(i, int) for i in ids)
     assert engine.hash_salt == engine.model_name
+
+
+def _reference_varlen(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                      enable_gqa=False, seqused_k=None, block_table=None):
+    """varlen_attn's contract in plain SDPA; the paged form is refused like FA2 refuses small pages."""
+    if block_table is not None:
+        raise RuntimeError("paged KV needs a page size divisible by 256")
+    assert window_size == (-1, 0) and enable_gqa
+    out = []
+    for i in range(len(cu_seq_q) - 1):
+        qs = q[cu_seq_q[i] : cu_seq_q[i + 1]].transpose(0, 1)[None]
+        ks = k[cu_seq_k[i] : cu_seq_k[i + 1]].transpose(0, 1)[None]
+        vs = v[cu_seq_k[i] : cu_seq_k[i + 1]].transpose(0, 1)[None]
+        n, m = qs.shape[2], ks.shape[2]
+        pos = torch.arange(m, device=q.device)
+        mask = pos[None, :] <= pos[m - n :, None]  # causal, aligned to the end
+        out.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+async def test_varlen_metadata_and_fallback(engines, reference, monkeypatch):
+    """The CUDA path's metadata, checked on CPU against a reference varlen_attn."""
+    from engine import attention
+
+    monkeypatch.setattr(attention, "varlen_attn", _reference_varlen)
+    monkeypatch.setattr(attention, "_varlen_ok", True)
+    monkeypatch.setattr(attention, "_varlen_paged_ok", True)
+    engine = engines(max_batched_tokens=48)
+    engine.runner.build_varlen = True
+    prompts = [prompt_of(n, seed=40 + n) for n in (5, 33, 70)]
+    await collect(engine, greedy("warm", prompts[2][:40], 2))  # so one prompt starts from cached blocks
+    results = await asyncio.gather(*(collect(engine, greedy(f"v{i}", p, 10)) for i, p in enumerate(prompts)))
+    assert attention._varlen_ok and not attention._varlen_paged_ok
+    for prompt, result in zip(prompts, results):
+        assert tokens(result[0]) == hf_greedy(reference, prompt, 10)

@@ -12,7 +12,7 @@ from engine.block_pool import BlockPool
 from engine.config import ModelConfig
 from engine.context import RequestContext
 from engine.kv_cache import KVCache, KVShape, size_device_blocks
-from engine.model_loader import ModelLoadError, load_model
+from engine.model_loader import ModelLoadError, load_model, resolve_dtype
 from engine.request import SamplingParams
 from engine.sampling import IncrementalDetokenizer, SequenceSampler
 
@@ -36,9 +36,12 @@ def test_missing_gguf(tmp_path):
 
 
 def test_tiny_model_dir_loads(tiny_model_dir):
-    loaded = load_model(ModelConfig(path=tiny_model_dir, device="cpu"))
+    cfg = ModelConfig(path=tiny_model_dir, device="cpu")
+    loaded = load_model(cfg)
     assert loaded.name == os.path.basename(tiny_model_dir)
-    assert loaded.dtype == torch.float32 and loaded.tokenizer.eos_token_id is not None
+    assert loaded.dtype == resolve_dtype(cfg, torch.device("cpu")) in (torch.float32, torch.bfloat16)
+    assert next(loaded.model.parameters()).dtype == loaded.dtype
+    assert loaded.tokenizer.eos_token_id is not None
 
 
 def _kv(device_blocks=4, host_blocks=4):

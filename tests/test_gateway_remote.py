@@ -1,71 +1,88 @@
-"""A gateway in front of `kvgate engine`-style servers over loopback (fake engine).
+"""A gateway in front of `kvgate engine` servers over loopback, on the real tiny engine.
 
 Covers the remote path end to end: the engine server's /kv_events stream keeps
-the gateway's index exact, requests travel as token ids with the gateway's
-classification, and an external OpenAI-compatible server (the same engine
-server, addressed as kind=openai) works with the approximate index.
+the gateway's index exact (stored and removed), requests travel as token ids
+with the gateway's classification, disconnects abort upstream, a dead replica
+is retried before the first byte, and an external OpenAI-compatible server
+(a real `kvgate engine` process addressed as kind=openai) works with the
+approximate index and feeds its Prometheus load figures to the router.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from gateway.app import GATEWAY, create_app
-from gateway.config import KvgateConfig, ReplicaConfig
-from gateway.replicas import InProcessReplica
+from gateway.config import ReplicaConfig, RouterConfig
+from gateway.replicas import parse_backend_metrics
 from gateway.server import start_server
-from tests.gateway_fake_engine import ByteTokenizer, FakeEngine
-
-MODEL = "fake-model"
-
-
-async def _engine_server():
-    engine = FakeEngine()
-    app = create_app(KvgateConfig(), [InProcessReplica("engine", engine=engine)], engine_mode=True)
-    return engine, await start_server(app)
-
-
-async def _wait(cond, timeout=5.0):
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    assert cond()
+from tests.engine_procs import (
+    MODEL,
+    EngineProcess,
+    count_aborts,
+    engine_idle,
+    record_requests,
+    tiny_config,
+    wait_for,
+)
 
 
-async def test_gateway_follows_remote_engine_kv_events():
-    (e1, s1), (e2, s2) = await _engine_server(), await _engine_server()
-    config = KvgateConfig(replicas=[ReplicaConfig(kind="engine", url=s1.url), ReplicaConfig(kind="engine", url=s2.url + "/v1")])
-    app = create_app(config, tokenizer=ByteTokenizer())
+async def _engine_server(model_dir, **kw):
+    app = create_app(tiny_config(model_dir, **kw), engine_mode=True)
+    server = await start_server(app)
+    return app[GATEWAY].replicas[0].engine, server
+
+
+def _client(url):
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+async def test_gateway_follows_remote_engine_kv_events(tiny_model_dir):
+    # A small pool with no host tier, so that later prompts evict earlier ones.
+    (e1, s1), (e2, s2) = [await _engine_server(tiny_model_dir, device_blocks=48, host_multiplier=0) for _ in range(2)]
+    seen = [record_requests(e1), record_requests(e2)]
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=s1.url),
+                                          ReplicaConfig(kind="engine", url=s2.url + "/v1")])
+    app = create_app(config)
     gw = await start_server(app)
-    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+    client = _client(gw.url)
     try:
         replicas = app[GATEWAY].replicas
-        await _wait(lambda: all(r.healthy for r in replicas))
-        system = "Shared system prompt for everyone. " * 10
+        await wait_for(lambda: all(r.healthy for r in replicas), what="replicas healthy")
+        system = "You are a helpful assistant. Answer the question briefly and politely. " * 4
         msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa: E731
         resp = await client.chat.completions.create(model=MODEL, messages=msgs("first"), max_tokens=2)
-        assert resp.choices[0].message.content == "t0 t1 "
-        owner = 0 if e1.requests else 1
+        assert isinstance(resp.choices[0].message.content, str) and resp.usage.completion_tokens <= 2
+        owner = 0 if seen[0] else 1
         engine = (e1, e2)[owner]
-        # The stored events reach the gateway's index of that replica.
-        await _wait(lambda: len(replicas[owner].index) == len(engine.held))
-        ctx = engine.requests[0].context
+        held = lambda: set(engine.cached_keys()["device"])  # noqa: E731
+        # The stored events reach the gateway's index of that replica, exactly.
+        await wait_for(lambda: set(replicas[owner].index.tiers) == held() and held(), what="index == cache")
+        ctx = seen[owner][0].context
         assert (ctx.workload, ctx.type, ctx.turn) == ("to-c", "text", 1)
         stream = await client.chat.completions.create(
             model=MODEL, messages=msgs("second"), max_tokens=2, stream=True, stream_options={"include_usage": True}
         )
         chunks = [c async for c in stream]
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
-        assert len(engine.requests) == 2
-        # Removal events too.
-        engine.evict_all()
-        await _wait(lambda: len(replicas[owner].index) == 0)
-        comp = await client.completions.create(model=MODEL, prompt="abc", max_tokens=1)
-        assert comp.choices[0].text == "t0 "
+        assert len(seen[owner]) == 2
+        # Removal events too: 10 distinct 19-block prompts overflow 2 x 48 blocks.
+        before = set(replicas[owner].index.tiers)
+        for i in range(10):
+            await client.completions.create(model=MODEL, prompt=[(7 * i + j) % 300 + 10 for j in range(300)],
+                                            max_tokens=1)
+        await wait_for(lambda: all(engine_idle(e) for e in (e1, e2)), what="engines idle")
+        for r, e in zip(replicas, (e1, e2)):
+            await wait_for(lambda r=r, e=e: set(r.index.tiers) == set(e.cached_keys()["device"]),
+                           what="index follows removals")
+        assert e1.stats()["evictions"]["device"] + e2.stats()["evictions"]["device"] > 0
+        assert before - set(replicas[owner].index.tiers) or engine.stats()["evictions"]["device"] == 0
     finally:
         await client.close()
         await gw.stop()
@@ -73,17 +90,102 @@ async def test_gateway_follows_remote_engine_kv_events():
         await s2.stop()
 
 
-async def test_external_openai_replica_with_approximate_index():
-    engine, server = await _engine_server()
-    config = KvgateConfig(replicas=[ReplicaConfig(kind="openai", url=server.url + "/v1", name="ext")])
-    app = create_app(config, tokenizer=ByteTokenizer())
+async def test_remote_disconnect_aborts_upstream(tiny_model_dir):
+    engine, server = await _engine_server(tiny_model_dir)
+    aborted = count_aborts(engine)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=server.url)]))
     gw = await start_server(app)
-    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
     try:
-        await _wait(lambda: app[GATEWAY].replicas[0].healthy)
-        resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_tokens=2)
-        assert resp.choices[0].message.content == "t0 t1 "
-        assert len(app[GATEWAY].replicas[0].index) > 0
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": 900, "ignore_eos": True, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(gw.url + "/v1/chat/completions", json=body)
+            await resp.content.readline()
+            resp.close()
+        # 900 tokens take far longer than this: only an abort frees the blocks in time.
+        await wait_for(lambda: engine_idle(engine) and app[GATEWAY].router.inflight_requests == [0], timeout=5,
+                       what="upstream aborted")
+        assert len(aborted) == 1
+    finally:
+        await gw.stop()
+        await server.stop()
+
+
+async def test_dead_replica_is_retried_before_first_byte_and_leaves_routing(tiny_model_dir):
+    (e1, s1), (e2, s2) = [await _engine_server(tiny_model_dir) for _ in range(2)]
+    seen = record_requests(e1)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=s1.url),
+                                          ReplicaConfig(kind="engine", url=s2.url)],
+                         router=RouterConfig(health_interval_s=0.1, breaker_failures=1))
+    app = create_app(config)
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        replicas = app[GATEWAY].replicas
+        await wait_for(lambda: all(r.healthy for r in replicas), what="replicas healthy")
+        await s2.stop()
+        for i in range(6):
+            resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}],
+                                                        max_tokens=1)
+            assert resp.choices[0].finish_reason in ("stop", "length")
+        await wait_for(lambda: not replicas[1].healthy, what="dead replica out")
+        assert len(seen) == 6
+        assert app[GATEWAY].router.inflight_requests == [0, 0]
+        assert [m.id for m in (await client.models.list()).data] == [MODEL]  # one replica is enough
+    finally:
+        await client.close()
+        await gw.stop()
+        await s1.stop()
+
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="other"} 7.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.95
+"""
+
+
+def test_parse_backend_metrics():
+    assert parse_backend_metrics(VLLM_METRICS, "tiny") == (3.0, 0.95)
+    assert parse_backend_metrics(VLLM_METRICS, None) == (10.0, 0.95)
+    old = "vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.5\n"
+    assert parse_backend_metrics(old) == (0.0, 0.5)
+    assert parse_backend_metrics("# nothing here\n") == (0.0, None)
+
+
+async def test_external_openai_replica_process_with_approximate_index_and_metrics(tiny_model_dir, tmp_path):
+    """A real second server process (`kvgate engine`, used as a plain OpenAI server)."""
+    proc = EngineProcess(tiny_config(tiny_model_dir), str(tmp_path))
+    proc.start()
+
+    async def metrics(request):
+        return web.Response(text=VLLM_METRICS, content_type="text/plain")
+
+    stub = web.Application()
+    stub.router.add_get("/metrics", metrics)
+    metrics_server = await start_server(stub)
+    gw = None
+    try:
+        await proc.wait_ready()
+        config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=proc.url + "/v1", name="ext",
+                                                            metrics_url=metrics_server.url + "/metrics")],
+                             router=RouterConfig(health_interval_s=0.2))
+        app = create_app(config)
+        gw = await start_server(app)
+        client = _client(gw.url)
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy, what="healthy")
+        resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello there"}],
+                                                    max_tokens=2)
+        assert isinstance(resp.choices[0].message.content, str) and resp.usage.completion_tokens <= 2
+        assert len(replica.index) > 0
+        keys = app[GATEWAY].hasher.chat([{"role": "user", "content": "hello there"}]).keys
+        assert replica.index.match(keys) == len(keys)
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=9)
         stream = await client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2, stream=True)
@@ -91,55 +193,92 @@ async def test_external_openai_replica_with_approximate_index():
         async for c in stream:
             for ch in c.choices:
                 texts[ch.index] = texts.get(ch.index, "") + ch.text
-        assert texts == {0: "t0 t1 ", 1: "t0 t1 "}
-    finally:
+        assert set(texts) == {0, 1}
+        # The backend's Prometheus figures reach the router's load term.
+        await wait_for(lambda: replica.kv_usage == 0.95 and replica.waiting == 3.0, what="metrics polled")
+        router = app[GATEWAY].router
+        await wait_for(lambda: router.external_tokens[0] > 0, what="external load")
+        assert router.external_tokens[0] >= 3 * 0.9 * router._mean_request_tokens
         await client.close()
-        await gw.stop()
-        await server.stop()
+    finally:
+        if gw is not None:
+            await gw.stop()
+        await metrics_server.stop()
+        proc.stop()
 
 
-async def test_remote_disconnect_aborts_upstream():
-    engine, server = await _engine_server()
-    engine.token_delay_s = 0.02
-    config = KvgateConfig(replicas=[ReplicaConfig(kind="engine", url=server.url)])
-    app = create_app(config, tokenizer=ByteTokenizer())
+async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoins(tiny_model_dir):
+    """An upstream that drops a stream (no [DONE]) or hangs after its first token.
+
+    The upstream here is a scripted aiohttp server, because the failure must
+    happen at an exact point of the stream; the gateway side is the real one.
+    """
+    state = {"healthy": True, "mode": "cut"}
+
+    async def models(request):
+        if not state["healthy"]:
+            return web.json_response({"error": {"message": "down"}}, status=500)
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def chat(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": None}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if state["mode"] == "hang":
+            await asyncio.sleep(20)  # bounded: the gateway must cut it well before
+        else:
+            request.transport.close()  # dropped: no [DONE]
+        return resp
+
+    stub = web.Application()
+    stub.router.add_get("/v1/models", models)
+    stub.router.add_post("/v1/chat/completions", chat)
+    upstream = await start_server(stub)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                         router=RouterConfig(health_interval_s=0.1, breaker_failures=2, breaker_reset_s=0.5))
+    app = create_app(config)
     gw = await start_server(app)
-    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
-    try:
-        await _wait(lambda: app[GATEWAY].replicas[0].healthy)
-        stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "go"}], max_tokens=400, stream=True
-        )
-        async for _ in stream:
-            break
-        await stream.close()
-        await _wait(lambda: not engine.active and app[GATEWAY].router.inflight_requests == [0])
-        assert engine.aborted
-    finally:
-        await client.close()
-        await gw.stop()
-        await server.stop()
+    replica = app[GATEWAY].replicas[0]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
 
+    async def events_of(resp):
+        out = []
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                data = line[6:].strip()
+                out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+        return out
 
-async def test_dead_replica_is_retried_before_first_byte_and_leaves_routing():
-    (e1, s1), (e2, s2) = await _engine_server(), await _engine_server()
-    config = KvgateConfig(replicas=[ReplicaConfig(kind="engine", url=s1.url), ReplicaConfig(kind="engine", url=s2.url)])
-    config.router.health_interval_s = 0.1
-    config.router.breaker_failures = 1
-    app = create_app(config, tokenizer=ByteTokenizer())
-    gw = await start_server(app)
-    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
     try:
-        replicas = app[GATEWAY].replicas
-        await _wait(lambda: all(r.healthy for r in replicas))
-        await s2.stop()
-        for i in range(6):
-            resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}], max_tokens=1)
-            assert resp.choices[0].message.content == "t0 "
-        await _wait(lambda: not replicas[1].healthy)
-        assert len(e1.requests) == 6
-        assert app[GATEWAY].router.inflight_requests == [0, 0]
+        await wait_for(lambda: replica.healthy, what="healthy")
+        async with aiohttp.ClientSession() as session:
+            # Cut: error event then [DONE]; the replica leaves routing at once.
+            async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                events = await asyncio.wait_for(events_of(resp), 10)
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "upstream_error"
+            assert any(c.get("choices") and c["choices"][0]["delta"].get("content") == "Hello" for c in events[:-2])
+            assert not replica.healthy
+            async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 503  # nothing else to route to
+            # Back after the reset time, on a good probe.
+            await wait_for(lambda: replica.healthy, timeout=5, what="rejoined")
+            # Hung: the health probes fail, the breaker opens and cuts the live stream.
+            state["mode"] = "hang"
+            async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                await resp.content.readline()
+                state["healthy"] = False
+                events = await asyncio.wait_for(events_of(resp), 10)
+            assert events[-1] == "[DONE]" and "error" in events[-2]
+            assert not replica.healthy
+            # Non-streaming through a cut upstream: a 502 OpenAI error.
+            state.update(healthy=True, mode="cut")
+            await wait_for(lambda: replica.healthy, timeout=5, what="rejoined again")
+            async with session.post(gw.url + "/v1/chat/completions", json={**body, "stream": False}) as resp:
+                assert resp.status == 502
+                assert set((await resp.json())["error"]) == {"message", "type", "param", "code"}
+        assert app[GATEWAY].router.inflight_requests == [0]
     finally:
-        await client.close()
         await gw.stop()
-        await s1.stop()
+        await upstream.stop()

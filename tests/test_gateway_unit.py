@@ -11,7 +11,7 @@ from gateway.errors import ApiError
 from gateway.prefix import PrefixHasher
 from gateway.protocol import CHAT, COMPLETIONS, StreamFormatter, parse_json, parse_request
 from gateway.router import ApproxIndex, ExactIndex, Router
-from tests.gateway_fake_engine import ByteTokenizer
+from bench.instant_engine import ByteTokenizer  # a byte-per-token stub is all hashing tests need
 
 LIMITS = LimitsConfig()
 

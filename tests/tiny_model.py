@@ -65,15 +65,21 @@ def make_tiny_tokenizer(vocab_size: int = 512):
     return fast
 
 
-def make_tiny_model_dir(path: str | os.PathLike, vocab_size: int = 512, seed: int = 0) -> str:
-    """Write a complete HF model directory (config, weights, tokenizer) to ``path``."""
+def make_tiny_model_dir(
+    path: str | os.PathLike, vocab_size: int = 512, seed: int = 0, dtype=None, **config_overrides
+) -> str:
+    """Write a complete HF model directory (config, weights, tokenizer) to ``path``.
+
+    ``config_overrides`` change the LlamaConfig (bench/gpu_check.sh builds a
+    1B-class model this way); ``dtype`` is the dtype the weights are saved in.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tokenizer = make_tiny_tokenizer(vocab_size)
-    config = LlamaConfig(
+    settings = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -86,6 +92,7 @@ def make_tiny_model_dir(path: str | os.PathLike, vocab_size: int = 512, seed: in
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
+    config = LlamaConfig(**{**settings, **config_overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     # Random init with std 0.02 gives near-uniform logits; a larger head
@@ -95,6 +102,8 @@ def make_tiny_model_dir(path: str | os.PathLike, vocab_size: int = 512, seed: in
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if dtype is not None:
+        model.to(dtype)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -615,7 +615,8 @@ class WorkloadAwarePolicy(EvictionPolicy):
             entry[1] = cat
             entry[3] = shared
         model.stats[cat].pending[b_now % ring] += 1
-        spatial = (1.0 - offset / blocks) * self._boost
+        # Decode blocks of a live request lie past its prompt: no spatial credit.
+        spatial = (1.0 - offset / blocks) * self._boost if offset < blocks else 0.0
         self.core.access(key, cat, now, offset, spatial, parent)
         if self.lru_active:
             self.lru.pop(key, None)

@@ -1,10 +1,11 @@
-"""A test double of engine.async_engine.AsyncEngine for fast gateway tests.
+"""A benchmark fixture: an engine that answers instantly, for measuring the gateway alone.
 
-It keeps the engine's contract (per-choice GenerationOutputs, usage on the last
-output of a choice, closing the iterator aborts, KV events on store) with a
-byte tokenizer and a block-key set instead of a model, so wire-format, routing
-and disconnect tests run in milliseconds.  Tests that need the real engine use
-the tiny model instead.
+``InstantBenchEngine`` keeps engine.async_engine.AsyncEngine's contract
+(per-choice GenerationOutputs, usage on the last output of a choice, closing
+the iterator aborts, KV events on store) with a byte tokenizer and a set of
+block keys instead of a model, so that bench/gateway.py measures what the
+gateway adds per request and nothing else.  It is not a test double: tests
+use the real engine with the tiny model (tests/tiny_model.py).
 """
 
 from __future__ import annotations
@@ -36,8 +37,18 @@ class ByteTokenizer:
         return self.encode(text) if tokenize else text
 
 
-class FakeEngine:
-    def __init__(self, name: str = "fake-model", block_size: int = 4, token_delay_s: float = 0.0, max_model_len: int = 4096):
+class InstantBenchEngine:
+    """Answers ``max_tokens`` tokens "t0 t1 ..." per choice without computing anything.
+
+    ``token_delay_s`` > 0 paces the tokens (a slow engine); 0 yields them as
+    fast as the consumer takes them.  ``track_blocks`` keeps a block set and
+    publishes KV events like an engine; off by default, so that the benchmark
+    charges no hashing to the engine side.
+    """
+
+    def __init__(self, name: str = "bench-model", block_size: int = 16, token_delay_s: float = 0.0,
+                 max_model_len: int = 4096, track_blocks: bool = False) -> None:
+        self.track_blocks = track_blocks
         self.tokenizer = ByteTokenizer()
         self.model_name = name
         self.block_size = block_size
@@ -45,17 +56,15 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.token_delay_s = token_delay_s
         self.held: set[int] = set()
-        self.active: dict[str, int] = {}  # request id -> live choices
-        self.aborted: list[str] = []
-        self.requests: list[GenerationRequest] = []
+        self.active: dict[str, int] = {}
+        self.served = 0
         self._subscribers = []
-        self.started = False
 
     def start(self) -> None:
-        self.started = True
+        pass
 
     async def shutdown(self) -> None:
-        self.started = False
+        pass
 
     def apply_chat_template(self, messages) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -72,39 +81,28 @@ class FakeEngine:
     def abort(self, request_id: str) -> None:
         self.active.pop(request_id, None)
 
-    def _store(self, keys: list[int]) -> None:
-        new = [k for k in keys if k not in self.held]
-        self.held.update(new)
-        if new:
-            for cb in self._subscribers:
-                cb("stored", new, "device")
-
-    def evict_all(self) -> None:
-        keys = list(self.held)
-        self.held.clear()
-        for cb in self._subscribers:
-            cb("removed", keys, "device")
-
     async def generate(self, request: GenerationRequest):
-        self.requests.append(request)
+        self.served += 1
         rid = request.request_id
-        keys = block_hashes(request.prompt_token_ids, self.block_size, self.hash_salt, request.mm_hashes)
         hit = 0
-        for key in keys:
-            if key not in self.held:
-                break
-            hit += 1
-        self._store(keys)
+        if self.track_blocks:
+            keys = block_hashes(request.prompt_token_ids, self.block_size, self.hash_salt, request.mm_hashes)
+            for key in keys:
+                if key not in self.held:
+                    break
+                hit += 1
+            new = [k for k in keys if k not in self.held]
+            if new:
+                self.held.update(new)
+                for cb in self._subscribers:
+                    cb("stored", new, "device")
         s = request.sampling
         self.active[rid] = s.n
-        finished = False
         try:
             for index in range(s.n):
                 for step in range(s.max_tokens):
                     if self.token_delay_s:
                         await asyncio.sleep(self.token_delay_s)
-                    else:
-                        await asyncio.sleep(0)
                     last = step == s.max_tokens - 1
                     text = f"t{step} "
                     lps = None
@@ -114,10 +112,7 @@ class FakeEngine:
                         rid, index, [100 + step], text, lps,
                         "length" if last else None,
                         Usage(len(request.prompt_token_ids), s.max_tokens, hit * self.block_size) if last else None,
-                        0.001 if step == 0 else None,
+                        0.0 if step == 0 else None,
                     )
-            finished = True
         finally:
             self.active.pop(rid, None)
-            if not finished:
-                self.aborted.append(rid)

@@ -1,0 +1,223 @@
+"""Gateway overhead: the full gateway vs a bare aiohttp handler sending the same SSE bytes.
+
+    .venv/bin/python bench/gateway.py --json /tmp/gateway_bench.json
+
+Both servers run in this process, on loopback, over ``InstantBenchEngine``
+(bench/instant_engine.py: answers instantly), so the difference is what the
+gateway adds per request: parsing, validation, tokenising, classifying,
+hashing, routing, in-flight accounting, metrics and SSE shaping.  The bare
+handler reads the body and writes the SSE bytes the gateway produced for the
+same request, as one chunked stream like the gateway's.
+
+The load comes from a separate client process (this file with --client):
+a raw HTTP/1.1 keep-alive client on asyncio streams, C connections each
+sending requests back to back, so the client costs a few microseconds per
+request and is not the bottleneck (the aiohttp client costs more than the
+bare server).  Each phase is bounded by a request count and a time limit.
+
+Per concurrency, the JSON holds gateway_rps, bare_rps, added_p50_ms and
+added_p99_ms (gateway latency percentile minus the bare one, measured by the
+client from the first byte sent to the last byte read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+MODEL = "bench-model"
+REQUEST = {
+    "model": MODEL,
+    "messages": [
+        {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ],
+    "max_tokens": 8,
+    "stream": True,
+}
+
+
+# ----------------------------------------------------------------------------- client (own process)
+
+
+async def _worker(host: str, port: int, raw: bytes, stop_at: float, budget: list[int], lat: list[float]) -> None:
+    reader, writer = await asyncio.open_connection(host, port)
+    perf = time.perf_counter
+    try:
+        while budget[0] > 0 and perf() < stop_at:
+            budget[0] -= 1
+            t0 = perf()
+            writer.write(raw)
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"bad response: {head[:80]!r}")
+            lower = head.lower()
+            if b"transfer-encoding: chunked" in lower:
+                while True:
+                    size = int((await reader.readline()).split(b";")[0], 16)
+                    if size == 0:
+                        await reader.readline()
+                        break
+                    await reader.readexactly(size + 2)
+            else:
+                start = lower.index(b"content-length:") + 15
+                length = int(lower[start:lower.index(b"\r\n", start)])
+                await reader.readexactly(length)
+            lat.append(perf() - t0)
+    finally:
+        writer.close()
+
+
+async def _client(url: str, concurrency: int, requests: int, seconds: float) -> dict:
+    host, port = url.split("//")[1].split(":")
+    body = json.dumps(REQUEST).encode()
+    raw = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    lat: list[float] = []
+    budget = [requests]
+    # Warm-up: connections, caches, the allocator.
+    await asyncio.gather(*(_worker(host, int(port), raw, time.perf_counter() + 1, [20], []) for _ in range(concurrency)))
+    start = time.perf_counter()
+    await asyncio.gather(*(_worker(host, int(port), raw, start + seconds, budget, lat) for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    lat.sort()
+    return {
+        "requests": len(lat),
+        "seconds": elapsed,
+        "rps": len(lat) / elapsed,
+        "p50_ms": lat[len(lat) // 2] * 1e3,
+        "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
+        "mean_ms": statistics.fmean(lat) * 1e3,
+    }
+
+
+# ----------------------------------------------------------------------------- servers (this process)
+
+
+async def _servers():
+    from aiohttp import web
+
+    from bench.instant_engine import InstantBenchEngine
+    from gateway.app import create_app
+    from gateway.config import KvgateConfig
+    from gateway.replicas import InProcessReplica
+    from gateway.server import start_server
+
+    engines = [InstantBenchEngine(MODEL), InstantBenchEngine(MODEL)]
+    gw_app = create_app(KvgateConfig(), [InProcessReplica(f"r{i}", engine=e) for i, e in enumerate(engines)])
+    gateway = await start_server(gw_app)
+    # The bytes the gateway sends for the request, captured once.
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gateway.url + "/v1/chat/completions", json=REQUEST) as resp:
+            assert resp.status == 200, await resp.text()
+            sse = await resp.read()
+
+    async def bare(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        await resp.write(sse)
+        await resp.write_eof()
+        return resp
+
+    bare_app = web.Application()
+    bare_app.router.add_post("/v1/chat/completions", bare)
+    bare_server = await start_server(bare_app)
+    return gateway, bare_server, engines
+
+
+async def _run_client(url: str, concurrency: int, requests: int, seconds: float) -> dict:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, os.path.abspath(__file__), "--client", url, "--concurrency", str(concurrency),
+        "--requests", str(requests), "--seconds", str(seconds), stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"client failed ({proc.returncode})")
+    return json.loads(out)
+
+
+async def _bench(levels: list[int], requests: int, seconds: float, profile: str | None) -> dict:
+    gateway, bare_server, engines = await _servers()
+    results = {}
+    try:
+        for c in levels:
+            bare = await _run_client(bare_server.url, c, requests, seconds)
+            if profile and c == levels[-1]:
+                from pyinstrument import Profiler
+
+                profiler = Profiler(async_mode="disabled")
+                profiler.start()
+            gw = await _run_client(gateway.url, c, requests, seconds)
+            if profile and c == levels[-1]:
+                profiler.stop()
+                with open(profile, "w") as f:
+                    f.write(profiler.output_text(unicode=False, color=False, show_all=False))
+            results[str(c)] = {
+                "concurrency": c,
+                "gateway_rps": round(gw["rps"], 1),
+                "bare_rps": round(bare["rps"], 1),
+                "rps_ratio": round(gw["rps"] / bare["rps"], 3),
+                "added_p50_ms": round(gw["p50_ms"] - bare["p50_ms"], 3),
+                "added_p99_ms": round(gw["p99_ms"] - bare["p99_ms"], 3),
+                "gateway": gw,
+                "bare": bare,
+            }
+            print(f"c={c:>3}: gateway {gw['rps']:8.0f} rps p50 {gw['p50_ms']:.2f} ms p99 {gw['p99_ms']:.2f} ms | "
+                  f"bare {bare['rps']:8.0f} rps p50 {bare['p50_ms']:.2f} ms p99 {bare['p99_ms']:.2f} ms | "
+                  f"ratio {gw['rps'] / bare['rps']:.2f} added p50 {gw['p50_ms'] - bare['p50_ms']:.3f} ms",
+                  file=sys.stderr, flush=True)
+    finally:
+        await gateway.stop()
+        await bare_server.stop()
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="OUT", help="write results as JSON")
+    parser.add_argument("--concurrency", default="1,64,256", help="comma-separated levels (client: one level)")
+    parser.add_argument("--requests", type=int, default=20000, help="most requests per phase")
+    parser.add_argument("--seconds", type=float, default=6.0, help="most seconds per phase")
+    parser.add_argument("--profile", metavar="OUT.txt", help="pyinstrument profile of the last gateway phase")
+    parser.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.client:
+        print(json.dumps(asyncio.run(_client(args.client, int(args.concurrency), args.requests, args.seconds))))
+        return 0
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    results = asyncio.run(_bench(levels, args.requests, args.seconds, args.profile))
+    payload = {
+        "what": "full gateway vs bare aiohttp handler, same SSE bytes, InstantBenchEngine, loopback",
+        "client": "separate process, raw HTTP/1.1 keep-alive over asyncio streams",
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "results": results,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+            f.write("\n")
+    print(json.dumps({c: {k: r[k] for k in ("gateway_rps", "bare_rps", "added_p50_ms", "added_p99_ms")}
+                      for c, r in results.items()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""What the gateway watches about itself, in one place: the request hooks and the state readers.
+
+The app calls three hooks on the request path, each a handful of additions:
+``first_token`` (TTFT), ``token_gap`` (inter-token latency) and ``finished``
+(one engine request completed: engine-actual prompt/cached tokens feed the
+minute reuse ratio, the user hit share, the /stats history and the trace
+recorder).  Everything else (engine KV blocks, evictions, swap bytes, policy
+state) is read when someone asks: a Prometheus scrape or a /stats poll.
+
+Engine stats per replica:
+- in-process: ``AsyncEngine.stats()`` (between steps; during a step, the
+  figures from just before it), read on the event loop thread;
+- `kvgate engine` servers: their ``GET /kvgate/stats`` (the same dict),
+  fetched on demand by ``refresh()`` before a scrape or /stats answer, at most
+  once a second per replica, all replicas concurrently with a short timeout;
+  a replica that does not answer keeps its last figures;
+- external OpenAI servers: none (their own /metrics has vLLM's series).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import aiohttp
+
+from engine.context import RequestContext
+from gateway.config import KvgateConfig
+from gateway.metrics import GatewayMetrics
+from gateway.prefix import Prompt
+from gateway.recorder import TraceRecorder, generated_keys
+from gateway.reuse_rate import MinuteReuse
+from gateway.stats import StatsHistory, replica_entry
+from gateway.user_share import UserHitShare
+
+log = logging.getLogger(__name__)
+
+# Remote engine stats: refetched at most this often, waited for at most this long.
+_REMOTE_MIN_AGE_S = 1.0
+_REMOTE_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True)
+class Finished:
+    """One completed engine request, as the engine reported it."""
+
+    ctx: RequestContext
+    replica: str
+    prompt: Prompt  # token ids, image hashes and block keys, as the gateway computed them
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    arrival: float  # time.monotonic() when the request was sent to routing
+    user: str | None  # the request's `user` field, scoped by tenant below
+    generated: list[int] | None = None  # choice 0's token ids, collected only while recording
+
+
+class Observer:
+    def __init__(self, config: KvgateConfig, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.history = StatsHistory()
+        self.reuse = MinuteReuse()
+        self.user_share = UserHitShare()
+        self.recorder: TraceRecorder | None = None
+        self._replicas: list = []
+        self._inflight = lambda i: 0
+        self._remote: dict[str, tuple[float, dict | None]] = {}
+        self._session: aiohttp.ClientSession | None = None
+        # Minute boundaries of the reuse ratio are wall-clock minutes (tests move this clock).
+        self.wall_clock = time.time
+        metrics.watch_state(self.replica_stats, self._reuse_now, self._shares_now)
+
+    # -- lifecycle
+
+    def start(self, replicas: list, inflight, block_size: int, salt: str | bytes = "") -> None:
+        """``inflight(i)``: requests in flight on replica i (the router's count);
+        ``block_size`` and ``salt``: the block identity the engines use."""
+        self._replicas = replicas
+        self._inflight = inflight
+        self._block_size = block_size
+        self._salt = salt
+        server = self.config.server
+        if server.record_trace:
+            self.recorder = TraceRecorder(server.record_trace, server.record_max_bytes, block_tokens=block_size)
+            log.info("recording served traffic to %s (block ids per %d tokens)", server.record_trace, block_size)
+
+    @property
+    def recording(self) -> bool:
+        return self.recorder is not None
+
+    async def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- request hooks
+
+    def first_token(self, workload: str, ttft_s: float) -> None:
+        self.metrics.ttft.labels(workload).observe(ttft_s)
+        self.history.first_token(ttft_s, time.monotonic())
+
+    def finished(self, done: Finished) -> None:
+        ctx = done.ctx
+        self.reuse.record(ctx.workload, ctx.type, done.prompt_tokens, done.cached_tokens, self.wall_clock())
+        self.history.finished(ctx.workload, done.replica, done.prompt_tokens, done.cached_tokens, time.monotonic())
+        user = user_identity(done.user, ctx.tenant)
+        if user is not None:
+            self.user_share.record(user, done.cached_tokens, time.monotonic())
+        if self.recorder is not None:
+            prompt = done.prompt
+            # Token ids come back from in-process engines only; remote streams carry text.
+            output_keys = generated_keys(prompt.token_ids, prompt.keys, done.generated, self._block_size,
+                                         self._salt, prompt.mm_hashes) if done.generated else []
+            try:
+                self.recorder.record(ctx, prompt.keys, done.prompt_tokens, done.completion_tokens, done.arrival,
+                                     output_keys)
+            except OSError:
+                # A full disk must not fail requests; stop recording and say so once.
+                log.exception("trace recording to %s failed; recording stopped", self.recorder.path)
+                self.recorder.close()
+                self.recorder = None
+
+    # -- state readers
+
+    def replica_stats(self) -> Iterable[tuple[str, Mapping | None]]:
+        for replica in self._replicas:
+            yield replica.name, self._engine_stats(replica)
+
+    def _engine_stats(self, replica) -> Mapping | None:
+        engine = getattr(replica, "engine", None)
+        if engine is not None and replica.kind == "inprocess":
+            try:
+                stats = engine.stats()
+            except Exception:  # noqa: BLE001 - a scrape must not fail over one replica
+                log.exception("stats of replica %s failed", replica.name)
+                return None
+            return stats if isinstance(stats, Mapping) else None
+        cached = self._remote.get(replica.name)
+        return cached[1] if cached else None
+
+    async def refresh(self) -> None:
+        """Fetch fresh stats from `kvgate engine` replicas (no-op for the rest)."""
+        now = time.monotonic()
+        due = [
+            r for r in self._replicas
+            if r.kind == "engine" and getattr(r, "base", None)
+            and now - self._remote.get(r.name, (-1e9, None))[0] >= _REMOTE_MIN_AGE_S
+        ]
+        if not due:
+            return
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_REMOTE_TIMEOUT_S))
+        await asyncio.gather(*(self._fetch(r, now) for r in due))
+
+    async def _fetch(self, replica, now: float) -> None:
+        api_key = getattr(getattr(replica, "cfg", None), "api_key", None)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        previous = self._remote.get(replica.name, (0.0, None))[1]
+        stats = previous
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            async with self._session.get(replica.base + "/kvgate/stats", headers=headers) as resp:
+                if resp.status == 200:
+                    stats = await resp.json()
+        self._remote[replica.name] = (now, stats)
+
+    def stats_json(self) -> dict:
+        replicas = [
+            replica_entry(r.name, bool(r.healthy), int(self._inflight(i)), self._engine_stats(r))
+            for i, r in enumerate(self._replicas)
+        ]
+        return self.history.snapshot(replicas, time.monotonic())
+
+    def _reuse_now(self) -> Mapping[tuple[str, str], float]:
+        return self.reuse.last_full_minute(self.wall_clock())
+
+    def _shares_now(self) -> Mapping[float, float]:
+        return self.user_share.shares(time.monotonic())
+
+
+def user_identity(user: str | None, tenant: str | None) -> str | None:
+    """Who a request counts for in the user hit share: its `user` field within
+    its tenant, else its API-key tenant; None for anonymous traffic (not counted)."""
+    if user:
+        return f"{tenant or ''}\x00{user}"
+    if tenant:
+        return f"\x01{tenant}"
+    return None

@@ -1,0 +1,242 @@
+"""Routing simulation: a trace through N block caches behind the real router.
+
+`kvgate replay TRACE --replicas N --routing prefix-aware,least-load,...` lands
+here.  Each replica is an ``engine.block_pool.BlockPool`` (the engine's own
+cache, no tensors) of the given capacity; ``gateway.router.Router`` (the code
+the gateway runs) picks the replica of every request, seeing each pool as an
+exact index, as a gateway following KV events would.
+
+Load model.  Replay is instantaneous, but the router's load term and its
+imbalance valve need in-flight work.  Each request therefore stays in flight
+on its replica for a service time
+
+    service_s = prefill_s_per_token * uncached prompt tokens
+              + decode_s_per_token  * output_length
+
+with fixed per-token costs (defaults: 0.1 ms per prefilled token, i.e. 10k
+tokens/s of prefill per replica, and 30 ms per decoded token, a typical
+batched TPOT for a 7B-class model).  Cached tokens cost nothing, so good
+routing also shortens the work it creates.  There is no queueing: replicas
+are assumed to batch whatever is in flight; the costs only decide how long a
+request counts against its replica in the router.  The router charges each
+request ``Router.load_tokens(prompt, output, 1)`` tokens, exactly what the
+gateway charges (the real max_tokens is unknown to the trace, so the known
+output length stands in for it).
+
+Replay semantics per replica are ``engine.replay``'s: the leading run of
+cached keys is the hit, every key is touched or inserted, blocks are released
+tail first.  The reference is one pooled cache of N times the capacity: what
+routing could at best recover by putting every request where its prefix is.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+from engine.block_pool import BlockPool
+from engine.config import CacheConfig
+from engine.replay import replay
+from engine.traces import Trace
+from gateway.config import RouterConfig
+from gateway.router import Router
+
+ROUTINGS = ("prefix-aware", "least-load", "round-robin", "session")
+# Defaults of the load model (see the module docstring).
+PREFILL_S_PER_TOKEN = 1e-4
+DECODE_S_PER_TOKEN = 0.03
+
+
+@dataclass(slots=True)
+class RoutingResult:
+    routing: str
+    replicas: int
+    policy: str
+    capacity_blocks: int  # per replica
+    capacity_fraction: float  # per replica, of the trace's unique blocks
+    hit_ratio: float
+    accesses: int
+    load_imbalance: float  # max over mean of per-replica block accesses
+    per_replica_accesses: list[int]
+    pooled_hit_ratio: float  # one cache of replicas x capacity, same policy
+    share_of_pooled: float
+    mean_inflight: float  # requests in flight per replica, averaged over arrivals
+    # max over mean of in-flight tokens across replicas, averaged over arrivals:
+    # how unevenly the *work* (not the blocks) is spread while it runs.
+    inflight_imbalance: float
+    decisions: dict[str, int]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class SimOutcome(NamedTuple):
+    hit_ratio: float
+    accesses: int
+    per_replica_accesses: list[int]
+    mean_inflight: float
+    inflight_imbalance: float
+    decisions: dict[str, int]
+
+
+class _PoolIndex:
+    """A pool seen as the router's index: blocks in either tier count as held."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+
+    def match(self, keys: Sequence[int]) -> int:
+        m = self.pool.match_prefix(keys)
+        return m.device + m.host
+
+
+def simulate(
+    trace: Trace,
+    routing: str,
+    replicas: int,
+    capacity_blocks: int,
+    policy: str = "lru",
+    cache_config: CacheConfig | None = None,
+    router_config: RouterConfig | None = None,
+    *,
+    host_blocks: int = 0,
+    prefill_s_per_token: float = PREFILL_S_PER_TOKEN,
+    decode_s_per_token: float = DECODE_S_PER_TOKEN,
+) -> "SimOutcome":
+    if routing not in ROUTINGS:
+        raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+    if policy == "belady":
+        raise ValueError("belady needs each replica's future, which depends on routing: not simulated")
+    cfg = (router_config or RouterConfig()).model_copy(update={"policy": routing})
+    block_tokens = trace.block_tokens
+    pools = [BlockPool(capacity_blocks, host_blocks, policy, cache_config) for _ in range(replicas)]
+    indexes = [_PoolIndex(p) for p in pools]
+    router = Router(cfg, [f"r{i}" for i in range(replicas)], block_tokens)
+    healthy = [True] * replicas
+    finishing: list[tuple[float, int, object]] = []  # (finish time, seq, ticket)
+    per_replica = [0] * replicas
+    decisions: dict[str, int] = {}
+    hits = accesses = 0
+    inflight_sum = 0
+    work_skew_sum = 0.0
+    for seq, request in enumerate(trace.requests):
+        now = request.timestamp
+        while finishing and finishing[0][0] <= now:
+            router.release(heapq.heappop(finishing)[2])
+        keys = request.keys
+        ctx = request.context
+        decision = router.choose(keys, indexes, healthy, ctx.session)
+        r = decision.replica
+        decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
+        inflight_sum += sum(router.inflight_requests)
+        total = sum(router.inflight_tokens)
+        work_skew_sum += max(router.inflight_tokens) * replicas / total if total else 1.0
+        blocks, hit = pools[r].touch_or_insert(keys, ctx, now)
+        blocks.reverse()
+        pools[r].release(blocks, ctx, now)
+        hits += hit
+        accesses += len(keys)
+        per_replica[r] += len(keys)
+        tokens = request.input_length or len(keys) * block_tokens
+        ticket = router.acquire(r, router.load_tokens(tokens, request.output_length, 1), keys, decision.matched_blocks)
+        uncached = max(0, tokens - hit * block_tokens)
+        service = prefill_s_per_token * uncached + decode_s_per_token * request.output_length
+        heapq.heappush(finishing, (now + service, seq, ticket))
+    n = max(1, len(trace.requests))
+    return SimOutcome(hits / accesses if accesses else 0.0, accesses, per_replica, inflight_sum / n / replicas,
+                      work_skew_sum / n, decisions)
+
+
+def load_imbalance(per_replica: Sequence[int]) -> float:
+    mean = sum(per_replica) / len(per_replica) if per_replica else 0
+    return max(per_replica) / mean if mean else 1.0
+
+
+def run_routing(
+    trace: Trace,
+    routings: Sequence[str],
+    replicas: int,
+    policies: Sequence[str],
+    capacities: Sequence[int],
+    cache_config: CacheConfig | None = None,
+    router_config: RouterConfig | None = None,
+    *,
+    host_blocks: int = 0,
+    unique_blocks: int | None = None,
+) -> list[RoutingResult]:
+    unique = unique_blocks if unique_blocks is not None else trace.unique_blocks()
+    results = []
+    for policy in policies:
+        for capacity in capacities:
+            pooled = replay(trace, policy, capacity * replicas, cache_config, host_blocks=host_blocks * replicas,
+                            unique_blocks=unique).hit_ratio
+            for routing in routings:
+                out = simulate(
+                    trace, routing, replicas, capacity, policy, cache_config, router_config, host_blocks=host_blocks
+                )
+                results.append(RoutingResult(
+                    routing=routing, replicas=replicas, policy=policy, capacity_blocks=capacity,
+                    capacity_fraction=capacity / unique if unique else 0.0, hit_ratio=out.hit_ratio,
+                    accesses=out.accesses, load_imbalance=load_imbalance(out.per_replica_accesses),
+                    per_replica_accesses=out.per_replica_accesses, pooled_hit_ratio=pooled,
+                    share_of_pooled=out.hit_ratio / pooled if pooled else 0.0, mean_inflight=out.mean_inflight,
+                    inflight_imbalance=out.inflight_imbalance, decisions=out.decisions,
+                ))
+    return results
+
+
+def format_routing_table(summary: dict, results: Sequence[RoutingResult]) -> str:
+    n = results[0].replicas if results else 0
+    lines = [
+        f"trace {summary['path']} ({summary['format']}): {summary['requests']} requests, "
+        f"{summary['accesses']} block accesses, {summary['unique_blocks']} unique blocks, "
+        f"ideal hit ratio {summary['ideal_hit_ratio']:.4f}",
+        f"{n} replicas; capacity is per replica; 'pooled' = one cache of {n}x the capacity",
+        "",
+        f"{'routing':<13} {'policy':<8} {'capacity':>9} {'fraction':>8} {'hit ratio':>9} {'pooled':>7} "
+        f"{'vs pooled':>9} {'imbalance':>9} {'inflight':>8} {'work skew':>9}",
+    ]
+    for r in results:
+        lines.append(
+            f"{r.routing:<13} {r.policy:<8} {r.capacity_blocks:>9} {r.capacity_fraction:>8.3f} {r.hit_ratio:>9.4f} "
+            f"{r.pooled_hit_ratio:>7.4f} {r.share_of_pooled:>9.1%} {r.load_imbalance:>9.2f} {r.mean_inflight:>8.1f} {r.inflight_imbalance:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def write_routing_json(path: str | Path, summary: dict, results: Sequence[RoutingResult], load_model: dict) -> None:
+    payload = {
+        "trace": summary,
+        "replicas": results[0].replicas if results else 0,
+        "load_model": load_model,
+        "results": [r.to_json() for r in results],
+    }
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def main_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequence[int], config, summary: dict,
+                  unique: int) -> int:
+    """The replay subcommand's routing mode (``--replicas N`` or ``--routing``)."""
+    routings = [p.strip() for p in (args.routing or ",".join(ROUTINGS)).split(",") if p.strip()]
+    bad = [r for r in routings if r not in ROUTINGS]
+    if bad or not routings:
+        raise ValueError(f"--routing: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(ROUTINGS)}")
+    policies = [p for p in policies if p != "belady"]
+    if not policies:
+        raise ValueError("--replicas: belady cannot be simulated across replicas; give another policy")
+    start = time.perf_counter()
+    results = run_routing(trace, routings, args.replicas, policies, capacities, config.cache, config.router,
+                          host_blocks=args.host_blocks, unique_blocks=unique)
+    print(format_routing_table(summary, results))
+    print(f"\n({time.perf_counter() - start:.1f} s; load model: prefill {PREFILL_S_PER_TOKEN * 1e3:g} ms/token, "
+          f"decode {DECODE_S_PER_TOKEN * 1e3:g} ms/token, no queueing)")
+    if args.json:
+        write_routing_json(args.json, summary, results,
+                           {"prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN})
+    return 0

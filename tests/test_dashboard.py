@@ -1,0 +1,124 @@
+"""GET /dashboard in a real browser: Debian's headless Chromium against a live gateway.
+
+The gateway runs on loopback over a real tiny engine and has served a few
+requests; Chromium loads /dashboard, the page polls /stats and draws its
+canvases, and the DOM it dumps must show all four charts drawn with data and
+a policy row per replica.  Chromium is required (.ci/run installs it): its
+absence fails the test rather than skipping it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from gateway.config import KvgateConfig, ReplicaConfig
+from gateway.app import create_app
+from gateway.server import start_server
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "tiny"
+CHARTS = {"hit", "ttft", "load", "cache"}
+
+
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert path, "Debian's chromium is required for the dashboard test (apt-get install -y chromium; .ci/run does it)"
+    return path
+
+
+async def run_chromium(tmp_path, url: str, *extra: str) -> str:
+    """Headless Chromium on ``url``; stdout.  Run as a subprocess so this loop keeps serving the gateway."""
+    profile = tmp_path / f"profile-{len(list(tmp_path.iterdir()))}"
+    args = [
+        chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--virtual-time-budget=6000", *extra, url,
+    ]
+    proc = await asyncio.create_subprocess_exec(
+        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "HOME": str(tmp_path)}
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
+    return out.decode(errors="replace")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(tiny_model_dir):
+    config = KvgateConfig(
+        model=ModelConfig(path=tiny_model_dir, served_name=MODEL, device="cpu", max_model_len=1024),
+        engine=EngineConfig(block_size=16, device_blocks=96, host_blocks_multiplier=1.0, max_num_seqs=4, threads=1),
+        cache=CacheConfig(policy="wa"),
+        replicas=[ReplicaConfig(kind="inprocess", name="alpha"), ReplicaConfig(kind="inprocess", name="beta")],
+    )
+    server = await start_server(create_app(config))
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    system = "You are a helpful assistant. Answer the question briefly and politely. " * 4
+    for i in range(6):
+        await client.chat.completions.create(
+            model=MODEL, max_tokens=4, user=f"user-{i % 3}",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Question number {i}?"}],
+        )
+    await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3)
+    yield server
+    await client.close()
+    await server.stop()
+
+
+async def test_stats_json_has_what_the_page_draws(served):
+    async with aiohttp.ClientSession() as session:
+        async with session.get(served.url + "/stats") as resp:
+            assert resp.status == 200
+            stats = await resp.json()
+        async with session.get(served.url + "/dashboard") as resp:
+            assert resp.status == 200 and resp.content_type == "text/html"
+            page = await resp.text()
+    # Self-contained: no script, style or font from anywhere but the page itself.
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
+    assert stats["totals"]["requests"] == 7
+    point = stats["history"][-1]
+    assert set(point["hit_ratio"]) == {"to-c", "to-b"} and point["ttft_p50"] > 0
+    assert set(point["rps"]) <= {"alpha", "beta"} and sum(point["rps"].values()) > 0
+    names = [r["name"] for r in stats["replicas"]]
+    assert names == ["alpha", "beta"]
+    for replica in stats["replicas"]:
+        assert replica["healthy"] is True and replica["inflight"] == 0
+        assert sum(replica["cache"]["device"].values()) == 96 and sum(replica["cache"]["host"].values()) == 96
+        assert replica["policy"]["name"] == "wa" and replica["policy"]["active"] in ("wa", "lru")
+        assert set(replica["policy"]) >= {"fallbacks", "reuse_alarm", "traffic_spike"}
+    json.dumps(stats)  # plain JSON all the way down
+
+
+async def test_dashboard_renders_all_charts_with_data_in_headless_chromium(served, tmp_path):
+    dom = await run_chromium(tmp_path, served.url + "/dashboard", "--dump-dom")
+    marked = re.search(r'data-charts-with-data="([^"]*)"', dom)
+    assert marked, "the page never rendered /stats:\n" + dom[-3000:]
+    assert set(marked.group(1).split(",")) == CHARTS
+    tbody = re.search(r'<table id="policy">.*?<tbody>(.*?)</tbody>', dom, re.S).group(1)
+    rows = re.findall(r"<tr>(.*?)</tr>", tbody, re.S)
+    assert [re.search(r"<td>(.*?)</td>", row).group(1) for row in rows] == ["alpha", "beta"]
+    assert all("<td>wa</td>" in row for row in rows)
+    assert "7 requests" in dom and 'id="error"></span>' in dom
+
+    shot = tmp_path / "dashboard.png"
+    await run_chromium(tmp_path, served.url + "/dashboard", f"--screenshot={shot}", "--window-size=1280,1100",
+                       "--hide-scrollbars")
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    if os.environ.get("KVGATE_DASHBOARD_SHOT"):
+        shutil.copy(shot, os.environ["KVGATE_DASHBOARD_SHOT"])

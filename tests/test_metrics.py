@@ -1,0 +1,416 @@
+"""Issue 6 observability: /metrics series, alarms, user hit share, reuse ratio.
+
+The live tests run a real gateway on loopback over a real tiny engine (the
+``tiny_model_dir`` model) and talk to it with the openai SDK; /metrics is
+read over HTTP and parsed with prometheus-client's own parser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import re
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.block_pool import BlockPool
+from engine.config import CacheConfig, EngineConfig, ModelConfig, WorkloadAwareConfig
+from engine.context import RequestContext
+from gateway.app import GATEWAY, create_app
+from gateway.config import KvgateConfig, ReplicaConfig, ServerConfig
+from gateway.metrics import GatewayMetrics, policy_rows
+from gateway.observe import user_identity
+from gateway.reuse_rate import MinuteReuse
+from gateway.server import start_server
+from gateway.user_share import UserHitShare
+
+MODEL = "tiny"
+SYSTEM = "You are a helpful assistant. Answer the question briefly and politely. " * 6
+SECRET_USER = "alice-secret-user-id"
+
+# Every series issue 6 lists, with the label names each must carry.
+REQUIRED = {
+    "kvgate_requests_total": {"endpoint", "workload", "status"},
+    "kvgate_time_to_first_token_seconds_bucket": {"workload", "le"},
+    "kvgate_queue_time_seconds_bucket": {"workload", "le"},
+    "kvgate_inter_token_latency_seconds_bucket": {"workload", "le"},
+    "kvgate_e2e_request_latency_seconds_bucket": {"workload", "le"},
+    "kvgate_prefix_cache_queries_tokens_total": {"workload", "replica"},
+    "kvgate_prefix_cache_hits_tokens_total": {"workload", "replica"},
+    "kvgate_router_predicted_hit_tokens_total": {"workload", "replica"},
+    "kvgate_reuse_ratio": {"workload", "type"},
+    "kvgate_kv_cache_blocks": {"replica", "tier", "state"},
+    "kvgate_kv_evictions_total": {"replica", "tier"},
+    "kvgate_kv_swap_bytes_total": {"replica", "direction"},
+    "kvgate_cache_policy_active": {"replica", "policy"},
+    "kvgate_cache_fallbacks_total": {"replica"},
+    "kvgate_reuse_alarm": {"replica"},
+    "kvgate_traffic_spike": {"replica"},
+    "kvgate_user_hit_share": {"top"},
+    "kvgate_router_decisions_total": {"replica", "reason"},
+    "kvgate_replica_inflight": {"replica"},
+    "kvgate_replica_healthy": {"replica"},
+}
+
+
+def samples(text: str) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append(sample)
+    return out
+
+
+def value(found: dict[str, list], name: str, **labels) -> float:
+    return sum(s.value for s in found.get(name, ()) if all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+async def scrape(url: str, path: str = "/metrics") -> str:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + path) as resp:
+            assert resp.status == 200
+            return await resp.text()
+
+
+# ---- units: user hit share --------------------------------------------------------------
+
+
+def exact_shares(hits_by_user: dict[str, int], tops) -> dict[float, float]:
+    ordered = sorted(hits_by_user.values(), reverse=True)
+    total = sum(ordered)
+    return {top: sum(ordered[: max(1, math.ceil(top * len(ordered)))]) / total for top in tops}
+
+
+def test_user_hit_share_is_exact_while_users_fit_the_sketch():
+    share = UserHitShare(window_s=600.0, buckets=6)
+    rng = random.Random(1)
+    hits: dict[str, int] = {}
+    for i in range(20_000):
+        # A long tail: user k is picked with weight 1/k.
+        user = f"user-{int(1 / (rng.random() + 1e-3))}-{rng.randrange(300) if rng.random() < 0.5 else 0}"
+        tokens = rng.choice((0, 16, 32, 64, 512))
+        share.record(user, tokens, now=i * 0.01)
+        hits[user] = hits.get(user, 0) + tokens
+    got = share.shares(now=200.0)
+    want = exact_shares(hits, (0.01, 0.10, 0.19))
+    assert got.keys() == want.keys()
+    for top in want:
+        # Users counted by HLL (about 1.6% error), so k may be off by a user or two.
+        assert got[top] == pytest.approx(want[top], abs=0.01), (top, got, want)
+    assert got[0.01] < got[0.10] < got[0.19] <= 1.0
+
+
+def test_user_hit_share_estimates_a_long_tail_beyond_the_sketch_in_bounded_memory():
+    share = UserHitShare(window_s=600.0, buckets=2, lg_max_items=10)  # tracks 768 users
+    rng = random.Random(2)
+    population = range(20_000)
+    weights = [1 / (k + 1) ** 1.1 for k in population]  # Zipf-like: a few heavy users, a long tail
+    hits: dict[str, int] = {}
+    for i, k in enumerate(rng.choices(population, weights, k=60_000)):
+        user = f"user-{k}"
+        tokens = rng.choice((16, 32, 64))
+        share.record(user, tokens, now=i * 0.001)
+        hits[user] = hits.get(user, 0) + tokens
+    assert len(hits) > 3 * 768
+    for bucket in share._buckets:
+        assert bucket.hits.num_active_items <= 768
+    got = share.shares(now=60.0)
+    want = exact_shares(hits, (0.01, 0.10, 0.19))
+    # The heavy hitters are kept: the top 1% is close.  Past the tracked users the
+    # untracked weight is spread evenly (documented), which errs low on a long tail.
+    assert got[0.01] == pytest.approx(want[0.01], abs=0.05), (got, want)
+    for top in (0.10, 0.19):
+        assert want[top] - 0.12 <= got[top] <= want[top] + 0.02, (top, got, want)
+    assert got[0.01] < got[0.10] < got[0.19]
+
+
+def test_user_hit_share_window_slides():
+    share = UserHitShare(window_s=60.0, buckets=6)
+    share.record("heavy", 1000, now=0.0)
+    for i in range(99):
+        share.record(f"light-{i}", 10, now=1.0)
+    assert share.shares(now=2.0)[0.01] == pytest.approx(1000 / 1990)
+    # The first bucket has left the window; only later traffic counts.
+    for i in range(10):
+        share.record(f"late-{i}", 5 * (i + 1), now=65.0)
+    assert share.shares(now=75.0)[0.10] == pytest.approx(50 / 275)
+    assert share.shares(now=200.0) == {0.01: 0.0, 0.10: 0.0, 0.19: 0.0}
+
+
+def test_user_identity_is_user_within_tenant_else_tenant_else_none():
+    assert user_identity("bob", "acme") != user_identity("bob", "other")
+    assert user_identity(None, "acme") == user_identity("", "acme") != user_identity("acme", None)
+    assert user_identity(None, None) is None
+
+
+# ---- units: reuse ratio and policy rows -------------------------------------------------
+
+
+def test_reuse_ratio_reports_the_last_full_minute_only():
+    reuse = MinuteReuse()
+    base = 6000.0  # minute 100
+    reuse.record("to-c", "text", 100, 40, base + 1)
+    reuse.record("to-c", "text", 100, 60, base + 50)
+    reuse.record("to-b", "api", 200, 10, base + 59)
+    assert reuse.last_full_minute(base + 59.9) == {}  # minute still filling
+    reuse.record("to-c", "text", 100, 100, base + 61)  # next minute's traffic does not leak back
+    assert reuse.last_full_minute(base + 70) == {("to-c", "text"): 0.5, ("to-b", "api"): 0.05}
+    assert reuse.last_full_minute(base + 130) == {("to-c", "text"): 1.0}
+    assert reuse.last_full_minute(base + 250) == {}  # an idle minute passed
+
+
+def test_policy_rows_flip_rather_than_appear():
+    assert policy_rows("lru", {}) == {"lru": 1}
+    assert policy_rows("wa", {"active": "wa"}) == {"wa": 1, "lru": 0}
+    assert policy_rows("wa-paper", {"active": "lru"}) == {"wa-paper": 0, "lru": 1}
+
+
+# ---- alarms: the policy drives the gauges and logs each change once ----------------------
+
+
+def _request(pool: BlockPool, keys: list[int], ctx: RequestContext, now: float) -> None:
+    blocks, _ = pool.touch_or_insert(keys, ctx, now)
+    pool.release(list(reversed(blocks)), ctx, now)
+
+
+def _pool_metrics(pool: BlockPool) -> GatewayMetrics:
+    metrics = GatewayMetrics()
+
+    def stats():
+        yield "r0", {"policy_name": pool.policy_name, "policy": pool.device_policy.state(),
+                     "blocks": {"device": {"free": len(pool.free_device), "cached": pool.num_cached(), "in_use": 0}},
+                     "evictions": {"device": pool.stats.device_evictions}}
+
+    metrics.watch_state(stats, dict, dict)
+    return metrics
+
+
+def _change_lines(caplog) -> list[str]:
+    words = ("reuse alarm", "falling back to LRU", "back to workload-aware", "traffic spike")
+    return [r.getMessage() for r in caplog.records if any(w in r.getMessage() for w in words)]
+
+
+def test_fallback_and_alarm_drive_the_gauges_and_log_one_line_per_change(caplog):
+    # The adversarial stream of the workload-aware tests: a spatial-only score with
+    # head/tail classes loses to LRU on a hot set mixed with one-offs (fallback),
+    # then a loop larger than the cache makes LRU the loser (switch back).
+    cfg = WorkloadAwareConfig.model_validate({
+        "weights": {"reuse": 0.0, "spatial": 1.0, "lifetime": 0.0}, "position_classes": 2,
+        "rhythm": {"enabled": False}, "topic_switch": {"enabled": False}, "shared_class": False,
+        "fallback": {"window_s": 60.0, "check_interval_s": 10.0, "min_accesses": 100, "margin": 0.05, "sustain_s": 30.0},
+        "alarm": {"window_s": 60.0, "threshold": 0.4},
+    })
+    pool = BlockPool(40, 0, "wa", CacheConfig(workload_aware=cfg))
+    policy = pool.device_policy
+    metrics = _pool_metrics(pool)
+    caplog.set_level(logging.INFO)
+    changes = {"fallback": 0, "back": 0, "alarm_raised": 0, "alarm_cleared": 0}
+    state = policy.state()
+
+    def step(keys: list[int], chat_id: int, now: float) -> None:
+        nonlocal state
+        _request(pool, keys, RequestContext(timestamp=now, prompt_blocks=2, chat_id=chat_id), now)
+        new = policy.state()
+        if new["active"] != state["active"]:
+            changes["fallback" if new["active"] == "lru" else "back"] += 1
+        if new["reuse_alarm"] != state["reuse_alarm"]:
+            changes["alarm_raised" if new["reuse_alarm"] else "alarm_cleared"] += 1
+        state = new
+
+    now, one_off = 0.0, 10_000
+    while now < 200.0:
+        for i in range(8):
+            now += 0.5
+            step([i * 2 + 1, i * 2 + 2], i, now)
+            one_off += 2
+            step([one_off, one_off + 1], one_off, now)
+    found = samples(metrics.render().decode())
+    assert value(found, "kvgate_cache_policy_active", replica="r0", policy="lru") == 1
+    assert value(found, "kvgate_cache_policy_active", replica="r0", policy="wa") == 0
+    assert value(found, "kvgate_cache_fallbacks_total", replica="r0") == changes["fallback"] >= 1
+    while now < 600.0 and policy.state()["active"] == "lru":
+        for i in range(30):
+            now += 0.5
+            key = 50_000 + i * 2
+            step([key, key + 1], key, now)
+    found = samples(metrics.render().decode())
+    assert value(found, "kvgate_cache_policy_active", replica="r0", policy="wa") == 1
+    assert changes["back"] >= 1 and changes["alarm_raised"] >= 1
+    assert value(found, "kvgate_reuse_alarm", replica="r0") == (1 if state["reuse_alarm"] else 0)
+    assert value(found, "kvgate_traffic_spike", replica="r0") == 0
+    # Exactly one log line per state change, whichever way it goes (nothing logs twice).
+    lines = _change_lines(caplog)
+    assert sum("falling back to LRU" in line for line in lines) == changes["fallback"]
+    assert sum("back to workload-aware" in line for line in lines) == changes["back"]
+    assert sum("reuse alarm raised" in line for line in lines) == changes["alarm_raised"]
+    assert sum("reuse alarm cleared" in line for line in lines) == changes["alarm_cleared"]
+
+
+def test_traffic_spike_drives_its_gauge_and_logs_once(caplog):
+    cfg = WorkloadAwareConfig.model_validate({
+        "fallback": {"enabled": False},
+        "rhythm": {"min_baseline_minutes": 3, "rate_window_s": 5.0, "spike_factor": 2.0, "prearm": False},
+    })
+    pool = BlockPool(500, 0, "wa", CacheConfig(workload_aware=cfg))
+    metrics = _pool_metrics(pool)
+    caplog.set_level(logging.INFO)
+    key, now = 1, 0.0
+
+    def arrivals(until: float, gap: float) -> None:
+        nonlocal key, now
+        while now < until:
+            now += gap
+            _request(pool, [key], RequestContext(workload="to-b", type="api", timestamp=now, prompt_blocks=1), now)
+            key += 1
+
+    arrivals(600.0, 1.0)  # ten quiet minutes: the baseline
+    assert value(samples(metrics.render().decode()), "kvgate_traffic_spike", replica="r0") == 0
+    arrivals(630.0, 0.1)  # ten times the rate
+    assert value(samples(metrics.render().decode()), "kvgate_traffic_spike", replica="r0") == 1
+    arrivals(700.0, 1.0)
+    assert value(samples(metrics.render().decode()), "kvgate_traffic_spike", replica="r0") == 0
+    spikes = [line for line in _change_lines(caplog) if "traffic spike" in line]
+    assert len(spikes) == 2 and "started" in spikes[0] and "ended" in spikes[1]
+
+
+# ---- live: a real gateway over a real tiny engine -----------------------------------------
+
+
+def _config(model_dir: str, policy: str = "wa", **cache) -> KvgateConfig:
+    wa = WorkloadAwareConfig.model_validate({
+        # Windows of a second so the live alarm flips within the test.
+        "fallback": {"check_interval_s": 0.25, "window_s": 1.0},
+        "alarm": {"window_s": 0.5, "threshold": 0.99},
+    })
+    return KvgateConfig(
+        model=ModelConfig(path=model_dir, served_name=MODEL, device="cpu", max_model_len=1024),
+        engine=EngineConfig(block_size=16, device_blocks=64, host_blocks_multiplier=1.0, max_num_seqs=4,
+                            max_batched_tokens=1024, threads=1),
+        cache=CacheConfig(policy=policy, workload_aware=wa, **cache),
+        server=ServerConfig(),
+        replicas=[ReplicaConfig(kind="inprocess", name="local")],
+    )
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def live(tiny_model_dir):
+    app = create_app(_config(tiny_model_dir))
+    server = await start_server(app)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    yield app, server, client
+    await client.close()
+    await server.stop()
+
+
+async def _traffic(client: openai.AsyncOpenAI, rounds: int = 3) -> None:
+    """Two users' multi-turn chats (sharing a system prompt), streamed and not, plus completions."""
+    for turn in range(rounds):
+        for user in (SECRET_USER, "bob"):
+            history = [{"role": "system", "content": SYSTEM}]
+            for t in range(turn + 1):
+                history.append({"role": "user", "content": f"Question {t} from {user[:3]}: what is a cache?"})
+                if t < turn:
+                    history.append({"role": "assistant", "content": f"Answer {t}."})
+            await client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, user=user)
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=history, max_tokens=6, user=user, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+            async for _ in stream:
+                pass
+        await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3)
+        await asyncio.sleep(0.3)  # let the policy's check interval pass between rounds
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_metrics_exposes_every_issue_series_with_bounded_labels(live):
+    app, server, client = live
+    await _traffic(client)
+    gw = app[GATEWAY]
+    # The reuse ratio shows the last *full* minute: look from the next one.
+    gw.observer.wall_clock = lambda: time.time() + 60
+    text = await scrape(server.url)
+    found = samples(text)
+    for name, labels in REQUIRED.items():
+        assert name in found, f"missing series {name}"
+        for sample in found[name]:
+            assert set(sample.labels) == labels, (name, sample.labels)
+    # Never a user id, raw or otherwise, in any label.
+    assert SECRET_USER not in text and "bob" not in text
+    assert value(found, "kvgate_requests_total", endpoint="chat", workload="to-c", status="200") == 12
+    assert value(found, "kvgate_requests_total", endpoint="completions", workload="to-b", status="200") == 3
+    # Engine-actual prefix hits (the shared system prompt) and the router's prediction.
+    queries = value(found, "kvgate_prefix_cache_queries_tokens_total", replica="local")
+    hits = value(found, "kvgate_prefix_cache_hits_tokens_total", replica="local", workload="to-c")
+    predicted = value(found, "kvgate_router_predicted_hit_tokens_total", replica="local", workload="to-c")
+    assert 0 < hits < queries and predicted > 0
+    assert hits % 16 == 0 and predicted % 16 == 0
+    # With one replica and an exact index, the router predicts what the engine then hits.
+    assert predicted == pytest.approx(hits, rel=0.15)
+    ratios = {(s.labels["workload"], s.labels["type"]): s.value for s in found["kvgate_reuse_ratio"]}
+    assert set(ratios) == {("to-c", "text"), ("to-b", "api")}
+    assert 0 < ratios[("to-c", "text")] < 1
+    # The tiny pool (64 device blocks, 64 host blocks) is fully accounted for per tier.
+    for tier in ("device", "host"):
+        total = sum(value(found, "kvgate_kv_cache_blocks", replica="local", tier=tier, state=s)
+                    for s in ("free", "cached", "in_use"))
+        assert total == 64
+    assert {s.labels["direction"] for s in found["kvgate_kv_swap_bytes_total"]} == {"device_to_host", "host_to_device"}
+    assert value(found, "kvgate_cache_policy_active", replica="local", policy="wa") + \
+        value(found, "kvgate_cache_policy_active", replica="local", policy="lru") == 1
+    # The alarm threshold (99% over half a second) is set to trip on this traffic.
+    assert value(found, "kvgate_reuse_alarm", replica="local") == 1
+    shares = {s.labels["top"]: s.value for s in found["kvgate_user_hit_share"]}
+    assert set(shares) == {"0.01", "0.1", "0.19"}
+    assert 0.4 <= shares["0.01"] <= 1.0  # two users: the top 1% is the heavier one
+    assert value(found, "kvgate_router_decisions_total", replica="local") == 15
+    assert value(found, "kvgate_replica_healthy", replica="local") == 1
+    assert value(found, "kvgate_replica_inflight", replica="local") == 0
+    itl = value(found, "kvgate_inter_token_latency_seconds_count", workload="to-c")
+    assert itl >= 6 * 5  # at least the streamed chats' token gaps
+    assert value(found, "kvgate_time_to_first_token_seconds_count", workload="to-c") == 12
+    # The Grafana dashboard under deploy/ queries only series that exist.
+    dashboard = json.loads((Path(__file__).parent.parent / "deploy/grafana/kvgate-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", ())]
+    queried = {name for expr in exprs for name in re.findall(r"kvgate_[a-z0-9_]+", expr)}
+    assert len(queried) >= len(REQUIRED) - 1 and not queried - set(found), queried - set(found)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_remote_engine_stats_reach_the_gateway_metrics(live, tiny_model_dir):
+    # A `kvgate engine` server (engine mode app) and a gateway that routes to it over HTTP.
+    engine_app = create_app(_config(tiny_model_dir, policy="lru"), engine_mode=True)
+    engine_server = await start_server(engine_app)
+    config = _config(tiny_model_dir)
+    config.replicas = [ReplicaConfig(kind="engine", url=engine_server.url, name="remote")]
+    gateway_server = await start_server(create_app(config))
+    try:
+        client = openai.AsyncOpenAI(base_url=gateway_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for _ in range(60):
+            if (await client.models.list()).data:
+                break
+            await asyncio.sleep(0.1)
+        for q in ("one", "two", "three"):
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}], max_tokens=3)
+        await client.close()
+        found = samples(await scrape(gateway_server.url))
+        assert value(found, "kvgate_kv_cache_blocks", replica="remote", tier="device") == 64
+        assert value(found, "kvgate_kv_cache_blocks", replica="remote", tier="device", state="cached") > 0
+        assert value(found, "kvgate_cache_policy_active", replica="remote", policy="lru") == 1
+        assert value(found, "kvgate_prefix_cache_hits_tokens_total", replica="remote") > 0
+        # The engine server's own /metrics carries the same engine series under its own name.
+        own = samples(await scrape(engine_server.url))
+        assert value(own, "kvgate_kv_cache_blocks", replica="engine", tier="device") == 64
+    finally:
+        await gateway_server.stop()
+        await engine_server.stop()

@@ -1,0 +1,204 @@
+"""The trace recorder: Bailian lines without content, rotation, and a replay that
+reproduces what the engine reported.
+
+The reproduction test serves a few hundred requests of mixed multi-turn
+traffic through a real gateway over a real tiny engine whose device tier is
+small enough to evict, records them, replays the recording through the same
+block pool with the engine's capacity and policy, and compares hit ratios.
+
+Both sides are counted in blocks, the replay's definition (DESIGN section 3):
+engine hit blocks = cached_tokens / block_size (the engine only ever serves
+whole blocks), engine prompt blocks = ceil(prompt_tokens / block_size) (the
+trailing partial block is a prompt block the engine can never hit, and the
+recording gives it a fresh id, so replay never hits it either).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import openai
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.context import RequestContext
+from engine.replay import replay
+from engine.traces import load_trace
+from gateway.app import GATEWAY, create_app
+from gateway.config import KvgateConfig, ReplicaConfig, ServerConfig
+from gateway.recorder import TraceRecorder, generated_keys
+from gateway.server import start_server
+
+MODEL = "tiny"
+BLOCK = 16
+
+
+# ---- units ----------------------------------------------------------------------------
+
+
+def test_lines_hold_remapped_ids_and_no_content(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    clock = iter([100.0, 100.5, 101.25]).__next__
+    rec = TraceRecorder(path, block_tokens=16, clock=clock)
+    big = [0xDEADBEEF12345678, 0x1122334455667788, 0x0FEDCBA987654321]
+    first = RequestContext(workload="to-c", type="text", turn=1, chat_id=7, parent_chat_id=-1)
+    second = RequestContext(workload="to-b", type="file", turn=2, chat_id=9, parent_chat_id=7)
+    rec.record(first, big[:2], 40, 5, arrival=100.5)  # 2 full blocks + a partial one
+    rec.record(second, big, 48, 3, arrival=101.25)  # shares the first two blocks
+    rec.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0] == {"chat_id": 7, "parent_chat_id": -1, "timestamp": 0.5, "input_length": 40, "output_length": 5,
+                        "type": "text", "turn": 1, "workload": "to-c", "hash_ids": [1, 2, 3], "cacheable_blocks": 2}
+    assert lines[1]["hash_ids"] == [1, 2, 4] and lines[1]["timestamp"] == 1.25
+    assert (lines[1]["type"], lines[1]["turn"], lines[1]["parent_chat_id"], lines[1]["workload"]) == ("file", 2, 7, "to-b")
+    assert str(big[0]) not in path.read_text()
+    trace = load_trace(path)
+    assert [r.context.workload for r in trace.requests] == ["to-c", "to-b"]
+    assert trace.requests[0].keys[:2] == trace.requests[1].keys[:2] != trace.requests[1].keys
+
+
+def test_generated_keys_are_the_blocks_the_engine_publishes():
+    from engine.request import GenerationRequest, SamplingParams
+    from engine.sequence import Sequence
+
+    salt = "tiny"
+    prompt = list(range(100, 140))  # 2 full blocks + 8 tokens
+    generated = list(range(500, 530))
+    seq = Sequence(0, GenerationRequest("r", prompt, SamplingParams(max_tokens=30)), 0, 16, salt)
+    for token in generated:
+        seq.append(token)
+    # The engine computes KV for all tokens but the last sampled one, and
+    # publishes the full blocks among those: (40 + 30 - 1) // 16 = 4 blocks.
+    published = seq.block_keys[: (len(prompt) + len(generated) - 1) // 16]
+    keys = generated_keys(prompt, seq.block_keys[:2], generated, 16, salt)
+    assert keys == published[2:] and len(keys) == 2
+    assert generated_keys(prompt, seq.block_keys[:2], generated[:8], 16, salt) == []  # 47 computed tokens: no new block
+
+
+def test_replay_caches_recorded_output_blocks_and_skips_partial_ones(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    rec = TraceRecorder(path, clock=lambda: 0.0)
+    turn1 = [11, 12]
+    answer = [13, 14]  # blocks the engine filled with turn 1's answer
+    rec.record(RequestContext(chat_id=1), turn1, 40, 40, arrival=0.0, output_keys=answer)
+    rec.record(RequestContext(chat_id=2, parent_chat_id=1, turn=2), turn1 + answer + [15], 90, 5, arrival=1.0)
+    rec.close()
+    trace = load_trace(path)
+    first, second = trace.requests
+    assert first.cacheable == 2 and len(first.keys) == 3 and second.cacheable == 5
+    assert second.keys[:4] == first.keys[:2] + first.output_keys
+    assert second.context.session == first.context.session
+    result = replay(trace, "lru", 100)
+    # Turn 2 hits the prompt and the answer blocks; its partial block is a miss.
+    assert (result.hits, result.accesses) == (4, 3 + 6)
+
+
+def test_rotation_by_size_starts_each_file_afresh(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("an older recording\n")
+    rec = TraceRecorder(path, max_bytes=4096, keep=2)
+    assert (tmp_path / "trace.jsonl.1").read_text() == "an older recording\n"
+    keys = list(range(1000, 1030))
+    for i in range(200):
+        rec.record(RequestContext(chat_id=i), keys, 30 * 16, 1)
+    rec.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["trace.jsonl", "trace.jsonl.1", "trace.jsonl.2"]  # keep=2 rotated files
+    for name in ("trace.jsonl.1", "trace.jsonl.2"):
+        text = (tmp_path / name).read_text()
+        assert 4096 <= len(text) < 4096 + 300
+    for name in files[:2]:
+        first = json.loads((tmp_path / name).read_text().splitlines()[0])
+        assert first["hash_ids"][:3] == [1, 2, 3]  # ids restart in every file
+    assert all(len(load_trace(tmp_path / name).requests) > 0 for name in files[:2])
+
+
+# ---- the reproduction ------------------------------------------------------------------
+
+SYSTEMS = [
+    "You are a helpful assistant. Answer the question briefly and politely. " * 3,
+    "You are a travel agent for Europe. The capital of France is Paris; of Germany, Berlin. " * 3,
+    "You review code. def main(): print('hello world'); return 0 is a small program. " * 3,
+]
+TOPICS = ["the weather", "caches", "Paris", "numbers 1 2 3", "a quick brown fox", "the KV cache", "Rome", "code"]
+
+
+async def chat_session(client, rng: random.Random, session: int, usages: list) -> None:
+    """One user's conversation: 1-5 turns, each resending the history with the model's answers."""
+    messages = [{"role": "system", "content": SYSTEMS[session % len(SYSTEMS)]}]
+    for turn in range(rng.choice((1, 2, 3, 3, 4, 5))):
+        question = f"Session {session} turn {turn}: tell me about {rng.choice(TOPICS)} please."
+        messages.append({"role": "user", "content": question})
+        resp = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=rng.choice((4, 8, 24)), temperature=0, user=f"user-{session % 7}"
+        )
+        usages.append(resp.usage)
+        messages.append({"role": "assistant", "content": resp.choices[0].message.content})
+        await asyncio.sleep(rng.random() * 0.02)
+
+
+async def api_call(client, rng: random.Random, index: int, usages: list) -> None:
+    """A to-B call: a shared template with a short variable tail."""
+    template = "Classify the sentiment of the following review as positive or negative. Review: "
+    resp = await client.completions.create(
+        model=MODEL, prompt=template * 2 + f"item {index} was {rng.choice(['great', 'bad', 'fine'])}", max_tokens=2
+    )
+    usages.append(resp.usage)
+
+
+def engine_block_ratio(usages) -> tuple[float, int]:
+    hit = sum(u.prompt_tokens_details.cached_tokens // BLOCK for u in usages)
+    blocks = sum(-(-u.prompt_tokens // BLOCK) for u in usages)
+    return hit / blocks, blocks
+
+
+@pytest.mark.parametrize("policy", ["lru", "wa"])
+async def test_replay_of_a_recording_reproduces_the_engine_hit_ratio(tiny_model_dir, tmp_path, policy):
+    device_blocks = 80
+    trace_path = tmp_path / "served.jsonl"
+    config = KvgateConfig(
+        model=ModelConfig(path=tiny_model_dir, served_name=MODEL, device="cpu", max_model_len=1024),
+        engine=EngineConfig(block_size=BLOCK, device_blocks=device_blocks, host_blocks_multiplier=0.0,
+                            max_num_seqs=4, max_batched_tokens=1024, threads=1),
+        cache=CacheConfig(policy=policy),
+        server=ServerConfig(record_trace=str(trace_path)),
+        replicas=[ReplicaConfig(kind="inprocess", name="local")],
+    )
+    app = create_app(config)
+    server = await start_server(app)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    rng = random.Random(6)
+    usages: list = []
+    try:
+        # Four clients at a time, each running sessions and API calls one after another.
+        jobs = [("chat", i) if rng.random() < 0.75 else ("api", i) for i in range(110)]
+
+        async def worker(w: int) -> None:
+            local = random.Random(w)
+            for kind, index in jobs[w::4]:
+                if kind == "chat":
+                    await chat_session(client, local, index, usages)
+                else:
+                    await api_call(client, local, index, usages)
+
+        await asyncio.gather(*(worker(w) for w in range(4)))
+        engine = app[GATEWAY].replicas[0].engine
+        evictions = engine.stats()["evictions"]["device"]
+    finally:
+        await client.close()
+        await server.stop()
+
+    engine_ratio, engine_blocks = engine_block_ratio(usages)
+    trace = load_trace(trace_path)
+    assert len(trace.requests) == len(usages) >= 200
+    assert sum(len(r.output_keys) for r in trace.requests) > 0  # answers the engine cached
+    assert len({r.context.session for r in trace.requests}) < len(trace.requests) / 2  # turns chained
+    assert trace.accesses == engine_blocks  # the same prompts, block for block
+    assert evictions > device_blocks  # the cache was under pressure
+    result = replay(trace, policy, device_blocks, config.cache)
+    print(f"{policy}: {len(usages)} requests, {engine_blocks} prompt blocks, {evictions} evictions; "
+          f"engine hit ratio {engine_ratio:.4f}, replay {result.hit_ratio:.4f}")
+    assert 0.2 < engine_ratio < 0.9
+    assert result.hit_ratio == pytest.approx(engine_ratio, abs=0.02)

@@ -1,0 +1,77 @@
+"""The routing simulation: N block pools behind the real router, driven by a trace."""
+
+from __future__ import annotations
+
+import json
+
+from engine import synth
+from engine.traces import load_trace
+from gateway.cli import main
+from gateway.config import RouterConfig
+from gateway.routing_sim import load_imbalance, run_routing, simulate
+
+
+def _trace(tmp_path, profile="to-c", duration=240.0):
+    path = tmp_path / f"{profile}.jsonl"
+    synth.write_trace(synth.synthesize(profile, duration, 4.0, 3), str(path))
+    return load_trace(path)
+
+
+def test_prefix_aware_beats_round_robin_and_stays_balanced(tmp_path):
+    trace = _trace(tmp_path)
+    capacity = max(16, trace.unique_blocks() // 50)
+    results = {r.routing: r for r in run_routing(trace, ["prefix-aware", "round-robin", "least-load", "session"], 4,
+                                                 ["lru"], [capacity])}
+    pa, rr = results["prefix-aware"], results["round-robin"]
+    assert pa.hit_ratio > rr.hit_ratio
+    assert pa.load_imbalance <= 1.3
+    assert 0 < pa.pooled_hit_ratio and pa.share_of_pooled == pa.hit_ratio / pa.pooled_hit_ratio
+    assert all(r.accesses == trace.accesses and sum(r.per_replica_accesses) == trace.accesses for r in results.values())
+
+
+def test_one_replica_equals_plain_replay(tmp_path):
+    from engine.replay import replay
+
+    trace = _trace(tmp_path, "to-b", 120.0)
+    capacity = max(16, trace.unique_blocks() // 20)
+    single = simulate(trace, "prefix-aware", 1, capacity, "lru", None, RouterConfig())
+    assert abs(single.hit_ratio - replay(trace, "lru", capacity).hit_ratio) < 1e-12
+    assert single.decisions == {"only": len(trace.requests)}
+
+
+def test_load_imbalance():
+    assert load_imbalance([10, 10, 10, 10]) == 1.0
+    assert load_imbalance([20, 10, 10, 0]) == 2.0
+    assert load_imbalance([0, 0]) == 1.0
+
+
+def test_cli_routing_json(tmp_path, capsys):
+    trace_path = tmp_path / "t.jsonl"
+    synth.write_trace(synth.synthesize("mixed", 120.0, 3.0, 5), str(trace_path))
+    out = tmp_path / "r.json"
+    code = main(["replay", str(trace_path), "--replicas", "3", "--routing", "prefix-aware,round-robin",
+                 "--policies", "lru", "--capacity", "0.05", "--json", str(out), "--no-progress"])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "prefix-aware" in table and "imbalance" in table and "vs pooled" in table
+    data = json.loads(out.read_text())
+    assert data["replicas"] == 3
+    assert [r["routing"] for r in data["results"]] == ["prefix-aware", "round-robin"]
+    assert all(r["replicas"] == 3 and r["load_imbalance"] >= 1.0 for r in data["results"])
+    assert main(["replay", str(trace_path), "--replicas", "2", "--routing", "nope", "--no-progress"]) == 2
+
+
+def test_backend_reported_load_steers_the_router():
+    from gateway.router import ExactIndex, Router
+
+    router = Router(RouterConfig(), ["a", "b"], block_size=16)
+    idx = [ExactIndex(), ExactIndex()]
+    router.set_external_load(0, waiting=4, kv_usage=0.5)
+    assert router.external_tokens == [4 * 1024, 0]
+    assert all(router.choose([1, 2], idx, [True, True]).replica == 1 for _ in range(4))
+    router.set_external_load(0, waiting=0, kv_usage=1.0)  # a full KV cache: 4 requests' worth
+    assert router.external_tokens[0] == 4 * 1024
+    router.set_external_load(0, waiting=0, kv_usage=None)
+    assert router.external_tokens == [0, 0]
+    # In-flight accounting is untouched by it.
+    assert router.inflight_tokens == [0, 0]
