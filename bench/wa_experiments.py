@@ -54,6 +54,7 @@ ABLATIONS: dict[str, dict] = {
     "position-classes-2": {"position_classes": 2},
     "no-fallback": {"fallback": {"enabled": False}},
     "life-5s": {"life_s": 5.0},
+    "life-auto": {"life_s": None},
 }
 
 
@@ -170,7 +171,7 @@ def matrix_tables(rows: list[dict]) -> str:
         for fraction in sorted(fracs):
             cells = fracs[fraction]
             values = [cells[p]["hit_ratio"] if p in cells else None for p in POLICIES]
-            best = max(cells[p]["hit_ratio"] for p in BASELINES if p in cells)
+            best = max((cells[p]["hit_ratio"] for p in BASELINES if p in cells), default=None)
             wa = cells.get("wa", {}).get("hit_ratio")
             lru = cells.get("lru", {}).get("hit_ratio")
             gain_best = f"{(wa / best - 1) * 100:+.1f}%" if wa is not None and best else "-"
@@ -235,6 +236,7 @@ def main() -> int:
     if "matrix" in parts:
         jobs = [(str(t), p, f, {}, "default") for t in traces for f in fractions for p in policies]
         out["matrix"] = _pmap(run_one, jobs, args.jobs)
+        Path(args.json).write_text(json.dumps(out, indent=1))
         print("## Hit ratio matrix (default config)\n" + matrix_tables(out["matrix"]), flush=True)
     if "ablation" in parts:
         ab_seeds = {int(s) for s in args.ablation_seeds.split(",")}
@@ -244,6 +246,7 @@ def main() -> int:
         names = args.ablations.split(",")
         jobs = [(str(t), "wa", f, ABLATIONS[n], n) for t in ab_traces for f in ab_fracs for n in names]
         out["ablation"] = _pmap(run_one, jobs, args.jobs)
+        Path(args.json).write_text(json.dumps(out, indent=1))
         print("\n## Ablation (wa, one change at a time; relative to default)\n" + ablation_table(out["ablation"]),
               flush=True)
     if "spikes" in parts:

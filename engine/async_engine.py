@@ -26,7 +26,7 @@ from engine.request import GenerationOutput, GenerationRequest, Usage
 from engine.runner import ModelRunner
 from engine.sampling import SequenceSampler, sample_batch
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, Status
+from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -28,14 +28,13 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_SUBDIR = "smollm2-135m-instruct"
 
 # CPU dtype, chosen by measurement on this machine (AMD EPYC, avx512_bf16, no AMX;
-# 1 torch thread; SmolLM2-135M; the 2 cores were shared with other jobs, so the
-# figures are medians of 4 alternating runs and noisy):
-#   prefill 256 tokens:             float32 2.56 s    bfloat16 1.13 s
-#   decode, batch 16, 200 context:  float32 0.40 s    bfloat16 0.52 s
-# The bundled benchmark (16 x 256-token prompts, 64 new tokens) spends about as
-# long in prefill as in decode, and TTFT is all prefill, so bfloat16 wins where
-# oneDNN has native bf16 kernels; without them bf16 is emulated and far slower,
-# so float32 stays the choice there.
+# 1 torch thread; SmolLM2-135M through the engine's runner; the 2 cores were
+# shared with other jobs, so these are means over 2 alternating runs):
+#   prefill step, 256 tokens:                float32 1.57 s    bfloat16 0.59 s
+#   decode step, 16 sequences, ~200 context:  float32 0.34 s    bfloat16 0.17 s
+# bfloat16 wins where oneDNN has native bf16 kernels (avx512_bf16 or AMX);
+# without them bf16 is emulated and far slower, so float32 stays the choice.
+# (Plain HF forward showed the same for prefill, 2.56 s vs 1.13 s.)
 CUDA_DTYPE = torch.bfloat16
 
 

@@ -4,7 +4,8 @@ Coordinate descent over a small grid per knob, starting from the given
 settings (config.yaml's, else the defaults): each round tries every value of
 one knob with the others held, keeps the best if it beats the current hit
 ratio by more than ``min_gain``, and moves to the next knob; rounds repeat
-until one changes nothing, or the time or evaluation budget runs out.  Every
+until one changes nothing, or the time or evaluation budget runs out (a
+value at the top of its grid adds the next doubling for the next round).  Every
 candidate is scored by ``engine.replay.replay`` on the same trace and
 capacity, so the numbers are those `kvgate replay` prints.
 
@@ -57,7 +58,7 @@ class TuneResult:
     evaluations: int
     rounds: int
     elapsed_s: float
-    stopped: str  # "converged", "time limit", "evaluation limit"
+    stopped: str  # "converged", "round limit", "time limit", "evaluation limit"
     skipped: list[str] = field(default_factory=list)  # search keys this config does not have
     holdout: dict[str, float] | None = None  # lru / start / best on the held-out tail
 
@@ -99,7 +100,7 @@ def tune(
     host_blocks: int = 0,
     time_limit_s: float = 300.0,
     max_evaluations: int | None = None,
-    max_rounds: int = 3,
+    max_rounds: int = 4,
     min_gain: float = 1e-4,
     holdout: float = 0.0,
     space: list[tuple[str, list[Any]]] | None = None,
@@ -121,7 +122,7 @@ def tune(
         except (KeyError, TypeError):
             skipped.append(dotted)  # the config no longer has this knob
             continue
-        knobs.append((dotted, values if current in values else [current, *values]))
+        knobs.append((dotted, list(values) if current in values else [current, *values]))
     start_time = time.monotonic()
     cache: dict[tuple, float] = {}
     planned = 2 + sum(len(v) - 1 for _, v in knobs)
@@ -153,7 +154,8 @@ def tune(
             return "evaluation limit"
         return None
 
-    while rounds < max_rounds:
+    improved = True
+    while improved and rounds < max_rounds:
         rounds += 1
         improved = False
         for dotted, values in knobs:
@@ -176,7 +178,15 @@ def tune(
                 break
         if stopped != "converged" or not improved:
             break
+        # A best value at the top of its grid may not be the top: look one step further.
+        for dotted, values in knobs:
+            top = best.settings[dotted]
+            numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if numbers and top == max(numbers) and top > 0:
+                values.append(type(top)(top * 2))
         planned = done + sum(len(v) - 1 for _, v in knobs)
+    if stopped == "converged" and improved:
+        stopped = "round limit"  # the last round still improved
     held = None
     if check is not None:
         held_unique = check.unique_blocks()

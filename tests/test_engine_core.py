@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 import torch
@@ -301,3 +302,42 @@ async def test_varlen_metadata_and_fallback(engines, reference, monkeypatch):
     assert attention._varlen_ok and not attention._varlen_paged_ok
     for prompt, result in zip(prompts, results):
         assert tokens(result[0]) == hf_greedy(reference, prompt, 10)
+
+
+async def test_mixed_traffic_under_pressure(engines):
+    """Shared prefixes, aborts, n=2, preemption, demotion and promotion at once: every
+    surviving request gets the tokens it gets alone, and the cache view matches the pool."""
+    rnd = random.Random(0)
+    base = [rnd.randrange(4, 500) for _ in range(200)]
+    prompts = [
+        base[: rnd.choice([0, 16, 40, 64, 100])] + [rnd.randrange(4, 500) for _ in range(rnd.randrange(1, 60))]
+        for _ in range(24)
+    ]
+    roomy = engines(device_blocks=200)
+    alone = [tokens((await collect(roomy, greedy(f"r{i}", p, 20)))[0]) for i, p in enumerate(prompts)]
+    engine = engines(device_blocks=14, host_blocks_multiplier=2.0, max_num_seqs=6, max_batched_tokens=40)
+
+    async def one(i, prompt):
+        await asyncio.sleep(rnd.random() * 0.05)
+        if i % 7 == 3:  # a client that goes away after three deltas
+            stream = engine.generate(greedy(f"s{i}", prompt, 20))
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 3:
+                    break
+            await stream.aclose()
+            return
+        n = 2 if i % 5 == 1 else 1
+        result = await collect(engine, greedy(f"s{i}", prompt, 20, n=n))
+        for index in range(n):
+            assert tokens(result[index]) == alone[i], (i, index)
+
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    await engine.idle()
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["demotions"] > 0 and stats["promotions"] > 0
+    pool = engine.pool
+    view = engine.cached_keys()
+    assert sorted(view["device"]) == sorted(k for k, b in pool.cached.items() if pool.is_device(b))
+    assert sorted(view["host"]) == sorted(k for k, b in pool.cached.items() if not pool.is_device(b))

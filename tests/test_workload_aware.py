@@ -12,7 +12,7 @@ from engine.block_pool import BlockPool
 from engine.config import CacheConfig, WorkloadAwareConfig, format_config_error
 from engine.context import RequestContext
 from engine.policies import NoEvictableBlock, make_policy
-from engine.policies.reuse_model import ReuseModel, fit_lambda, fit_mixture
+from engine.policies.reuse_model import fit_lambda, fit_mixture
 from engine.policies.rhythm import TopicSwitchDetector, TrafficRhythm
 from engine.policies.workload_aware import WorkloadAwarePolicy, paper_priority, posterior_reuse
 

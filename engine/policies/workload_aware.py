@@ -17,9 +17,10 @@ Scores (lowest evicted first, ties to the deeper offset):
 (lambda, p) per category are fitted online by ``ReuseModel`` from a
 metadata-only history, so reuses after eviction are observed too.  A shadow
 LRU of the same capacity runs beside the policy; when the policy trails it
-over a window the tier falls back to LRU order (the LRU order of the real
-keys is kept all along, so the switch is instant) and a shadow of this policy
-decides when to switch back.
+for a sustained window the tier falls back to LRU order (rebuilt from the
+keys' last-access times, so the switch needs no replay) and a metadata-only
+clone of this policy decides when to switch back.  With protect_prefix, when
+a block goes its cached children (no longer reachable as a prefix) go next.
 """
 
 from __future__ import annotations
