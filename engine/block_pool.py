@@ -85,7 +85,7 @@ class BlockPool:
         self.policy_name = policy
         self.device_policy: EvictionPolicy = make_policy(policy, device_blocks, cache_config, **kwargs)
         self.host_policy: EvictionPolicy | None = (
-            make_policy(policy, host_blocks, cache_config, **kwargs) if host_blocks else None
+            make_policy(policy, host_blocks, cache_config, tier=HOST, **kwargs) if host_blocks else None
         )
         self.stats = PoolStats()
         self.record_copies = record_copies

@@ -416,3 +416,25 @@ def test_multimodal_fifo_override_keeps_insertion_order():
     # The busy head was passed over (moved behind 3), as S3-FIFO's scan does.
     assert policy.evict(12.0) == 3
     assert policy.evict(12.0) == 1
+
+
+def test_host_tier_policy_logs_nothing_and_never_falls_back(caplog):
+    import logging
+
+    from engine.block_pool import BlockPool
+    from engine.config import CacheConfig, WorkloadAwareConfig
+    from engine.context import RequestContext
+
+    cfg = WorkloadAwareConfig.model_validate({"alarm": {"window_s": 30.0, "threshold": 0.4},
+                                              "fallback": {"check_interval_s": 10.0}})
+    pool = BlockPool(50, 50, "wa", CacheConfig(workload_aware=cfg))
+    with caplog.at_level(logging.INFO, logger="kvgate.cache"):
+        for i in range(200):
+            now = i * 0.5
+            ctx = RequestContext(timestamp=now, prompt_blocks=2, prompt_tokens=100, chat_id=i)
+            blocks, _ = pool.touch_or_insert([i * 10 + 1, i * 10 + 2], ctx, now)
+            pool.release(list(reversed(blocks)), ctx, now)
+    alarms = [r for r in caplog.records if "reuse alarm raised" in r.getMessage()]
+    assert len(alarms) == 1  # the device tier's, once
+    assert pool.device_policy.state()["reuse_alarm"] is True
+    assert pool.host_policy.shadow_lru is None

@@ -16,8 +16,10 @@ def policy_names() -> list[str]:
     return [*_CLASSIC, "wa", "wa-paper"]
 
 
-def make_policy(name: str, capacity: int, cache: CacheConfig | None = None, **extra: object) -> EvictionPolicy:
-    """Build the policy ``name`` for a tier of ``capacity`` blocks.
+def make_policy(
+    name: str, capacity: int, cache: CacheConfig | None = None, *, tier: str = "device", **extra: object
+) -> EvictionPolicy:
+    """Build the policy ``name`` for a tier ("device" or "host") of ``capacity`` blocks.
 
     ``extra`` carries what only some policies take (Belady's ``future``).
     """
@@ -25,7 +27,7 @@ def make_policy(name: str, capacity: int, cache: CacheConfig | None = None, **ex
     if name in ("wa", "wa-paper"):
         from engine.policies.workload_aware import make_workload_aware
 
-        return make_workload_aware(name, capacity, cache.workload_aware, **extra)
+        return make_workload_aware(name, capacity, cache.workload_aware, tier=tier, **extra)
     cls = _CLASSIC.get(name)
     if cls is None:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(policy_names())}")

@@ -469,6 +469,8 @@ class WorkloadAwarePolicy(EvictionPolicy):
         )
         self.spiking = False
         self.reuse_alarm = False
+        # False on the host tier: its state changes are not logged (see make_workload_aware).
+        self.announce = True
         self.topic_switches = 0
         self.age_ewma: float | None = None
         # Per-request state.
@@ -733,8 +735,9 @@ class WorkloadAwarePolicy(EvictionPolicy):
         self.spiking = spiking
         self.table.relax = self.cfg.rhythm.relax_factor if spiking else 1.0
         self.table.refresh()
-        log.info("kvgate.cache: to-B traffic spike %s (relax x%.1f)", "started" if spiking else "ended",
-                 self.table.relax)
+        if self.announce:
+            log.info("kvgate.cache: to-B traffic spike %s (relax x%.1f)", "started" if spiking else "ended",
+                     self.table.relax)
 
     # ---- shadow comparison, fallback and alarm ------------------------------
 
@@ -764,9 +767,10 @@ class WorkloadAwarePolicy(EvictionPolicy):
             alarm = acc > 0 and hits / acc < cfg.alarm.threshold
             if alarm != self.reuse_alarm:
                 self.reuse_alarm = alarm
-                log.warning("kvgate.cache: reuse alarm %s (hit ratio %.3f over %.0f s, threshold %.2f)",
-                            "raised" if alarm else "cleared", hits / acc if acc else 0.0,
-                            cfg.alarm.window_s, cfg.alarm.threshold)
+                if self.announce:
+                    log.warning("kvgate.cache: reuse alarm %s (hit ratio %.3f over %.0f s, threshold %.2f)",
+                                "raised" if alarm else "cleared", hits / acc if acc else 0.0,
+                                cfg.alarm.window_s, cfg.alarm.threshold)
         fb = cfg.fallback
         if self.shadow_lru is None:
             return
@@ -804,12 +808,20 @@ class WorkloadAwarePolicy(EvictionPolicy):
 
 
 def make_workload_aware(
-    name: str, capacity: int, cfg: WorkloadAwareConfig | None = None, **_: object
+    name: str, capacity: int, cfg: WorkloadAwareConfig | None = None, *, tier: str = "device", **_: object
 ) -> WorkloadAwarePolicy:
-    """``wa``: the configured policy; ``wa-paper``: the paper's algorithm on the same model knobs."""
+    """``wa``: the configured policy; ``wa-paper``: the paper's algorithm on the same model knobs.
+
+    The host tier only orders demoted blocks: it gets no LRU fallback and stays
+    silent, so alarms and spikes are judged (and logged) once, on the device tier.
+    """
     cfg = cfg or WorkloadAwareConfig()
     if name == "wa-paper":
         cfg = cfg.paper_variant()
     elif name != "wa":
         raise ValueError(f"unknown workload-aware policy {name!r}")
-    return WorkloadAwarePolicy(capacity, cfg, name)
+    if tier != "device":
+        cfg = cfg.model_copy(update={"fallback": cfg.fallback.model_copy(update={"enabled": False})})
+    policy = WorkloadAwarePolicy(capacity, cfg, name)
+    policy.announce = tier == "device"
+    return policy
