@@ -13,7 +13,6 @@ import logging
 import math
 import random
 import re
-import time
 from pathlib import Path
 
 import aiohttp
@@ -337,7 +336,10 @@ async def test_metrics_exposes_every_issue_series_with_bounded_labels(live):
     await _traffic(client)
     gw = app[GATEWAY]
     # The reuse ratio shows the last *full* minute: look from the next one.
-    gw.observer.wall_clock = lambda: time.time() + 60
+    # Pin the clock just inside the minute after the last recorded one, so a scrape
+    # that happens to cross a minute boundary cannot skip the minute with the traffic.
+    next_minute = (gw.observer.reuse._minute + 1) * 60 + 1
+    gw.observer.wall_clock = lambda: next_minute
     text = await scrape(server.url)
     found = samples(text)
     for name, labels in REQUIRED.items():
