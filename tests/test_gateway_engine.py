@@ -17,6 +17,7 @@ from engine.config import EngineConfig, ModelConfig
 from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, KvgateConfig, ReplicaConfig, RouterConfig, ServerConfig
 from gateway.server import start_server
+from tests.gateway_helpers import serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -36,12 +37,8 @@ def _config(model_dir: str, replicas: int = 2, **server) -> KvgateConfig:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def gw(tiny_model_dir):
-    app = create_app(_config(tiny_model_dir))
-    server = await start_server(app)
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield app, server, client
-    await client.close()
-    await server.stop()
+    async with serving(create_app(_config(tiny_model_dir))) as running:
+        yield running
 
 
 def _decisions(app) -> dict[str, float]:

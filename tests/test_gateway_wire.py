@@ -21,6 +21,7 @@ from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, ReplicaConfig
 from gateway.replicas import InProcessReplica
 from gateway.server import start_server
+from tests.gateway_helpers import serving
 from tests.engine_procs import MODEL, count_aborts, engine_idle, record_requests, tiny_config, wait_for
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -32,14 +33,10 @@ FIXED = {"ignore_eos": True}  # extra_body: exactly max_tokens tokens
 async def gw(tiny_model_dir):
     config = tiny_config(tiny_model_dir)
     replicas = [InProcessReplica(f"r{i}", config) for i in range(2)]
-    app = create_app(config, replicas)
-    server = await start_server(app)
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    engines = [r.engine for r in replicas]
-    seen = [record_requests(e) for e in engines]
-    yield app, server, client, engines, seen
-    await client.close()
-    await server.stop()
+    async with serving(create_app(config, replicas)) as (app, server, client):
+        engines = [r.engine for r in replicas]
+        seen = [record_requests(e) for e in engines]
+        yield app, server, client, engines, seen
 
 
 async def _settled(app):

@@ -30,6 +30,7 @@ from gateway.metrics import GatewayMetrics, policy_rows
 from gateway.observe import user_identity
 from gateway.reuse_rate import MinuteReuse
 from gateway.server import start_server
+from tests.gateway_helpers import serving
 from gateway.user_share import UserHitShare
 
 MODEL = "tiny"
@@ -302,12 +303,8 @@ def _config(model_dir: str, policy: str = "wa", **cache) -> KvgateConfig:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def live(tiny_model_dir):
-    app = create_app(_config(tiny_model_dir))
-    server = await start_server(app)
-    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    yield app, server, client
-    await client.close()
-    await server.stop()
+    async with serving(create_app(_config(tiny_model_dir))) as running:
+        yield running
 
 
 async def _traffic(client: openai.AsyncOpenAI, rounds: int = 3) -> None:

@@ -1,0 +1,23 @@
+"""A real gateway on loopback with the official SDK as its client, for tests."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import openai
+from aiohttp import web
+
+from gateway.server import start_server
+
+
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[tuple[web.Application, object, openai.AsyncOpenAI]]:
+    """Start ``app`` on a free loopback port; yield (app, server, AsyncOpenAI client); stop both."""
+    server = await start_server(app)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        yield app, server, client
+    finally:
+        await client.close()
+        await server.stop()
