@@ -29,8 +29,8 @@ def _config(model_dir: str, replicas: int = 2, **server) -> KvgateConfig:
         model=ModelConfig(path=model_dir, served_name=MODEL, device="cpu", max_model_len=1024),
         engine=EngineConfig(block_size=16, device_blocks=256, max_num_seqs=8, max_batched_tokens=1024, threads=1),
         server=ServerConfig(**server),
-        # Spreading is what the burst test checks; a small valve makes it quick.
-        router=RouterConfig(imbalance_abs_tokens=256),
+        # Default router settings: the burst test relies on hot-prefix spreading, not a tuned valve.
+        router=RouterConfig(),
         replicas=[ReplicaConfig(kind="inprocess") for _ in range(replicas)],
     )
 
