@@ -577,27 +577,9 @@ class WorkloadAwarePolicy(EvictionPolicy):
         self._key = key
         # Close the key's open episode: a reuse after `gap` seconds.
         model = self.model
-        history = model.history
-        entry = history.get(key)
+        entry = model.observe(key, now)
         shared = False
-        bin_s, ring = model.bin_s, model.ring
-        b_now = int(now / bin_s)
         if entry is not None:
-            last = entry[0]
-            stats = model.stats[entry[1]]
-            stats.pending[int(last / bin_s) % ring] -= 1
-            reuses = stats.reuses
-            row = reuses[-1] if reuses else None
-            if row is None or row[0] != b_now:
-                row = [b_now, 0, 0, 0.0]
-                reuses.append(row)
-            gap = now - last
-            if gap < model.floor:
-                row[1] += 1
-            else:
-                row[2] += 1
-                row[3] += gap - model.floor
-            history.move_to_end(key)
             if self._shared_on:
                 shared = entry[3] or entry[2] != self._session
         blocks = self._blocks
@@ -611,13 +593,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
         if cat is None:
             cat = self._cat_cache[ck] = self._category(shared, pos)
         # Open the episode of this access.
-        if entry is None:
-            history[key] = [now, cat, self._session, False]
-        else:
-            entry[0] = now
-            entry[1] = cat
-            entry[3] = shared
-        model.stats[cat].pending[b_now % ring] += 1
+        model.open(key, entry, cat, self._session, shared, now)
         # Decode blocks of a live request lie past its prompt: no spatial credit.
         spatial = (1.0 - offset / blocks) * self._boost if offset < blocks else 0.0
         self.core.access(key, cat, now, offset, spatial, parent)
