@@ -115,6 +115,7 @@ async def _servers():
     from gateway.server import start_server
 
     engines = [InstantBenchEngine(MODEL), InstantBenchEngine(MODEL)]
+    bare_served = [0]
     gw_app = create_app(KvgateConfig(), [InProcessReplica(f"r{i}", engine=e) for i, e in enumerate(engines)])
     gateway = await start_server(gw_app)
     # The bytes the gateway sends for the request, captured once.
@@ -126,6 +127,7 @@ async def _servers():
             sse = await resp.read()
 
     async def bare(request: web.Request) -> web.StreamResponse:
+        bare_served[0] += 1
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -136,7 +138,7 @@ async def _servers():
     bare_app = web.Application()
     bare_app.router.add_post("/v1/chat/completions", bare)
     bare_server = await start_server(bare_app)
-    return gateway, bare_server, engines
+    return gateway, bare_server, engines, bare_served
 
 
 async def _run_client(url: str, concurrency: int, requests: int, seconds: float) -> dict:
@@ -151,17 +153,24 @@ async def _run_client(url: str, concurrency: int, requests: int, seconds: float)
 
 
 async def _bench(levels: list[int], requests: int, seconds: float, profile: str | None) -> dict:
-    gateway, bare_server, engines = await _servers()
+    gateway, bare_server, engines, bare_served = await _servers()
+    gateway_served = lambda: sum(e.served for e in engines)  # noqa: E731
     results = {}
     try:
         for c in levels:
+            # Server CPU per request: this process's CPU time over every request it
+            # served in the phase (warm-up included), robust to other load on the box.
+            cpu0, n0 = time.process_time(), bare_served[0]
             bare = await _run_client(bare_server.url, c, requests, seconds)
+            bare["server_cpu_us"] = (time.process_time() - cpu0) / (bare_served[0] - n0) * 1e6
             if profile and c == levels[-1]:
                 from pyinstrument import Profiler
 
                 profiler = Profiler(async_mode="disabled")
                 profiler.start()
+            cpu0, n0 = time.process_time(), gateway_served()
             gw = await _run_client(gateway.url, c, requests, seconds)
+            gw["server_cpu_us"] = (time.process_time() - cpu0) / (gateway_served() - n0) * 1e6
             if profile and c == levels[-1]:
                 profiler.stop()
                 with open(profile, "w") as f:
@@ -178,7 +187,8 @@ async def _bench(levels: list[int], requests: int, seconds: float, profile: str 
             }
             print(f"c={c:>3}: gateway {gw['rps']:8.0f} rps p50 {gw['p50_ms']:.2f} ms p99 {gw['p99_ms']:.2f} ms | "
                   f"bare {bare['rps']:8.0f} rps p50 {bare['p50_ms']:.2f} ms p99 {bare['p99_ms']:.2f} ms | "
-                  f"ratio {gw['rps'] / bare['rps']:.2f} added p50 {gw['p50_ms'] - bare['p50_ms']:.3f} ms",
+                  f"ratio {gw['rps'] / bare['rps']:.2f} added p50 {gw['p50_ms'] - bare['p50_ms']:.3f} ms | "
+                  f"server CPU/request gateway {gw['server_cpu_us']:.0f} us, bare {bare['server_cpu_us']:.0f} us",
                   file=sys.stderr, flush=True)
     finally:
         await gateway.stop()

@@ -58,6 +58,8 @@ class InstantBenchEngine:
         self.held: set[int] = set()
         self.active: dict[str, int] = {}
         self.served = 0
+        self._step_cache: dict[int, list] = {}
+        self._whole_cache: dict[int, tuple[list[int], str]] = {}
         self._subscribers = []
 
     def start(self) -> None:
@@ -82,6 +84,19 @@ class InstantBenchEngine:
         self.active.pop(request_id, None)
 
     async def generate(self, request: GenerationRequest):
+        batches = self.generate_batches(request)
+        try:
+            async for batch in batches:
+                for out in batch:
+                    yield out
+        finally:
+            await batches.aclose()
+
+    async def generate_batches(self, request: GenerationRequest):
+        """Like AsyncEngine.generate_batches: each list is what is ready at once,
+        one output per choice.  Unpaced, everything is ready at once, so each
+        choice comes as one output holding all its tokens (as AsyncEngine hands
+        over a backlog); paced by ``token_delay_s``, one token per output."""
         self.served += 1
         rid = request.request_id
         hit = 0
@@ -99,20 +114,46 @@ class InstantBenchEngine:
         s = request.sampling
         self.active[rid] = s.n
         try:
+            steps = self._steps(s.max_tokens)
+            usage = Usage(len(request.prompt_token_ids), s.max_tokens, hit * self.block_size)
+            if not self.token_delay_s:
+                token_ids, text = self._whole(s.max_tokens)
+                yield [
+                    GenerationOutput(rid, index, token_ids, text, self._logprobs(steps, s.logprobs), "length", usage, 0.0)
+                    for index in range(s.n)
+                ]
+                return
             for index in range(s.n):
-                for step in range(s.max_tokens):
-                    if self.token_delay_s:
-                        await asyncio.sleep(self.token_delay_s)
-                    last = step == s.max_tokens - 1
-                    text = f"t{step} "
-                    lps = None
-                    if s.logprobs is not None:
-                        lps = [TokenLogprob(100 + step, text, -0.5, [(1, "a", -1.0)] * s.logprobs)]
-                    yield GenerationOutput(
-                        rid, index, [100 + step], text, lps,
-                        "length" if last else None,
-                        Usage(len(request.prompt_token_ids), s.max_tokens, hit * self.block_size) if last else None,
-                        0.0 if step == 0 else None,
-                    )
+                for step, (token_ids, text, finish) in enumerate(steps):
+                    await asyncio.sleep(self.token_delay_s)
+                    yield [GenerationOutput(
+                        rid, index, token_ids, text, self._logprobs(steps[step:step + 1], s.logprobs), finish,
+                        usage if finish else None, 0.0 if step == 0 else None,
+                    )]
         finally:
             self.active.pop(rid, None)
+
+    @staticmethod
+    def _logprobs(steps, k: int | None) -> list[TokenLogprob] | None:
+        if k is None:
+            return None
+        return [TokenLogprob(ids[0], text, -0.5, [(1, "a", -1.0)] * k) for ids, text, _ in steps]
+
+    def _whole(self, max_tokens: int) -> tuple[list[int], str]:
+        whole = self._whole_cache.get(max_tokens)
+        if whole is None:
+            steps = self._steps(max_tokens)
+            whole = self._whole_cache[max_tokens] = (
+                [t for ids, _, _ in steps for t in ids], "".join(text for _, text, _ in steps)
+            )
+        return whole
+
+    def _steps(self, max_tokens: int) -> list[tuple[list[int], str, str | None]]:
+        """(token ids, text, finish reason) of each step, built once per length:
+        the fixture should cost next to nothing, so the benchmark measures the gateway."""
+        steps = self._step_cache.get(max_tokens)
+        if steps is None:
+            steps = self._step_cache[max_tokens] = [
+                ([100 + i], f"t{i} ", "length" if i == max_tokens - 1 else None) for i in range(max_tokens)
+            ]
+        return steps

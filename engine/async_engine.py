@@ -22,7 +22,7 @@ from engine.block_pool import DEVICE, HOST, BlockPool
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.kv_cache import KVCache, KVShape, size_device_blocks
 from engine.model_loader import LoadedModel, load_model
-from engine.request import GenerationOutput, GenerationRequest, Usage
+from engine.request import GenerationOutput, GenerationRequest, Usage, coalesce
 from engine.runner import ModelRunner
 from engine.sampling import SequenceSampler, sample_batch
 from engine.scheduler import Scheduler
@@ -169,23 +169,52 @@ class AsyncEngine:
 
         Closing the iterator early aborts the request and frees its blocks.
         """
+        batches = self._batches(request, merge=False)
+        try:
+            async for batch in batches:
+                for out in batch:
+                    yield out
+        finally:
+            await batches.aclose()
+
+    def generate_batches(self, request: GenerationRequest) -> AsyncIterator[list[GenerationOutput]]:
+        """``generate``'s outputs grouped: each list holds what is ready at that
+        moment, one output per choice (``coalesce``: its deltas joined).
+
+        A consumer that falls behind the engine (a busy gateway) gets the
+        backlog in one piece and can send it as one frame per choice, as vLLM's
+        output collector merges what a slow reader has not taken yet.  Closing
+        the iterator early aborts the request and frees its blocks.
+        """
+        return self._batches(request, merge=True)
+
+    async def _batches(self, request: GenerationRequest, merge: bool) -> AsyncIterator[list[GenerationOutput]]:
         self._validate(request)
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already running")
         await self.start()
-        state = _RequestState(request, asyncio.Queue(), time.monotonic(), unfinished=request.sampling.n)
+        queue: asyncio.Queue = asyncio.Queue()
+        state = _RequestState(request, queue, time.monotonic(), unfinished=request.sampling.n)
         self._requests[request.request_id] = state
         self._pending_adds.append(state)
         self._wakeup.set()
         done = 0
         try:
             while done < request.sampling.n:
-                item = await state.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finish_reason is not None:
-                    done += 1
-                yield item
+                item = await queue.get()
+                batch = []
+                while True:
+                    if isinstance(item, BaseException):
+                        if batch:
+                            yield coalesce(batch) if merge else batch  # what came before the failure
+                        raise item
+                    if item.finish_reason is not None:
+                        done += 1
+                    batch.append(item)
+                    if queue.empty():
+                        break
+                    item = queue.get_nowait()
+                yield coalesce(batch) if merge else batch
         finally:
             if done < request.sampling.n:
                 self.abort(request.request_id)

@@ -71,3 +71,52 @@ class GenerationOutput:
     usage: Usage | None = None
     # Seconds the request waited before its first scheduled step.
     queue_time_s: float | None = None
+
+
+def coalesce(outputs: list[GenerationOutput]) -> list[GenerationOutput]:
+    """A batch of outputs with each choice's deltas joined into one, in first-seen order.
+
+    What a consumer that fell behind the engine wants (vLLM's output collector
+    merges a slow reader's backlog the same way): one delta, hence one SSE
+    frame, instead of one per token.  Text, token ids and logprobs keep their
+    order; the merged delta carries the last finish reason and usage and the
+    first queue time.  Outputs of different choices stay apart.
+    """
+    if len(outputs) < 2:
+        return outputs
+    index = outputs[0].index
+    for out in outputs:
+        if out.index != index:
+            break
+    else:
+        return [_join(outputs)]
+    groups: dict[int, list[GenerationOutput]] = {}
+    for out in outputs:
+        group = groups.get(out.index)
+        if group is None:
+            groups[out.index] = [out]
+        else:
+            group.append(out)
+    if len(groups) == len(outputs):
+        return outputs
+    return [group[0] if len(group) == 1 else _join(group) for group in groups.values()]
+
+
+def _join(group: list[GenerationOutput]) -> GenerationOutput:
+    """One choice's deltas as one."""
+    token_ids: list[int] = []
+    texts = []
+    logprobs = finish = usage = queue_time = None
+    for out in group:
+        token_ids += out.token_ids
+        texts.append(out.text)
+        if out.logprobs is not None:
+            logprobs = out.logprobs if logprobs is None else logprobs + out.logprobs
+        if out.finish_reason is not None:
+            finish = out.finish_reason
+        if out.usage is not None:
+            usage = out.usage
+        if queue_time is None:
+            queue_time = out.queue_time_s
+    first = group[0]
+    return GenerationOutput(first.request_id, first.index, token_ids, "".join(texts), logprobs, finish, usage, queue_time)

@@ -29,7 +29,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from engine.context import REQUEST_TYPES, WORKLOADS, RequestContext
-from engine.request import GenerationOutput, GenerationRequest, SamplingParams, Usage
+from engine.request import GenerationOutput, GenerationRequest, SamplingParams, Usage, coalesce
 from gateway import errors
 from gateway.classify import ANONYMOUS, Classifier, Principal
 from gateway.config import KvgateConfig
@@ -368,8 +368,9 @@ class Gateway:
 
     # -- routing and generation
 
-    async def outputs(self, sub: Sub, parsed: ParsedRequest, max_tokens: int) -> AsyncIterator[GenerationOutput]:
-        """One sub-request's outputs from the replica the router picks.
+    async def outputs(self, sub: Sub, parsed: ParsedRequest, max_tokens: int) -> AsyncIterator[list[GenerationOutput]]:
+        """One sub-request's outputs from the replica the router picks, in the
+        batches the replica delivers them (what was ready together).
 
         In-flight work is counted before the request is sent and released in
         ``finally``; the engine iterator is closed there too, which aborts the
@@ -387,8 +388,6 @@ class Gateway:
         job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens)
         load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
         workload = sub.context.workload
-        # Per-token work stays at a clock read and a histogram observation.
-        observe_gap = self.metrics.itl.labels(workload).observe
         arrival = time.monotonic()
         tried: list[int] = []
         while True:
@@ -404,35 +403,42 @@ class Gateway:
             replica = self.replicas[decision.replica]
             ticket = router.acquire(decision.replica, load, sub.prompt.keys, decision.matched_blocks)
             self.metrics.decisions.labels(replica.name, decision.reason).inc()
+            series = self.metrics.request_series(workload, replica.name)
             # The engine never serves the block holding the prompt's last token from
             # cache (its logits must be computed), so neither is it predicted.
             bs = self.hasher.block_size
             predicted = min(decision.matched_blocks, (len(sub.prompt.token_ids) - 1) // bs)
-            self.metrics.predicted_hits.labels(workload, replica.name).inc(predicted * bs)
-            produced = False
+            series.predicted_hits.inc(predicted * bs)
+            produced = exhausted = False
             usage = _UsageSum(1)
             last_token: float | None = None
             # The recorder also wants the blocks the engine fills with generated tokens.
             generated: list[int] | None = [] if self.observer.recording else None
             gen = replica.generate(job)
             try:
-                async for out in gen:
+                async for batch in gen:
                     produced = True
-                    if out.index == 0 and (out.token_ids or out.text):
-                        now = time.perf_counter()
-                        if last_token is not None:
-                            observe_gap(now - last_token)
-                        last_token = now
-                        if generated is not None:
-                            generated.extend(out.token_ids)
-                    if out.usage is not None:
-                        usage.add(0, out)
-                        if out.index in (0, USAGE_ALL):
-                            self.metrics.prefix_queries.labels(workload, replica.name).inc(out.usage.prompt_tokens)
-                            self.metrics.prefix_hits.labels(workload, replica.name).inc(out.usage.cached_tokens)
-                    if out.queue_time_s is not None:
-                        self.metrics.queue_time.labels(workload).observe(out.queue_time_s)
-                    yield out
+                    # Tokens that arrived together leave as one delta per choice (one
+                    # frame), and the inter-token gap is measured between deltas:
+                    # what the client sees.
+                    batch = coalesce(batch)
+                    now = time.perf_counter()
+                    for out in batch:
+                        if out.index == 0 and (out.token_ids or out.text):
+                            if last_token is not None:
+                                series.itl.observe(now - last_token)
+                            last_token = now
+                            if generated is not None:
+                                generated.extend(out.token_ids)
+                        if out.usage is not None:
+                            usage.add(0, out)
+                            if out.index == 0 or out.index == USAGE_ALL:
+                                series.prefix_queries.inc(out.usage.prompt_tokens)
+                                series.prefix_hits.inc(out.usage.cached_tokens)
+                        if out.queue_time_s is not None:
+                            series.queue_time.observe(out.queue_time_s)
+                    yield batch
+                exhausted = True
                 self.observer.finished(Finished(
                     sub.context, replica.name, sub.prompt, usage.prompt[0] or len(sub.prompt.token_ids),
                     usage.cached[0], usage.completion[0], arrival, parsed.user, generated,
@@ -459,27 +465,28 @@ class Gateway:
                     body.get("code"),
                 ) from None
             finally:
-                await _aclose(gen)
+                if not exhausted:
+                    await _aclose(gen)
                 router.release(ticket)
 
-    async def merged(self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int) -> AsyncIterator[tuple[int, GenerationOutput]]:
-        """(choice shift, output) of all sub-requests, as they arrive."""
-        if len(subs) == 1:
-            gen = self.outputs(subs[0], parsed, max_tokens)
-            try:
-                async for out in gen:
-                    yield subs[0].shift, out
-            finally:
-                await _aclose(gen)
-            return
+    async def merged(
+        self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int
+    ) -> AsyncIterator[list[tuple[int, list[GenerationOutput]]]]:
+        """(choice shift, batch of outputs) of several sub-requests (completions
+        with a list of prompts), grouped by what is ready together.
+
+        One pump task per sub-request; the consumer takes everything queued at
+        once, so outputs that arrive together still leave in one send.  (One
+        sub-request needs none of this: callers read its ``outputs`` directly.)
+        """
         queue: asyncio.Queue = asyncio.Queue()
         end = object()
 
         async def pump(sub: Sub) -> None:
             gen = self.outputs(sub, parsed, max_tokens)
             try:
-                async for out in gen:
-                    queue.put_nowait((sub.shift, out))
+                async for batch in gen:
+                    queue.put_nowait((sub.shift, batch))
                 queue.put_nowait(end)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 queue.put_nowait(exc)
@@ -491,61 +498,25 @@ class Gateway:
         try:
             left = len(tasks)
             while left:
-                item = await queue.get()
-                if item is end:
-                    left -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                group = []
+                for item in items:
+                    if item is end:
+                        left -= 1
+                    elif isinstance(item, BaseException):
+                        if group:
+                            yield group  # what came before the failure
+                        raise item
+                    else:
+                        group.append(item)
+                if group:
+                    yield group
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def batched(self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int) -> AsyncIterator[tuple[list, bool]]:
-        """``merged``'s outputs grouped: (everything ready at that moment, whether it is the last).
-
-        A pump task runs the engine side until it has to wait; the stream then
-        sends all that is ready at once.  Tokens that come one at a time still
-        leave one at a time, with no added delay; bursts (n > 1, several
-        prompts, a fast backend) cost one send instead of one per frame, the
-        largest per-request cost of streaming (bench/gateway.py).
-        """
-        queue: asyncio.Queue = asyncio.Queue()
-        end = object()
-
-        async def pump() -> None:
-            gen = self.merged(subs, parsed, max_tokens)
-            try:
-                async for item in gen:
-                    queue.put_nowait(item)
-                queue.put_nowait(end)
-            except Exception as exc:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait(exc)
-            finally:
-                await _aclose(gen)
-
-        task = asyncio.create_task(pump())
-        try:
-            while True:
-                items = [await queue.get()]
-                while not queue.empty():
-                    items.append(queue.get_nowait())
-                batch = []
-                for item in items:
-                    if item is end or isinstance(item, BaseException):
-                        if batch or item is end:
-                            yield batch, item is end
-                        if item is end:
-                            return
-                        raise item
-                    batch.append(item)
-                yield batch, False
-        finally:
-            if not task.done():
-                task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
 
     async def complete(self, parsed: ParsedRequest, subs: list[Sub], max_tokens: int, start: float) -> web.Response:
         n = parsed.sampling.n
@@ -553,23 +524,30 @@ class Gateway:
         usage = _UsageSum(len(subs))
         workload = subs[0].context.workload
         first = True
-        gen = self.merged(subs, parsed, max_tokens)
+        single = len(subs) == 1
+        gen = self.outputs(subs[0], parsed, max_tokens) if single else self.merged(subs, parsed, max_tokens)
         try:
-            async for shift, out in gen:
+            async for group in gen:
+                if single:
+                    group = ((0, group),)
                 if first:
                     first = False
                     self.observer.first_token(workload, time.perf_counter() - start)
-                usage.add(shift // n, out)
-                if out.index == USAGE_ALL:
-                    continue
-                choice = choices[shift + out.index]
-                if out.text:
-                    choice.text.append(out.text)
-                if out.logprobs is not None:
-                    choice.logprobs = (choice.logprobs or []) + out.logprobs
-                if out.finish_reason is not None:
-                    _check_finish(out.finish_reason)
-                    choice.finish_reason = out.finish_reason
+                for shift, batch in group:
+                    sub = shift // n
+                    for out in batch:
+                        usage.add(sub, out)
+                        if out.index == USAGE_ALL:
+                            continue
+                        choice = choices[shift + out.index]
+                        if out.text:
+                            choice.text.append(out.text)
+                        if out.logprobs is not None:
+                            choice.logprobs = (choice.logprobs or []) + out.logprobs
+                        if out.finish_reason is not None:
+                            _check_finish(out.finish_reason)
+                            choice.finish_reason = out.finish_reason
+            gen = None  # exhausted: nothing to close
         finally:
             await _aclose(gen)
         rid = new_id("chatcmpl-" if parsed.endpoint == CHAT else "cmpl-")
@@ -588,42 +566,52 @@ class Gateway:
         usage = _UsageSum(len(subs))
         workload = subs[0].context.workload
         resp: web.StreamResponse | None = None
-        gen = self.batched(subs, parsed, max_tokens)
+        choices_left = len(states)
+        tail_frames = b""
+        # One sub-request (the common case) reads its outputs directly.
+        single = len(subs) == 1
+        gen = self.outputs(subs[0], parsed, max_tokens) if single else self.merged(subs, parsed, max_tokens)
         try:
-            tail_frames = b""
-            async for batch, last in gen:
-                # Everything that arrived together leaves in one send (the last
-                # batch with the stream's tail and end).
+            async for group in gen:
+                if single:
+                    group = ((0, group),)
+                # Everything that arrived together leaves in one send; the outputs
+                # that finish the last choice wait for the stream's tail and end
+                # (usage, [DONE]) and leave with them.
                 frames = []
                 try:
-                    for shift, out in batch:
-                        usage.add(shift // n, out)
-                        if out.index == USAGE_ALL:
-                            continue
-                        if resp is None:
-                            # Headers go out with the first output so that failures before
-                            # it (no replica, upstream 4xx) still get a proper status code.
-                            resp = _SseResponse(headers=_SSE_HEADERS)
-                            await resp.prepare(request)
-                            self.observer.first_token(workload, time.perf_counter() - start)
-                        index = shift + out.index
-                        state = states[index]
-                        if chat and not state.started:
-                            frames.append(fmt.role(index))
-                        state.started = True
-                        if out.finish_reason is not None:
-                            _check_finish(out.finish_reason)
-                        if out.text or out.logprobs or out.finish_reason is not None:
-                            frames.append(fmt.delta(index, out.text, out.logprobs, state, out.finish_reason))
-                        state.text_len += len(out.text)
+                    for shift, batch in group:
+                        sub = shift // n
+                        for out in batch:
+                            usage.add(sub, out)
+                            if out.index == USAGE_ALL:
+                                continue
+                            if resp is None:
+                                # Headers go out with the first output so that failures before
+                                # it (no replica, upstream 4xx) still get a proper status code.
+                                resp = _SseResponse(headers=_SSE_HEADERS)
+                                await resp.prepare(request)
+                                self.observer.first_token(workload, time.perf_counter() - start)
+                            index = shift + out.index
+                            state = states[index]
+                            if chat and not state.started:
+                                frames.append(fmt.role(index))
+                            state.started = True
+                            if out.finish_reason is not None:
+                                _check_finish(out.finish_reason)
+                                choices_left -= 1
+                            if out.text or out.logprobs or out.finish_reason is not None:
+                                frames.append(fmt.delta(index, out.text, out.logprobs, state, out.finish_reason))
+                            state.text_len += len(out.text)
                 except ApiError:
                     if frames:
                         await resp.write(b"".join(frames))  # what came before the failure
                     raise
-                if last:
-                    tail_frames = b"".join(frames)
+                if choices_left <= 0:
+                    tail_frames += b"".join(frames)
                 elif frames:
                     await resp.write(b"".join(frames))
+            gen = None  # exhausted: nothing to close
             if resp is None:
                 resp = _SseResponse(headers=_SSE_HEADERS)
                 await resp.prepare(request)
@@ -641,7 +629,7 @@ class Gateway:
             # Mid-stream: the status is already sent; OpenAI clients raise on an error
             # event, and [DONE] still ends the stream for clients that wait for it.
             with contextlib.suppress(ConnectionError):
-                await resp.write(sse_error(exc.body()) + DONE)
+                await resp.write(tail_frames + sse_error(exc.body()) + DONE)
                 await resp.write_eof()
             return resp
         finally:
@@ -767,6 +755,7 @@ def _mm_hashes(raw) -> list[tuple[int, bytes]]:
 
 
 async def _aclose(gen) -> None:
+    """Close an async iterator that may have stopped early (None: nothing to close)."""
     aclose = getattr(gen, "aclose", None)
     if aclose is not None:
         with contextlib.suppress(Exception):

@@ -9,7 +9,12 @@ series).
 Two kinds of series:
 - request series (counters, histograms) updated on the request path, a few
   increments per request (one histogram observation per generated token for
-  the inter-token latency);
+  the inter-token latency).  They are ``LoopCounter``/``LoopHistogram``: plain
+  numbers updated on the event loop thread and exported by a collector, because
+  prometheus_client's own Counter/Histogram validate labels on every
+  ``labels()`` and take a lock per increment and per histogram bucket: ~25 lock
+  round trips and 9 label lookups per streamed request, the largest single
+  cost of the gateway's hot path in bench/gateway.py's profile;
 - state series (engine KV blocks, evictions, swap bytes, policy state, reuse
   ratio, user hit share, replica load) read at scrape time by ``_ScrapeCollector``
   from whatever already holds them, so the request path pays nothing for them.
@@ -17,11 +22,14 @@ Two kinds of series:
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+import time
+from bisect import bisect_left
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
 
 # Seconds; TTFT on a CPU engine ranges from milliseconds to tens of seconds.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -35,44 +43,55 @@ EngineStats = Mapping | None
 ReplicaStatsSource = Callable[[], Iterable[tuple[str, EngineStats]]]
 
 
+class RequestSeries(NamedTuple):
+    """The children one engine request updates, looked up once per (workload, replica)."""
+
+    itl: "_HistogramChild"
+    queue_time: "_HistogramChild"
+    prefix_queries: "_CounterChild"
+    prefix_hits: "_CounterChild"
+    predicted_hits: "_CounterChild"
+
+
 class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        self._request_series: dict[tuple[str, str], RequestSeries] = {}
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
+        self.requests = LoopCounter(
             "kvgate_requests", "Requests served, by endpoint, workload and HTTP status.",
             ["endpoint", "workload", "status"], registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = LoopHistogram(
             "kvgate_time_to_first_token_seconds", "Time from request arrival to the first token sent.",
             ["workload"], buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.e2e = Histogram(
+        self.e2e = LoopHistogram(
             "kvgate_e2e_request_latency_seconds", "Time from request arrival to its last byte.",
             ["workload"], buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.queue_time = Histogram(
+        self.queue_time = LoopHistogram(
             "kvgate_queue_time_seconds", "Time a request waited in the engine before its first step.",
             ["workload"], buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.itl = Histogram(
-            "kvgate_inter_token_latency_seconds", "Time between successive tokens of one choice as the gateway receives them.",
+        self.itl = LoopHistogram(
+            "kvgate_inter_token_latency_seconds", "Time between successive deltas of one choice as the gateway receives them (tokens that arrive together are one delta).",
             ["workload"], buckets=_ITL_BUCKETS, registry=r,
         )
-        self.prefix_queries = Counter(
+        self.prefix_queries = LoopCounter(
             "kvgate_prefix_cache_queries_tokens", "Prompt tokens looked up in a replica's prefix cache.",
             ["workload", "replica"], registry=r,
         )
-        self.prefix_hits = Counter(
+        self.prefix_hits = LoopCounter(
             "kvgate_prefix_cache_hits_tokens", "Prompt tokens served from a replica's prefix cache (engine-reported).",
             ["workload", "replica"], registry=r,
         )
-        self.predicted_hits = Counter(
+        self.predicted_hits = LoopCounter(
             "kvgate_router_predicted_hit_tokens", "Prompt tokens the router expected to hit when it chose the replica.",
             ["workload", "replica"], registry=r,
         )
-        self.decisions = Counter(
+        self.decisions = LoopCounter(
             "kvgate_router_decisions", "Routing decisions, by chosen replica and reason.",
             ["replica", "reason"], registry=r,
         )
@@ -81,6 +100,16 @@ class GatewayMetrics:
         self.index_blocks = Gauge(
             "kvgate_router_index_blocks", "Block keys in the router's index of a replica.", ["replica"], registry=r
         )
+
+    def request_series(self, workload: str, replica: str) -> RequestSeries:
+        series = self._request_series.get((workload, replica))
+        if series is None:
+            series = self._request_series[(workload, replica)] = RequestSeries(
+                self.itl.labels(workload), self.queue_time.labels(workload),
+                self.prefix_queries.labels(workload, replica), self.prefix_hits.labels(workload, replica),
+                self.predicted_hits.labels(workload, replica),
+            )
+        return series
 
     def watch_replica(
         self, name: str, inflight: Callable[[], float], healthy: Callable[[], float], index_blocks: Callable[[], float]
@@ -100,6 +129,114 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _CounterChild:
+    __slots__ = ("value", "created")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("counters only go up")
+        self.value += amount
+
+
+class _HistogramChild:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds  # upper bounds, +Inf last
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        # Bucket i holds values in (bounds[i-1], bounds[i]]: Prometheus' "le".
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class _LoopSeries:
+    """A labelled series updated on the event loop thread only, exported by ``collect``.
+
+    No locks: every update happens on the loop (the engine thread reports
+    through the loop), so plain float additions are safe.  ``labels`` is a dict
+    lookup after the first call for a label set.
+    """
+
+    family: type
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry=None) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._children: dict[tuple, object] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str):
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            exported = tuple(str(v) for v in values)
+            child = self._children.get(exported) or self._child()
+            # Under both tuples, so that labels(200) and labels("200") are one series.
+            self._children[exported] = self._children[values] = child
+        return child
+
+    def _child(self):
+        raise NotImplementedError
+
+    def _exported(self):
+        """(label values as strings, child) once per series."""
+        for values, child in list(self._children.items()):
+            if all(type(v) is str for v in values):
+                yield values, child
+
+    def describe(self) -> list[Metric]:
+        return [self.family(self.name, self.documentation, labels=self.labelnames)]
+
+
+class LoopCounter(_LoopSeries):
+    family = CounterMetricFamily
+
+    def _child(self) -> _CounterChild:
+        return _CounterChild()
+
+    def collect(self) -> list[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._exported():
+            family.add_metric(values, child.value, created=child.created)
+        return [family]
+
+
+class LoopHistogram(_LoopSeries):
+    family = HistogramMetricFamily
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
+                 registry=None) -> None:
+        bounds = tuple(float(b) for b in buckets)
+        if list(bounds) != sorted(bounds):
+            raise ValueError("histogram buckets must be sorted")
+        self.bounds = bounds if bounds and bounds[-1] == float("inf") else bounds + (float("inf"),)
+        self._le = [floatToGoString(b) for b in self.bounds]
+        super().__init__(name, documentation, labelnames, registry)
+
+    def _child(self) -> _HistogramChild:
+        return _HistogramChild(self.bounds)
+
+    def collect(self) -> list[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._exported():
+            running, buckets = 0, []
+            for le, count in zip(self._le, child.counts):
+                running += count
+                buckets.append((le, running))
+            family.add_metric(values, buckets, child.sum)
+        return [family]
 
 
 def policy_rows(policy_name: str, state: Mapping) -> dict[str, int]:

@@ -14,6 +14,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_str  # json.dumps' own encoder for a str
 from typing import Any
 
 from engine.request import SamplingParams, TokenLogprob, Usage
@@ -60,7 +61,9 @@ class ParsedRequest:
 
 def parse_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
+        # UTF-8 (RFC 8259 for JSON on the wire; a BOM is tolerated), decoded here
+        # rather than by json's encoding sniffing.  Invalid bytes are a ValueError.
+        body = json.loads(raw.decode("utf-8-sig") if isinstance(raw, (bytes, bytearray)) else raw)
     except (ValueError, RecursionError):
         raise bad_request(
             "We could not parse the JSON body of your request. (HINT: This likely means you aren't using your "
@@ -433,40 +436,64 @@ def text_completion(rid: str, created: int, model: str, choices: list[ChoiceStat
 class StreamFormatter:
     """Builds SSE frames for one streamed request.
 
-    The static part of every chunk is encoded once; a frame then costs one small
-    json.dumps of the choice.  ``include_usage`` adds ``"usage": null`` to every
-    chunk and a final chunk with empty choices, as OpenAI does.
+    The static part of every chunk is encoded once.  The frames of plain text
+    deltas (no logprobs), the bulk of a stream, are assembled from strings with
+    json's own string encoder: the same bytes ``json.dumps`` gives (a test
+    compares them), at a fifth of the cost, which matters at one frame per token.
+    ``include_usage`` adds ``"usage": null`` to every chunk and a final chunk
+    with empty choices, as OpenAI does.
     """
 
-    __slots__ = ("endpoint", "include_usage", "_head", "_tail")
+    __slots__ = ("endpoint", "include_usage", "_head", "_tail", "_chat")
 
     def __init__(self, endpoint: str, rid: str, created: int, model: str, include_usage: bool) -> None:
         self.endpoint = endpoint
+        self._chat = endpoint == CHAT
         self.include_usage = include_usage
-        obj = "chat.completion.chunk" if endpoint == CHAT else "text_completion"
-        head = {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None}
-        self._head = b"data: " + json.dumps(head)[:-1].encode() + b', "choices": ['
+        obj = "chat.completion.chunk" if self._chat else "text_completion"
+        self._head = (
+            f'data: {{"id": {_json_str(rid)}, "object": "{obj}", "created": {int(created)}, '
+            f'"model": {_json_str(model)}, "system_fingerprint": null, "choices": ['
+        ).encode()
         self._tail = b'], "usage": null}\n\n' if include_usage else b"]}\n\n"
 
     def _frame(self, choice: dict) -> bytes:
         return self._head + json.dumps(choice).encode() + self._tail
 
     def role(self, index: int) -> bytes:
-        return self._frame(
-            {"index": index, "delta": {"role": "assistant", "content": "", "refusal": None}, "logprobs": None, "finish_reason": None}
-        )
+        return self._head + _role_choice(index) + self._tail
 
     def delta(self, index: int, text: str, logprobs: list[TokenLogprob] | None, state: ChoiceState, finish: str | None = None) -> bytes:
-        if self.endpoint == CHAT:
+        if logprobs is None:
+            finish_json = "null" if finish is None else _json_str(finish)
+            if self._chat:
+                delta = f'{{"content": {_json_str(text)}}}' if text or finish is None else "{}"
+                choice = f'{{"index": {index}, "delta": {delta}, "logprobs": null, "finish_reason": {finish_json}}}'
+            else:
+                choice = f'{{"index": {index}, "text": {_json_str(text)}, "logprobs": null, "finish_reason": {finish_json}}}'
+            return self._head + choice.encode() + self._tail
+        if self._chat:
             delta = {"content": text} if text or finish is None else {}
-            return self._frame(
-                {"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish}
-            )
+            return self._frame({"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish})
         lp = completion_logprobs(logprobs, state.text_len)
         return self._frame({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
 
     def usage(self, usage: dict) -> bytes:
         return self._head + b'], "usage": ' + json.dumps(usage).encode() + b"}\n\n"
+
+
+_ROLE_CHOICES: dict[int, bytes] = {}
+
+
+def _role_choice(index: int) -> bytes:
+    choice = _ROLE_CHOICES.get(index)
+    if choice is None:
+        choice = json.dumps(
+            {"index": index, "delta": {"role": "assistant", "content": "", "refusal": None}, "logprobs": None, "finish_reason": None}
+        ).encode()
+        if index < 1024:  # n is bounded by config; the cache stays small anyway
+            _ROLE_CHOICES[index] = choice
+    return choice
 
 
 DONE = b"data: [DONE]\n\n"

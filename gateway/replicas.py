@@ -95,7 +95,9 @@ class Replica:
     async def close(self) -> None:
         self.healthy = False
 
-    def generate(self, job: Job) -> AsyncIterator[GenerationOutput]:
+    def generate(self, job: Job) -> AsyncIterator[list[GenerationOutput]]:
+        """The job's outputs in lists: each holds what arrived together, so the
+        gateway sends it in one write.  Closing the iterator aborts the job."""
         raise NotImplementedError
 
 
@@ -184,12 +186,24 @@ class InProcessReplica(Replica):
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
-    def generate(self, job: Job) -> AsyncIterator[GenerationOutput]:
-        return self.engine.generate(job.request)
+    def generate(self, job: Job) -> AsyncIterator[list[GenerationOutput]]:
+        batches = getattr(self.engine, "generate_batches", None)
+        if batches is not None:
+            return batches(job.request)
+        return _one_by_one(self.engine.generate(job.request))
 
     def inflight_engine(self) -> int:
         stats = self.engine.stats() if self.engine is not None else {}
         return int(stats.get("running", 0)) + int(stats.get("waiting", 0)) if isinstance(stats, dict) else 0
+
+
+async def _one_by_one(outputs: AsyncIterator[GenerationOutput]) -> AsyncIterator[list[GenerationOutput]]:
+    """An engine with only ``generate`` (one output at a time): one-output batches."""
+    try:
+        async for out in outputs:
+            yield [out]
+    finally:
+        await outputs.aclose()
 
 
 # ----------------------------------------------------------------------------- remote
@@ -470,7 +484,7 @@ class RemoteReplica(Replica):
         body["stream_options"] = {"include_usage": True}
         return path, body
 
-    async def generate(self, job: Job) -> AsyncIterator[GenerationOutput]:
+    async def generate(self, job: Job) -> AsyncIterator[list[GenerationOutput]]:
         if self.breaker_open or self._session is None:
             raise ReplicaUnavailable(f"replica {self.name} is not taking requests")
         path, body = self._payload(job)
@@ -504,6 +518,7 @@ class RemoteReplica(Replica):
                     break
                 if "error" in chunk:
                     raise UpstreamError(500, chunk)
+                batch = []
                 for choice in chunk.get("choices") or ():
                     index = choice.get("index", 0)
                     if chat:
@@ -515,16 +530,17 @@ class RemoteReplica(Replica):
                     finish = choice.get("finish_reason")
                     if not text and finish is None and not lps:
                         continue  # the role chunk
-                    produced = True
-                    yield GenerationOutput(rid, index, [], text, lps, finish)
+                    batch.append(GenerationOutput(rid, index, [], text, lps, finish))
                 usage = chunk.get("usage")
                 if usage:
                     details = usage.get("prompt_tokens_details") or {}
-                    produced = True
-                    yield GenerationOutput(
+                    batch.append(GenerationOutput(
                         rid, USAGE_ALL, [], "", None, None,
                         Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), details.get("cached_tokens") or 0),
-                    )
+                    ))
+                if batch:
+                    produced = True
+                    yield batch
             if not ended:
                 # EOF without [DONE]: the server went away; a silent truncation
                 # would look like a complete answer to the client.

@@ -106,15 +106,16 @@ async def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None
 
 
 def record_requests(engine) -> list:
-    """Wrap ``engine.generate`` so tests see the GenerationRequests it received."""
+    """Wrap the engine's entry the gateway calls (``generate_batches``) so tests
+    see the GenerationRequests it received."""
     seen = []
-    real = engine.generate
+    real = engine.generate_batches
 
-    def generate(request):
+    def generate_batches(request):
         seen.append(request)
         return real(request)
 
-    engine.generate = generate
+    engine.generate_batches = generate_batches
     return seen
 
 

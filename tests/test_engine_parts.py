@@ -114,3 +114,28 @@ def test_top_k_one_is_greedy_and_penalties_apply():
     assert sampler.sample(logits)[0] == 1
     sampler.accept(1, 0, 100)
     assert sampler.sample(logits)[0] == 2
+
+
+def test_coalesce_joins_each_choices_deltas_in_order():
+    from engine.request import GenerationOutput, TokenLogprob, Usage, coalesce
+
+    usage = Usage(10, 3, 0)
+    lp = lambda t: [TokenLogprob(t, str(t), -0.1)]  # noqa: E731
+    batch = [
+        GenerationOutput("r", 0, [1], "a", lp(1), None, None, 0.25),
+        GenerationOutput("r", 1, [7], "x", lp(7)),
+        GenerationOutput("r", 0, [2], "b", lp(2)),
+        GenerationOutput("r", 0, [3], "c", lp(3), "length", usage),
+        GenerationOutput("r", 1, [8], "y", lp(8), "stop", Usage(10, 2, 0)),
+    ]
+    merged = coalesce(batch)
+    assert [o.index for o in merged] == [0, 1]
+    first, second = merged
+    assert (first.token_ids, first.text, first.finish_reason, first.usage, first.queue_time_s) == (
+        [1, 2, 3], "abc", "length", usage, 0.25)
+    assert [x.token_id for x in first.logprobs] == [1, 2, 3]
+    assert (second.token_ids, second.text, second.finish_reason, second.usage.completion_tokens) == ([7, 8], "xy", "stop", 2)
+    # Nothing to join: the very same list comes back; no logprobs stay None.
+    alone = [GenerationOutput("r", 0, [1], "a"), GenerationOutput("r", 1, [2], "b")]
+    assert coalesce(alone) is alone
+    assert coalesce([GenerationOutput("r", 0, [1], "a"), GenerationOutput("r", 0, [2], "b")])[0].logprobs is None

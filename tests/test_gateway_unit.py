@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.block_hash import block_hashes
 from gateway.classify import Classifier, Principal
@@ -111,6 +113,40 @@ def test_stream_formatter_frames():
     assert obj["usage"] is None
     final = json.loads(fmt.usage({"prompt_tokens": 1})[6:])
     assert final["choices"] == [] and final["usage"] == {"prompt_tokens": 1}
+
+
+@given(
+    text=st.text(max_size=40),
+    finish=st.sampled_from([None, "stop", "length"]),
+    index=st.integers(0, 300),
+    rid=st.text(max_size=12),
+    model=st.text(max_size=12),
+    include_usage=st.booleans(),
+)
+@settings(max_examples=300, deadline=None)
+def test_stream_formatter_fast_frames_are_json_dumps_bytes(text, finish, index, rid, model, include_usage):
+    """The string-built text frames must be byte for byte what json.dumps of the chunk gives."""
+    import json
+
+    from gateway.protocol import ChoiceState
+
+    for endpoint in (CHAT, COMPLETIONS):
+        fmt = StreamFormatter(endpoint, rid, 1700000000, model, include_usage)
+        chunk = {"id": rid, "object": "chat.completion.chunk" if endpoint == CHAT else "text_completion",
+                 "created": 1700000000, "model": model, "system_fingerprint": None}
+        if endpoint == CHAT:
+            delta = {"content": text} if text or finish is None else {}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        chunk["choices"] = [choice]
+        if include_usage:
+            chunk["usage"] = None
+        assert fmt.delta(index, text, None, ChoiceState(), finish) == b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        if endpoint == CHAT:
+            chunk["choices"] = [{"index": index, "delta": {"role": "assistant", "content": "", "refusal": None},
+                                 "logprobs": None, "finish_reason": None}]
+            assert fmt.role(index) == b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
 # ----------------------------------------------------------------------------- classification

@@ -413,3 +413,41 @@ async def test_remote_engine_stats_reach_the_gateway_metrics(live, tiny_model_di
     finally:
         await gateway_server.stop()
         await engine_server.stop()
+
+
+def test_loop_series_export_what_prometheus_client_exports():
+    """The request-path series (lock-free, loop thread only) must read on a
+    scrape exactly like prometheus_client's own Counter and Histogram fed the
+    same values: bucket edges inclusive, cumulative counts, sum, count, _total."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from gateway.metrics import LoopCounter, LoopHistogram
+
+    buckets = (0.001, 0.01, 0.1, 1.0)
+    values = [0.0, 0.001, 0.0010001, 0.01, 0.05, 0.1, 2.0, 1.0, 0.5, 1e9]
+    theirs_reg, ours_reg = CollectorRegistry(), CollectorRegistry()
+    theirs_h = Histogram("lat_seconds", "doc", ["w"], buckets=buckets, registry=theirs_reg)
+    ours_h = LoopHistogram("lat_seconds", "doc", ["w"], buckets=buckets, registry=ours_reg)
+    theirs_c = Counter("req", "doc", ["status"], registry=theirs_reg)
+    ours_c = LoopCounter("req", "doc", ["status"], registry=ours_reg)
+    for i, v in enumerate(values):
+        for h in (theirs_h, ours_h):
+            h.labels("to-c" if i % 3 else "to-b").observe(v)
+    for c in (theirs_c, ours_c):
+        c.labels("200").inc()
+        c.labels(200).inc(2.5)  # a non-string label value is the same series as its string
+        c.labels("400").inc()
+
+    def samples(reg):
+        return sorted(
+            (s.name, tuple(sorted(s.labels.items())), s.value)
+            for fam in text_string_to_metric_families(generate_latest(reg).decode())
+            for s in fam.samples if not s.name.endswith("_created")
+        )
+
+    assert samples(ours_reg) == samples(theirs_reg)
+    assert ("req_total", (("status", "200"),), 3.5) in samples(ours_reg)
+    with pytest.raises(ValueError):
+        ours_c.labels("200").inc(-1)
+    with pytest.raises(ValueError):
+        ours_h.labels("a", "b")
