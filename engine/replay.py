@@ -34,6 +34,8 @@ class ReplayResult:
     eviction_us_p50: float
     accesses_per_s: float
     host_blocks: int = 0
+    # Workload-aware policies: switches to the shadow-LRU fallback during the replay.
+    fallbacks: int = 0
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -151,4 +153,5 @@ def replay(
         eviction_us_p50=timer.median_us(),
         accesses_per_s=accesses / elapsed if elapsed > 0 else 0.0,
         host_blocks=host_blocks,
+        fallbacks=int(pool.device_policy.state().get("fallbacks", 0)),
     )

@@ -53,6 +53,10 @@ def format_table(summary: dict, results: Sequence[ReplayResult]) -> str:
             f"{r.policy:<10} {r.capacity_blocks:>9} {r.capacity_fraction:>8.3f} {r.hit_ratio:>9.4f} "
             f"{share:>8.1%} {r.evictions:>10} {r.eviction_us_p50:>8.2f} {r.accesses_per_s:>11,.0f}"
         )
+    switched = [r for r in results if r.fallbacks]
+    if switched:
+        lines += ["", "shadow-LRU fallback (the workload-aware order trailed LRU and was replaced for a while):"]
+        lines += [f"  {r.policy:<10} @ {r.capacity_blocks} blocks: {r.fallbacks} switch(es) to LRU" for r in switched]
     lines += ["", "capacity planning (smallest tested capacity reaching a share of the ideal hit ratio):"]
     for policy, answer in capacity_answers(results, ideal).items():
         parts = [f"{share}: {blocks if blocks is not None else 'not reached'}" for share, blocks in answer.items()]

@@ -7,6 +7,7 @@ that needs them, so `kvgate replay` starts in a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from typing import Sequence
@@ -68,7 +69,7 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="simulate N replicas behind the router (capacity is per replica)")
     replay.add_argument("--routing", default=None,
                         help="with --replicas: comma-separated prefix-aware,least-load,round-robin,session")
-    replay.set_defaults(run=_run_replay)
+    replay.set_defaults(run=_quietly(_run_replay))
 
     tune = sub.add_parser("tune", help="search the workload-aware weights and windows on a trace")
     tune.add_argument("trace", help="Bailian or Mooncake JSONL trace (e.g. a `serve --record-trace` recording)")
@@ -84,7 +85,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--holdout", type=float, default=0.0, metavar="F",
                       help="search on the first 1-F of the trace, report all three on the last F")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
-    tune.set_defaults(run=_run_tune)
+    tune.set_defaults(run=_quietly(_run_tune))
 
     synth = sub.add_parser("synth", help="generate a Bailian-format trace, or print a trace's statistics")
     synth.add_argument("--profile", choices=["to-c", "to-b", "mixed"], default="to-c")
@@ -195,6 +196,27 @@ def _run_replay(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(args.plot, summary, results)
     return 0
+
+
+@contextlib.contextmanager
+def _quiet_policy_logs():
+    """Replays run many policies over trace time: the live server's alarm and
+    fallback log lines (stamped with wall-clock time) would only interleave with
+    the progress bar.  The results report the fallbacks instead."""
+    logger = logging.getLogger("kvgate.cache")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _quietly(run):
+    def quiet_run(args: argparse.Namespace) -> int:
+        with _quiet_policy_logs():
+            return run(args)
+    return quiet_run
 
 
 def _run_tune(args: argparse.Namespace) -> int:

@@ -175,3 +175,35 @@ def test_console_script_runs(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "lru" in done.stdout and "Traceback" not in done.stderr
+
+
+def test_replay_reports_wa_fallbacks_and_the_cli_keeps_policy_logs_out(tmp_path, capsys, caplog):
+    """The result counts the shadow-LRU switches the policy made (one log line
+    each when serving); `kvgate replay` prints them in its report instead of
+    interleaving wall-clock log lines with the progress bar."""
+    import logging
+
+    import yaml
+
+    from engine.config import CacheConfig
+
+    path = write_bailian(tmp_path / "b.jsonl", requests=1500)
+    # A twitchy fallback (short windows, no margin, no sustain) so this small trace switches.
+    fallback = {"window_s": 20, "check_interval_s": 2, "min_accesses": 20, "sustain_s": 0, "margin": 0.0,
+                "switch_back_margin": 0.0}
+    cache = CacheConfig(workload_aware={"fallback": fallback})
+    with caplog.at_level(logging.INFO, logger="kvgate.cache"):
+        result = replay(load_trace(path), "wa", 40, cache)
+    switches = [r for r in caplog.records if "falling back to LRU" in r.getMessage()]
+    assert result.fallbacks == len(switches) > 0
+
+    caplog.clear()
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"cache": {"workload_aware": {"fallback": fallback}}}))
+    with caplog.at_level(logging.INFO):
+        code = main(["replay", str(path), "--policies", "wa", "--capacity-blocks", "40", "--config", str(config),
+                     "--no-progress"])
+    assert code == 0
+    assert f"wa         @ 40 blocks: {result.fallbacks} switch(es) to LRU" in capsys.readouterr().out
+    assert not [r for r in caplog.records if r.name == "kvgate.cache"]
+    assert logging.getLogger("kvgate.cache").level == logging.NOTSET  # restored after the command
