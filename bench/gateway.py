@@ -17,7 +17,16 @@ bare server).  Each phase is bounded by a request count and a time limit.
 
 Per concurrency, the JSON holds gateway_rps, bare_rps, added_p50_ms and
 added_p99_ms (gateway latency percentile minus the bare one, measured by the
-client from the first byte sent to the last byte read).
+client from the first byte sent to the last byte read), and each server's CPU
+time per request (``server_cpu_us``: this process's CPU time over the requests
+it served in the phase), which other load on the machine disturbs far less
+than throughput.  With two or more CPUs the servers are pinned to CPU 0 and
+the client to CPU 1.
+
+The instant engine has every token ready at once, so each choice reaches the
+gateway as one output (as AsyncEngine hands over a backlog the gateway has not
+taken yet) and leaves as one SSE delta: this measures the per-request cost.
+With an engine pacing its tokens each token is its own frame.
 """
 
 from __future__ import annotations
@@ -141,11 +150,19 @@ async def _servers():
     return gateway, bare_server, engines, bare_served
 
 
+# With two or more CPUs the servers run on CPU 0 and the client on CPU 1, for
+# both contenders alike: the scheduler then never puts them on one core, which
+# would charge the client's work to whichever server is measured.
+PIN = hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2
+
+
 async def _run_client(url: str, concurrency: int, requests: int, seconds: float) -> dict:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, os.path.abspath(__file__), "--client", url, "--concurrency", str(concurrency),
         "--requests", str(requests), "--seconds", str(seconds), stdout=asyncio.subprocess.PIPE,
     )
+    if PIN:
+        os.sched_setaffinity(proc.pid, {1})
     out, _ = await proc.communicate()
     if proc.returncode:
         raise RuntimeError(f"client failed ({proc.returncode})")
@@ -153,6 +170,8 @@ async def _run_client(url: str, concurrency: int, requests: int, seconds: float)
 
 
 async def _bench(levels: list[int], requests: int, seconds: float, profile: str | None) -> dict:
+    if PIN:
+        os.sched_setaffinity(0, {0})
     gateway, bare_server, engines, bare_served = await _servers()
     gateway_served = lambda: sum(e.served for e in engines)  # noqa: E731
     results = {}
@@ -217,6 +236,7 @@ def main(argv=None) -> int:
         "what": "full gateway vs bare aiohttp handler, same SSE bytes, InstantBenchEngine, loopback",
         "client": "separate process, raw HTTP/1.1 keep-alive over asyncio streams",
         "cpus": os.cpu_count(),
+        "pinned": "servers on CPU 0, client on CPU 1" if PIN else "no",
         "python": sys.version.split()[0],
         "results": results,
     }
