@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 from engine.block_hash import block_hashes
-from engine.request import GenerationOutput, GenerationRequest, TokenLogprob, Usage
+from engine.request import GenerationOutput, GenerationRequest, TokenLogprob, Usage, one_at_a_time
 
 
 class ByteTokenizer:
@@ -83,14 +83,8 @@ class InstantBenchEngine:
     def abort(self, request_id: str) -> None:
         self.active.pop(request_id, None)
 
-    async def generate(self, request: GenerationRequest):
-        batches = self.generate_batches(request)
-        try:
-            async for batch in batches:
-                for out in batch:
-                    yield out
-        finally:
-            await batches.aclose()
+    def generate(self, request: GenerationRequest):
+        return one_at_a_time(self.generate_batches(request))
 
     async def generate_batches(self, request: GenerationRequest):
         """Like AsyncEngine.generate_batches: each list is what is ready at once,

@@ -22,7 +22,7 @@ from engine.block_pool import DEVICE, HOST, BlockPool
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.kv_cache import KVCache, KVShape, size_device_blocks
 from engine.model_loader import LoadedModel, load_model
-from engine.request import GenerationOutput, GenerationRequest, Usage, coalesce
+from engine.request import GenerationOutput, GenerationRequest, Usage, coalesce, one_at_a_time
 from engine.runner import ModelRunner
 from engine.sampling import SequenceSampler, sample_batch
 from engine.scheduler import Scheduler
@@ -164,18 +164,12 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         """Stream the outputs of ``request``: deltas per choice, then its finish reason and usage.
 
         Closing the iterator early aborts the request and frees its blocks.
         """
-        batches = self._batches(request, merge=False)
-        try:
-            async for batch in batches:
-                for out in batch:
-                    yield out
-        finally:
-            await batches.aclose()
+        return one_at_a_time(self._batches(request, merge=False))
 
     def generate_batches(self, request: GenerationRequest) -> AsyncIterator[list[GenerationOutput]]:
         """``generate``'s outputs grouped: each list holds what is ready at that

@@ -8,12 +8,15 @@ The async engine's contract (engine/async_engine.py):
 Each output carries the new token ids and text of *one* choice (``index``);
 the last output of a choice has ``finish_reason`` set and ``usage`` filled.
 Closing the iterator early (client gone) aborts the request and frees its
-blocks.
+blocks.  ``engine.generate_batches(request)`` yields the same outputs in
+lists, one list per moment, each choice's ready deltas joined (``coalesce``):
+what the gateway reads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 from engine.context import RequestContext
 
@@ -120,3 +123,13 @@ def _join(group: list[GenerationOutput]) -> GenerationOutput:
             queue_time = out.queue_time_s
     first = group[0]
     return GenerationOutput(first.request_id, first.index, token_ids, "".join(texts), logprobs, finish, usage, queue_time)
+
+
+async def one_at_a_time(batches: AsyncIterator[list[GenerationOutput]]) -> AsyncIterator[GenerationOutput]:
+    """The outputs of a batch iterator one by one; closing this closes that."""
+    try:
+        async for batch in batches:
+            for out in batch:
+                yield out
+    finally:
+        await batches.aclose()

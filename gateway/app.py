@@ -533,20 +533,18 @@ class Gateway:
                 if first:
                     first = False
                     self.observer.first_token(workload, time.perf_counter() - start)
-                for shift, batch in group:
-                    sub = shift // n
-                    for out in batch:
-                        usage.add(sub, out)
-                        if out.index == USAGE_ALL:
-                            continue
-                        choice = choices[shift + out.index]
-                        if out.text:
-                            choice.text.append(out.text)
-                        if out.logprobs is not None:
-                            choice.logprobs = (choice.logprobs or []) + out.logprobs
-                        if out.finish_reason is not None:
-                            _check_finish(out.finish_reason)
-                            choice.finish_reason = out.finish_reason
+                for sub, shift, out in _each_output(group, n):
+                    usage.add(sub, out)
+                    if out.index == USAGE_ALL:
+                        continue
+                    choice = choices[shift + out.index]
+                    if out.text:
+                        choice.text.append(out.text)
+                    if out.logprobs is not None:
+                        choice.logprobs = (choice.logprobs or []) + out.logprobs
+                    if out.finish_reason is not None:
+                        _check_finish(out.finish_reason)
+                        choice.finish_reason = out.finish_reason
             gen = None  # exhausted: nothing to close
         finally:
             await _aclose(gen)
@@ -580,29 +578,27 @@ class Gateway:
                 # (usage, [DONE]) and leave with them.
                 frames = []
                 try:
-                    for shift, batch in group:
-                        sub = shift // n
-                        for out in batch:
-                            usage.add(sub, out)
-                            if out.index == USAGE_ALL:
-                                continue
-                            if resp is None:
-                                # Headers go out with the first output so that failures before
-                                # it (no replica, upstream 4xx) still get a proper status code.
-                                resp = _SseResponse(headers=_SSE_HEADERS)
-                                await resp.prepare(request)
-                                self.observer.first_token(workload, time.perf_counter() - start)
-                            index = shift + out.index
-                            state = states[index]
-                            if chat and not state.started:
-                                frames.append(fmt.role(index))
-                            state.started = True
-                            if out.finish_reason is not None:
-                                _check_finish(out.finish_reason)
-                                choices_left -= 1
-                            if out.text or out.logprobs or out.finish_reason is not None:
-                                frames.append(fmt.delta(index, out.text, out.logprobs, state, out.finish_reason))
-                            state.text_len += len(out.text)
+                    for sub, shift, out in _each_output(group, n):
+                        usage.add(sub, out)
+                        if out.index == USAGE_ALL:
+                            continue
+                        if resp is None:
+                            # Headers go out with the first output so that failures before
+                            # it (no replica, upstream 4xx) still get a proper status code.
+                            resp = _SseResponse(headers=_SSE_HEADERS)
+                            await resp.prepare(request)
+                            self.observer.first_token(workload, time.perf_counter() - start)
+                        index = shift + out.index
+                        state = states[index]
+                        if chat and not state.started:
+                            frames.append(fmt.role(index))
+                        state.started = True
+                        if out.finish_reason is not None:
+                            _check_finish(out.finish_reason)
+                            choices_left -= 1
+                        if out.text or out.logprobs or out.finish_reason is not None:
+                            frames.append(fmt.delta(index, out.text, out.logprobs, state, out.finish_reason))
+                        state.text_len += len(out.text)
                 except ApiError:
                     if frames:
                         await resp.write(b"".join(frames))  # what came before the failure
@@ -740,6 +736,15 @@ class _UsageSum:
         prompt = sum(p or len(s.prompt.token_ids) for p, s in zip(self.prompt, subs))
 
         return usage_dict(Usage(prompt, sum(self.completion), sum(self.cached)))
+
+
+def _each_output(group, n: int):
+    """(sub-request, choice shift, output) of each output in a group of
+    (choice shift, batch) pairs; ``n`` choices per sub-request."""
+    for shift, batch in group:
+        sub = shift // n
+        for out in batch:
+            yield sub, shift, out
 
 
 def _check_finish(reason: str) -> None:
