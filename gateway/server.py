@@ -7,6 +7,7 @@ abort its engine work too (aiohttp's default since 3.7 is to let it run on).
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import NamedTuple
 
@@ -51,7 +52,23 @@ def run_engine_server(config: KvgateConfig, host: str | None = None, port: int |
     _run(app, host or config.server.host, config.server.port if port is None else port, "engine")
 
 
+async def freeze_startup_objects(app: web.Application) -> None:
+    """Move everything alive after startup (model, tokenizer, config: ~390k
+    objects with the default model) out of the cyclic garbage collector's reach.
+
+    Otherwise each full collection walks them all: 210 ms measured with the
+    default model, a stall of every stream on the loop.  Only the CLI servers do
+    this: a test process that builds many apps would keep the cyclic garbage of
+    the frozen ones.
+    """
+    gc.collect()
+    gc.freeze()
+    log.info("moved %d startup objects out of the garbage collector's scans", gc.get_freeze_count())
+
+
 def _run(app: web.Application, host: str, port: int, what: str) -> None:
+    # After the app's own startup (model loading): on_startup runs in order.
+    app.on_startup.append(freeze_startup_objects)
     # run_app "prints" once the model is loaded and the socket is bound: log that moment.
     ready = lambda *_: log.info("kvgate %s listening on http://%s:%d", what, host, port)  # noqa: E731
     web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None, print=ready)
