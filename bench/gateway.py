@@ -169,7 +169,16 @@ async def _run_client(url: str, concurrency: int, requests: int, seconds: float)
     return json.loads(out)
 
 
-async def _bench(levels: list[int], requests: int, seconds: float, profile: str | None) -> dict:
+async def _phase(url: str, served, c: int, requests: int, seconds: float) -> dict:
+    """One client run against one server, with that server's CPU per request: this
+    process's CPU time over every request it served (warm-up included)."""
+    cpu0, n0 = time.process_time(), served()
+    result = await _run_client(url, c, requests, seconds)
+    result["server_cpu_us"] = (time.process_time() - cpu0) / (served() - n0) * 1e6
+    return result
+
+
+async def _bench(levels: list[int], requests: int, seconds: float, profile: str | None, repeat: int) -> dict:
     if PIN:
         os.sched_setaffinity(0, {0})
     gateway, bare_server, engines, bare_served = await _servers()
@@ -177,38 +186,43 @@ async def _bench(levels: list[int], requests: int, seconds: float, profile: str 
     results = {}
     try:
         for c in levels:
-            # Server CPU per request: this process's CPU time over every request it
-            # served in the phase (warm-up included), robust to other load on the box.
-            cpu0, n0 = time.process_time(), bare_served[0]
-            bare = await _run_client(bare_server.url, c, requests, seconds)
-            bare["server_cpu_us"] = (time.process_time() - cpu0) / (bare_served[0] - n0) * 1e6
-            if profile and c == levels[-1]:
-                from pyinstrument import Profiler
+            runs = []
+            for attempt in range(repeat):
+                # Alternating bare and gateway phases, so that drifting load on the
+                # machine touches both alike; the medians are reported.
+                bare = await _phase(bare_server.url, lambda: bare_served[0], c, requests, seconds)
+                profiling = profile and c == levels[-1] and attempt == repeat - 1
+                if profiling:
+                    from pyinstrument import Profiler
 
-                profiler = Profiler(async_mode="disabled")
-                profiler.start()
-            cpu0, n0 = time.process_time(), gateway_served()
-            gw = await _run_client(gateway.url, c, requests, seconds)
-            gw["server_cpu_us"] = (time.process_time() - cpu0) / (gateway_served() - n0) * 1e6
-            if profile and c == levels[-1]:
-                profiler.stop()
-                with open(profile, "w") as f:
-                    f.write(profiler.output_text(unicode=False, color=False, show_all=False))
+                    profiler = Profiler(async_mode="disabled")
+                    profiler.start()
+                gw = await _phase(gateway.url, gateway_served, c, requests, seconds)
+                if profiling:
+                    profiler.stop()
+                    with open(profile, "w") as f:
+                        f.write(profiler.output_text(unicode=False, color=False, show_all=False))
+                runs.append({"gateway": gw, "bare": bare})
+                print(f"c={c:>3}: gateway {gw['rps']:8.0f} rps p50 {gw['p50_ms']:.2f} ms p99 {gw['p99_ms']:.2f} ms | "
+                      f"bare {bare['rps']:8.0f} rps p50 {bare['p50_ms']:.2f} ms p99 {bare['p99_ms']:.2f} ms | "
+                      f"ratio {gw['rps'] / bare['rps']:.2f} added p50 {gw['p50_ms'] - bare['p50_ms']:.3f} ms | "
+                      f"server CPU/request gateway {gw['server_cpu_us']:.0f} us, bare {bare['server_cpu_us']:.0f} us",
+                      file=sys.stderr, flush=True)
+
+            def median(side: str, key: str) -> float:
+                return statistics.median(run[side][key] for run in runs)
+
             results[str(c)] = {
                 "concurrency": c,
-                "gateway_rps": round(gw["rps"], 1),
-                "bare_rps": round(bare["rps"], 1),
-                "rps_ratio": round(gw["rps"] / bare["rps"], 3),
-                "added_p50_ms": round(gw["p50_ms"] - bare["p50_ms"], 3),
-                "added_p99_ms": round(gw["p99_ms"] - bare["p99_ms"], 3),
-                "gateway": gw,
-                "bare": bare,
+                "gateway_rps": round(median("gateway", "rps"), 1),
+                "bare_rps": round(median("bare", "rps"), 1),
+                "rps_ratio": round(statistics.median(r["gateway"]["rps"] / r["bare"]["rps"] for r in runs), 3),
+                "added_p50_ms": round(statistics.median(r["gateway"]["p50_ms"] - r["bare"]["p50_ms"] for r in runs), 3),
+                "added_p99_ms": round(statistics.median(r["gateway"]["p99_ms"] - r["bare"]["p99_ms"] for r in runs), 3),
+                "gateway_cpu_us_per_request": round(median("gateway", "server_cpu_us"), 1),
+                "bare_cpu_us_per_request": round(median("bare", "server_cpu_us"), 1),
+                "runs": runs,
             }
-            print(f"c={c:>3}: gateway {gw['rps']:8.0f} rps p50 {gw['p50_ms']:.2f} ms p99 {gw['p99_ms']:.2f} ms | "
-                  f"bare {bare['rps']:8.0f} rps p50 {bare['p50_ms']:.2f} ms p99 {bare['p99_ms']:.2f} ms | "
-                  f"ratio {gw['rps'] / bare['rps']:.2f} added p50 {gw['p50_ms'] - bare['p50_ms']:.3f} ms | "
-                  f"server CPU/request gateway {gw['server_cpu_us']:.0f} us, bare {bare['server_cpu_us']:.0f} us",
-                  file=sys.stderr, flush=True)
     finally:
         await gateway.stop()
         await bare_server.stop()
@@ -222,6 +236,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=20000, help="most requests per phase")
     parser.add_argument("--seconds", type=float, default=6.0, help="most seconds per phase")
     parser.add_argument("--profile", metavar="OUT.txt", help="pyinstrument profile of the last gateway phase")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per concurrency (medians are reported)")
     parser.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
@@ -231,7 +246,7 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     levels = [int(x) for x in args.concurrency.split(",")]
-    results = asyncio.run(_bench(levels, args.requests, args.seconds, args.profile))
+    results = asyncio.run(_bench(levels, args.requests, args.seconds, args.profile, max(1, args.repeat)))
     payload = {
         "what": "full gateway vs bare aiohttp handler, same SSE bytes, InstantBenchEngine, loopback",
         "client": "separate process, raw HTTP/1.1 keep-alive over asyncio streams",
