@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -169,6 +170,24 @@ async def _run_client(url: str, concurrency: int, requests: int, seconds: float)
     return json.loads(out)
 
 
+@contextlib.contextmanager
+def profiled(path: str | None, interval: float = 0.001):
+    """A pyinstrument profile of the block written to ``path`` (None: no profiling)."""
+    if not path:
+        yield
+        return
+    from pyinstrument import Profiler
+
+    profiler = Profiler(interval=interval, async_mode="disabled")
+    profiler.start()
+    try:
+        yield
+    finally:
+        profiler.stop()
+        with open(path, "w") as f:
+            f.write(profiler.output_text(unicode=False, color=False, show_all=False))
+
+
 async def _phase(url: str, served, c: int, requests: int, seconds: float) -> dict:
     """One client run against one server, with that server's CPU per request: this
     process's CPU time over every request it served (warm-up included)."""
@@ -191,17 +210,9 @@ async def _bench(levels: list[int], requests: int, seconds: float, profile: str 
                 # Alternating bare and gateway phases, so that drifting load on the
                 # machine touches both alike; the medians are reported.
                 bare = await _phase(bare_server.url, lambda: bare_served[0], c, requests, seconds)
-                profiling = profile and c == levels[-1] and attempt == repeat - 1
-                if profiling:
-                    from pyinstrument import Profiler
-
-                    profiler = Profiler(async_mode="disabled")
-                    profiler.start()
-                gw = await _phase(gateway.url, gateway_served, c, requests, seconds)
-                if profiling:
-                    profiler.stop()
-                    with open(profile, "w") as f:
-                        f.write(profiler.output_text(unicode=False, color=False, show_all=False))
+                last = c == levels[-1] and attempt == repeat - 1
+                with profiled(profile if last else None):
+                    gw = await _phase(gateway.url, gateway_served, c, requests, seconds)
                 runs.append({"gateway": gw, "bare": bare})
                 print(f"c={c:>3}: gateway {gw['rps']:8.0f} rps p50 {gw['p50_ms']:.2f} ms p99 {gw['p99_ms']:.2f} ms | "
                       f"bare {bare['rps']:8.0f} rps p50 {bare['p50_ms']:.2f} ms p99 {bare['p99_ms']:.2f} ms | "
