@@ -7,7 +7,8 @@
   and on `kvgate synth` traces of each profile (two seeds), at 1, 2, 5, 10 and
   20% of the unique blocks, through ``engine.replay.replay`` (what
   `kvgate replay` runs), default config;
-* ablation: wa with one addition turned off at a time, at 1% and 2%;
+* ablation: wa with one addition turned off (or one knob changed) at a time,
+  at ``--ablation-fractions`` (default 1% and 10%: a small and a large cache);
 * spikes: on to-B traces, hit ratio inside the spike minutes (arrivals over
   twice the median minute), lru against wa.
 
@@ -35,25 +36,27 @@ FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20)
 POLICIES = ("lru", "fifo", "s3fifo", "belady", "wa", "wa-paper")
 BASELINES = ("lru", "fifo", "s3fifo")
 
-# Each ablation turns one addition off (or one weight to zero) against the defaults.
+# Each ablation turns one addition off (or changes one knob) against the defaults.
 ABLATIONS: dict[str, dict] = {
     "default": {},
+    # The defaults before issue 3's large-cache fix (spatial added at 0.05, prefix
+    # cascade, signature slots on), to show what the fix changed.
+    "previous-defaults": {"weights": {"spatial": 0.05, "spatial_mode": "add"}, "protect_prefix": "cascade",
+                          "signature": {"enabled": True}},
     "no-rhythm": {"rhythm": {"enabled": False}},
     "no-topic-switch": {"topic_switch": {"enabled": False}},
-    "no-signature": {"signature": {"enabled": False}},
+    "signature-on": {"signature": {"enabled": True}},
     "no-shared-class": {"shared_class": False},
-    "no-prefix-protect": {"protect_prefix": False},
+    "prefix-cascade": {"protect_prefix": "cascade"},
+    "prefix-off": {"protect_prefix": "off"},
     "no-spatial": {"weights": {"spatial": 0.0}},
+    "spatial-add-0.05": {"weights": {"spatial": 0.05, "spatial_mode": "add"}},
+    "spatial-0.1": {"weights": {"spatial": 0.1}},
+    "spatial-1.0": {"weights": {"spatial": 1.0}},
     "lifetime-0.2": {"weights": {"lifetime": 0.2}},
     "issue-weights-0.5/0.3/0.2": {"weights": {"reuse": 0.5, "spatial": 0.3, "lifetime": 0.2}},
-    "reuse-only-1/0/0": {"weights": {"reuse": 1.0, "spatial": 0.0, "lifetime": 0.0}},
-    "weights-0.5/0/0.2": {"weights": {"reuse": 0.5, "spatial": 0.0, "lifetime": 0.2}},
-    "weights-0.5/0.05/0": {"weights": {"reuse": 0.5, "spatial": 0.05, "lifetime": 0.0}},
-    "weights-0.5/0.1/0.05": {"weights": {"reuse": 0.5, "spatial": 0.1, "lifetime": 0.05}},
-    "weights-0.5/0.05/0.05": {"weights": {"reuse": 0.5, "spatial": 0.05, "lifetime": 0.05}},
     "position-classes-2": {"position_classes": 2},
     "no-fallback": {"fallback": {"enabled": False}},
-    "life-5s": {"life_s": 5.0},
     "life-auto": {"life_s": None},
 }
 
@@ -216,7 +219,7 @@ def main() -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--parts", default="matrix,ablation,spikes")
     parser.add_argument("--ablations", default=",".join(ABLATIONS))
-    parser.add_argument("--ablation-fractions", default="0.01,0.02")
+    parser.add_argument("--ablation-fractions", default="0.01,0.1")
     parser.add_argument("--ablation-seeds", default="1")
     parser.add_argument("--no-mooncake", action="store_true")
     parser.add_argument("--profiles", default="to-c,to-b,mixed")

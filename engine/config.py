@@ -53,18 +53,24 @@ class S3FifoConfig(Section):
 
 
 class WAWeights(Section):
-    # Defaults chosen by the ablation in bench/RESULTS.md: the blog's 0.5/0.3/0.2
-    # lets the spatial and lifetime terms (ranges 0.36 and 0.2) swamp reuse
-    # probabilities that are mostly under 0.1, and lost 1-3% against these.
+    # Defaults chosen by the ablation in bench/RESULTS.md.  With spatial_mode
+    # "scale" the score is R * (reuse + spatial * s) + lifetime * [t < W]; with
+    # "add" it is reuse * R + spatial * s + lifetime * [t < W].
     # Weight of the reuse probability: chance the block is reused within `life_s`
     # given its category's fitted (lambda, p) and its age.
     reuse: float = Field(0.5, ge=0)
-    # Weight of spatial locality: 1 - offset / prompt blocks (head blocks first),
+    # Weight of spatial locality s: 1 - offset / prompt blocks (head blocks first),
     # times `long_prompt_boost` for prompts over `long_prompt_tokens`.
-    spatial: float = Field(0.05, ge=0)
+    spatial: float = Field(0.3, ge=0)
     # Weight of the lifetime term: 1 inside the window W = min(lifetime_c / lambda,
     # lifetime_max_s) since the last access, 0 (demoted) past it.
     lifetime: float = Field(0.0, ge=0)
+    # scale: spatial locality scales the reuse term (a head block is worth up to
+    # (reuse + spatial * 1.2) / reuse times a tail block of the same R); add: a
+    # separate additive term.  An additive term does not decay with age, so in a
+    # large cache (R of every old block near 0) it decides alone, keeps old head
+    # blocks over young tails and lost 4-6% to LRU at 10% capacity.
+    spatial_mode: Literal["scale", "add"] = "scale"
 
 
 class WAModelConfig(Section):
@@ -123,7 +129,9 @@ class WATopicSwitchConfig(Section):
 class WASignatureConfig(Section):
     # File requests join a category by prefix signature (the gateway hashes the
     # first `classifier.signature_tokens` tokens; replay uses the first block's key).
-    enabled: bool = True
+    # Off by default: the slots split file classes into sparse ones and lost
+    # 0-6% on the to-C traces (bench/RESULTS.md), even with pooled fits.
+    enabled: bool = False
     # Signatures are folded into this many classes, so K stays bounded.
     slots: int = Field(4, ge=1, le=64)
 
@@ -181,8 +189,13 @@ class WorkloadAwareConfig(Section):
     # Blocks already used by another session (shared system prompts, templates)
     # get their own classes, apart from in-session reuse.
     shared_class: bool = True
-    # When a block is evicted, its cached children (useless without it) go first.
-    protect_prefix: bool = True
+    # Prefix structure of the cached blocks (a child is only hit through its parent):
+    # leaf: a block with cached children is not evicted before them (leaf-only
+    #   eviction, as in a radix tree); it rejoins its queue when its last child goes;
+    # cascade: any block may go, and its cached children are evicted next;
+    # off: neither (the paper).  Both leaf and cascade evict the children of a
+    # block the pool dropped itself.  true = leaf, false = off.
+    protect_prefix: Literal["leaf", "cascade", "off"] = "leaf"
     # Hard cap on categories (K); later combinations share one overflow class.
     max_categories: int = Field(64, ge=1, le=1024)
     # Per workload (to-c, to-b, multimodal) or request type: "wa" or "fifo"
@@ -194,6 +207,15 @@ class WorkloadAwareConfig(Section):
     signature: WASignatureConfig = WASignatureConfig()
     fallback: WAFallbackConfig = WAFallbackConfig()
     alarm: WAAlarmConfig = WAAlarmConfig()
+
+    @field_validator("protect_prefix", mode="before")
+    @classmethod
+    def _protect_bool(cls, value: object) -> object:
+        if value is True:
+            return "leaf"
+        if value is False:
+            return "off"
+        return value
 
     @field_validator("overrides")
     @classmethod
@@ -212,7 +234,7 @@ class WorkloadAwareConfig(Section):
                 "life_s": self.paper_life_s,
                 "position_classes": 1,
                 "shared_class": False,
-                "protect_prefix": False,
+                "protect_prefix": "off",
                 "overrides": {},
                 "rhythm": self.rhythm.model_copy(update={"enabled": False}),
                 "topic_switch": self.topic_switch.model_copy(update={"enabled": False}),

@@ -9,10 +9,11 @@ value at the top of its grid adds the next doubling for the next round).  Every
 candidate is scored by ``engine.replay.replay`` on the same trace and
 capacity, so the numbers are those `kvgate replay` prints.
 
-The score is ``w_r R + w_s spatial + w_l [t < W]`` and only its order
-matters, so multiplying all three weights changes nothing: the reuse weight
-stays fixed and sets the scale, and spatial and lifetime are searched
-relative to it.
+The score is ``R (w_r + w_s spatial) + w_l [t < W]`` (``spatial_mode:
+scale``, the default; ``add`` gives ``w_r R + w_s spatial + w_l [t < W]``) and
+only its order matters, so multiplying all three weights changes nothing: the
+reuse weight stays fixed and sets the scale, and spatial and lifetime are
+searched relative to it.
 
 A holdout (the last fraction of the trace, by time) is replayed from a cold
 cache with the chosen settings, the starting ones and LRU, so an operator can

@@ -12,7 +12,7 @@ from engine.block_pool import BlockPool
 from engine.config import CacheConfig, WorkloadAwareConfig, format_config_error
 from engine.context import RequestContext
 from engine.policies import NoEvictableBlock, make_policy
-from engine.policies.reuse_model import fit_lambda, fit_mixture
+from engine.policies.reuse_model import ReuseModel, fit_lambda, fit_mixture
 from engine.policies.rhythm import TopicSwitchDetector, TrafficRhythm
 from engine.policies.workload_aware import WorkloadAwarePolicy, paper_priority, posterior_reuse
 
@@ -91,7 +91,8 @@ def test_eviction_skips_in_use_and_picks_the_lowest_scored_head():
 
 
 def test_prefix_children_go_before_their_parent_is_missed():
-    # With protect_prefix, evicting a parent sends its cached children to the front.
+    # When a parent goes anyway (the pool dropped it, the LRU fallback evicted it),
+    # its cached children go to the front, a pinned (leaf-mode) child included.
     policy = WorkloadAwarePolicy(100, quiet(weights={"reuse": 1.0, "spatial": 0.0, "lifetime": 0.0}))
     a = ctx(session="a", blocks=3)
     for offset, k in enumerate([1, 2, 3]):
@@ -107,6 +108,84 @@ def test_prefix_children_go_before_their_parent_is_missed():
     assert list(core.orphans) == [2]  # 2 is 1's child; 3 is 2's child and goes when 2 goes
     assert policy.evict(6.0) == 2
     assert 3 in core.orphans
+
+
+def _shared_parent_setup(mode: str) -> WorkloadAwarePolicy:
+    """Key 1 is a shared prefix (class "shared"), scored far below its private children."""
+    policy = WorkloadAwarePolicy(100, quiet(protect_prefix=mode))
+    a, b = ctx(session="a", blocks=3), ctx(session="b", blocks=2)
+    for offset, k in enumerate([1, 2, 3]):
+        policy.insert(k, a, offset, 0.0)
+    for k in (3, 2, 1):
+        policy.release(k, a, 0.0)
+    policy.hit(1, b, 0, 5.0)  # another session: 1 moves to the shared class
+    policy.insert(4, b, 1, 5.0)
+    policy.release(4, b, 5.0)
+    policy.release(1, b, 5.0)
+    table = policy.table
+    shared = table.index[("to-c", "text", "shared")]
+    private = policy.core.rec[2][0]
+    assert policy.core.rec[1][0] == shared and private != shared
+    for cat, p in ((shared, 1e-4), (private, 0.9)):
+        policy.model.stats[cat].lam, policy.model.stats[cat].p = 0.01, p
+    table.refresh()
+    return policy
+
+
+def test_leaf_mode_never_evicts_a_parent_before_its_cached_children():
+    # The shared prefix scores lowest, but its children are only reachable through it:
+    # leaves go first (oldest first within their class), the parent last.
+    policy = _shared_parent_setup("leaf")
+    assert policy.num_evictable() == 4  # the pinned parents count: they go after their children
+    assert policy.core.pinned == {1, 2}
+    assert [policy.evict(10.0) for _ in range(4)] == [3, 2, 4, 1]
+    with pytest.raises(NoEvictableBlock):
+        policy.evict(10.0)
+
+
+def test_cascade_mode_evicts_the_low_parent_then_its_orphans():
+    policy = _shared_parent_setup("cascade")
+    assert policy.evict(10.0) == 1
+    assert sorted(policy.evict(10.0) for _ in range(2)) == [2, 4]  # the orphans, before anything else
+    assert policy.evict(10.0) == 3
+
+
+def test_leaf_mode_evicts_an_idle_parent_whose_children_are_held():
+    # Outside replay a child may be held without its parent: the parent is then
+    # the only candidate and must still be evictable (the pool counts on it).
+    policy = WorkloadAwarePolicy(100, quiet())
+    a = ctx(session="a", blocks=2)
+    policy.insert(1, a, 0, 0.0)
+    policy.insert(2, a, 1, 0.0)
+    policy.release(2, a, 0.0)
+    policy.release(1, a, 0.0)
+    policy.hit(2, ctx(session="a", blocks=2), 1, 1.0)  # 2 in use again, 1 idle with a cached child
+    assert policy.num_evictable() == 1
+    assert policy.evict(2.0) == 1
+    assert policy.num_evictable() == 0
+
+
+def test_protect_prefix_accepts_booleans():
+    assert WorkloadAwareConfig(protect_prefix=True).protect_prefix == "leaf"
+    assert WorkloadAwareConfig(protect_prefix=False).protect_prefix == "off"
+    assert WorkloadAwareConfig().paper_variant().protect_prefix == "off"
+
+
+@pytest.mark.parametrize("mode, first", [("scale", "old head"), ("add", "young tail")])
+def test_scaled_spatial_does_not_keep_dead_head_blocks(mode, first):
+    # An old head block (its R long decayed to ~0) against a young tail block of
+    # another class with the same fit.  Scaled, spatial only reorders blocks of
+    # similar R; added, it outweighs R and keeps the dead head block.
+    policy = WorkloadAwarePolicy(100, quiet(weights={"spatial": 0.3, "spatial_mode": mode}))
+    old, young = ctx(rtype="text", session="a", blocks=10), ctx(rtype="search", session="b", blocks=10)
+    policy.insert(1, old, 0, 0.0)
+    policy.release(1, old, 0.0)
+    policy.insert(2, young, 9, 1000.0)
+    policy.release(2, young, 1000.0)
+    for stats in policy.model.stats:
+        stats.lam, stats.p = 0.1, 0.5
+    policy.table.refresh()
+    assert policy.evict(1000.0) == (1 if first == "old head" else 2)
 
 
 # ---- online model ----------------------------------------------------------------
@@ -160,6 +239,33 @@ def test_reuse_model_learns_from_history_not_cache_residency():
     assert policy.model.stats[cat].fitted
     assert policy.model.stats[cat].lam == pytest.approx(1 / 20, rel=0.3)
     assert policy.model.stats[cat].p == pytest.approx(0.5, abs=0.1)  # half the episodes are second visits
+
+
+def test_sparse_member_takes_its_groups_pooled_fit_not_the_prior():
+    # Two sub-classes of one group (signature slots): the busy one has reuses 100 s
+    # apart, the sparse one too few episodes of its own.  The sparse one must take
+    # the pooled rate (about 1/100 s), not the prior 0.15/s (a 7 s mean gap).
+    model = ReuseModel(gap_floor_s=0.3, window_s=3600.0, min_samples=20, refit_interval_s=10.0,
+                       history_horizon_s=3600.0, history_max_blocks=100000)
+    busy = model.add_category(0.15, 0.5, group="g")
+    sparse = model.add_category(0.15, 0.5, group="g")
+    alone = model.add_category(0.15, 0.5)
+    rng = random.Random(4)
+    events = []
+    for i in range(300):
+        events.append((i * 5.0, 1000 + i, busy))
+        events.append((i * 5.0 + rng.expovariate(1 / 100), 1000 + i, busy))
+    for i in range(5):
+        events.append((i * 7.0, 5000 + i, sparse))
+        events.append((i * 7.0, 6000 + i, alone))
+    for now, key, cat in sorted(events):
+        entry = model.observe(key, now)
+        model.open(key, entry, cat, None, False, now)
+    model.refit(1600.0)
+    assert model.stats[busy].lam == pytest.approx(1 / 100, rel=0.35)
+    assert not model.stats[sparse].fitted
+    assert model.stats[sparse].lam == pytest.approx(model.stats[busy].lam, rel=0.2)
+    assert model.stats[alone].lam == 0.15  # no group: the prior
 
 
 # ---- no peeking ----------------------------------------------------------------------
@@ -325,7 +431,8 @@ def test_topic_switch_after_three_quick_turns():
 
 
 def test_file_signature_joins_the_category():
-    policy = WorkloadAwarePolicy(100, WorkloadAwareConfig(fallback={"enabled": False}, signature={"slots": 64}))
+    policy = WorkloadAwarePolicy(100, WorkloadAwareConfig(fallback={"enabled": False},
+                                                         signature={"enabled": True, "slots": 64}))
     c1 = RequestContext(type="file", signature=3, session="x", prompt_blocks=1)
     c2 = RequestContext(type="file", signature=4, session="y", prompt_blocks=1)
     policy.insert(1, c1, 0, 0.0)

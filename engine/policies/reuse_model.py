@@ -18,6 +18,12 @@ refit).  Gaps under ``gap_floor_s`` are left out of the rate fit, as the
 authors did with 0.3 s: they are requests of the same burst, not reuse
 timing.  Everything is windowed in trace/wall time, so the model only ever
 learns from the past.
+
+Categories may belong to a group (the sub-classes of one (workload, type,
+turn): signature slots, position classes).  A member short of evidence takes
+its group's pooled fit (all members' evidence summed) before the config prior:
+a prior rate (0.15/s for to-C) is far too fast for file requests, whose reuse
+gaps are minutes.
 """
 
 from __future__ import annotations
@@ -146,11 +152,23 @@ class ReuseModel:
         # key -> [last access time, category, session, shared]; oldest first.
         self.history: OrderedDict[int, list] = OrderedDict()
         self.stats: list[CategoryStats] = []
+        # Optional pooling: a category with too little evidence of its own takes
+        # the fit of its group (the evidence of all members summed) before the prior.
+        self.group_of: list[int] = []
+        self.group_index: dict[object, int] = {}
+        self.group_fit: list[list] = []  # [lam, p, fitted]
         self.next_refit = -math.inf
         self.refits = 0
 
-    def add_category(self, prior_lam: float, prior_p: float) -> int:
+    def add_category(self, prior_lam: float, prior_p: float, group: object = None) -> int:
         self.stats.append(CategoryStats(prior_lam, prior_p, self.ring))
+        g = -1
+        if group is not None:
+            g = self.group_index.get(group, -1)
+            if g < 0:
+                g = self.group_index[group] = len(self.group_fit)
+                self.group_fit.append([prior_lam, prior_p, False])
+        self.group_of.append(g)
         return len(self.stats) - 1
 
     def observe(self, key: int, now: float) -> list | None:
@@ -220,6 +238,7 @@ class ReuseModel:
         ring = self.ring
         now_bin = int(now / self.bin_s)
         bins = range(now_bin - ring + 1, now_bin + 1)
+        evidence = []
         for stats in self.stats:
             pending = stats.pending
             while stats.reuses and stats.reuses[0][0] < first_bin:
@@ -230,13 +249,57 @@ class ReuseModel:
             censored = [(now - (b + 0.5) * self.bin_s, pending[b % ring]) for b in bins if pending[b % ring]]
             censored.extend((age / n, n) for _, n, age in stats.expired if n)
             episodes = fast + slow + sum(n for _, n in censored)
+            evidence.append((fast, slow, sum_slow, censored, episodes))
+        groups = self._fit_groups(evidence) if self.group_fit else None
+        for cat, stats in enumerate(self.stats):
+            fast, slow, sum_slow, censored, episodes = evidence[cat]
+            g = self.group_of[cat]
+            pooled = groups[g] if groups is not None and g >= 0 else None
             if episodes < self.min_samples:
-                stats.lam, stats.p, stats.fitted = stats.prior_lam, stats.prior_p, False
+                if pooled is not None and pooled[2]:
+                    stats.lam, stats.p, stats.fitted = pooled[0], pooled[1], False
+                else:
+                    stats.lam, stats.p, stats.fitted = stats.prior_lam, stats.prior_p, False
                 continue
             start_lam = stats.lam if stats.fitted else stats.prior_lam
             start_p = stats.p if stats.fitted else stats.prior_p
             lam, p = fit_mixture(fast, slow, sum_slow, censored, self.floor, start_lam, start_p, self.em_iterations)
-            # Too few timed reuses to trust a rate: keep the prior rate, use the fitted p.
-            stats.lam = lam if slow >= self.min_samples else stats.prior_lam
+            # Too few timed reuses to trust a rate: the group's rate, else the prior rate; the fitted p.
+            if slow >= self.min_samples:
+                stats.lam = lam
+            elif pooled is not None and pooled[3]:
+                stats.lam = pooled[0]
+            else:
+                stats.lam = stats.prior_lam
             stats.p = p
             stats.fitted = True
+
+    def _fit_groups(self, evidence: list[tuple]) -> list[list]:
+        """Pooled fits [lam, p, fitted, rate fitted] of the groups that have a member short of evidence."""
+        needed = set()
+        for cat, (_, slow, _, _, episodes) in enumerate(evidence):
+            g = self.group_of[cat]
+            if g >= 0 and (episodes < self.min_samples or slow < self.min_samples):
+                needed.add(g)
+        out: list[list] = [[f[0], f[1], False, False] for f in self.group_fit]
+        for g in needed:
+            fast = slow = episodes = 0
+            sum_slow = 0.0
+            censored: list[tuple[float, float]] = []
+            for cat, ev in enumerate(evidence):
+                if self.group_of[cat] == g:
+                    fast += ev[0]
+                    slow += ev[1]
+                    sum_slow += ev[2]
+                    censored.extend(ev[3])
+                    episodes += ev[4]
+            fit = self.group_fit[g]
+            if episodes < self.min_samples:
+                continue
+            lam, p = fit_mixture(fast, slow, sum_slow, censored, self.floor, fit[0], fit[1], self.em_iterations)
+            rate = slow >= self.min_samples
+            if rate:
+                fit[0] = lam
+            fit[1], fit[2] = p, True
+            out[g] = [fit[0], p, True, rate]
+        return out

@@ -9,18 +9,28 @@ eviction scores only the K queue heads: O(K), whatever the number of blocks.
 
 Scores (lowest evicted first, ties to the deeper offset):
 - ``paper``: p_w * (e^{-l t} - e^{-l (t+life)}), the authors' priority.
-- ``weighted``: w_r * R + w_s * spatial + w_l * [t < W], where R is the chance
-  of a reuse within ``life`` given that none came in the first t seconds
-  (the posterior of the p/exponential mixture), spatial = 1 - offset/blocks
-  (x boost for long prompts) and W = min(c/lambda, max) the lifetime window.
+- ``weighted``: R * (w_r + w_s * spatial) + w_l * [t < W] (``spatial_mode:
+  scale``, the default) or w_r * R + w_s * spatial + w_l * [t < W] (``add``),
+  where R is the chance of a reuse within ``life`` given that none came in the
+  first t seconds (the posterior of the p/exponential mixture), spatial =
+  1 - offset/blocks (x boost for long prompts) and W = min(c/lambda, max) the
+  lifetime window.
 
 (lambda, p) per category are fitted online by ``ReuseModel`` from a
 metadata-only history, so reuses after eviction are observed too.  A shadow
 LRU of the same capacity runs beside the policy; when the policy trails it
 for a sustained window the tier falls back to LRU order (rebuilt from the
 keys' last-access times, so the switch needs no replay) and a metadata-only
-clone of this policy decides when to switch back.  With protect_prefix, when
-a block goes its cached children (no longer reachable as a prefix) go next.
+clone of this policy decides when to switch back.
+
+A child block is only ever hit through its parent (prefix semantics), so a
+parent is worth at least what its children are.  LRU gets this for free (a
+request touches the parent with the child and releases it later); categories
+break it (a shared system prompt or file template may score below the private
+blocks behind it).  ``protect_prefix: leaf`` restores it: a block with cached
+children waits, out of the queues, until its last child is gone (leaf-only
+eviction, as in a radix tree).  ``cascade`` (the earlier default) evicts any
+block and its cached children right after it.
 """
 
 from __future__ import annotations
@@ -77,8 +87,15 @@ class CategoryTable:
         self.coef_a: list[float] = []
         self.coef_b: list[float] = []
         self.coef_l: list[float] = []
+        # Unified form of the paper and scaled scores: fa * e / (1 + fb * e) * w,
+        # e = exp(-lambda t), w = the key's spatial factor (1 in paper mode).
+        self.fa: list[float] = []
+        self.fb: list[float] = []
         w = cfg.weights
         self.wr, self.ws, self.wl = w.reuse, w.spatial, w.lifetime
+        self.scaled = w.spatial_mode == "scale" and not self.paper
+        # Scores of this form are computed from cached head data, without the window term.
+        self.fast = self.paper or (self.scaled and self.wl == 0.0)
         self.life = cfg.life_s if cfg.life_s is not None else 30.0
         self.relax = 1.0
         self.version = 0  # bumped whenever constants change (score caches drop)
@@ -102,7 +119,10 @@ class CategoryTable:
     def _add(self, name: tuple, workload: str, rtype: str, switch: bool) -> int:
         cfg = self.cfg
         prior_lam = cfg.model.prior_lambda.get(workload, cfg.model.prior_lambda.get("to-c", 0.15))
-        cat = self.model.add_category(prior_lam, cfg.model.prior_p)
+        # Sub-classes of one (workload, type, turn) (signature slots, positions)
+        # share a pooled fit while one of them lacks evidence.
+        group = name[:3] if not self.paper and len(name) == 5 else None
+        cat = self.model.add_category(prior_lam, cfg.model.prior_p, group)
         assert cat == len(self.names)
         self.index[name] = cat
         self.names.append(name)
@@ -117,6 +137,8 @@ class CategoryTable:
         self.coef_a.append(0.0)
         self.coef_b.append(0.0)
         self.coef_l.append(0.0)
+        self.fa.append(0.0)
+        self.fb.append(0.0)
         self._refresh(cat)
         self.version += 1
         return cat
@@ -133,9 +155,15 @@ class CategoryTable:
         p = self.p[cat]
         b = p / (1.0 - p)
         pen = self.penalty[cat]
-        self.coef_a[cat] = self.wr * self.one_minus[cat] * b * pen
+        self.coef_a[cat] = (1.0 if self.scaled else self.wr) * self.one_minus[cat] * b * pen
         self.coef_b[cat] = b
         self.coef_l[cat] = self.wl * pen
+        if self.paper:
+            self.fa[cat] = self.p[cat] * self.one_minus[cat]
+            self.fb[cat] = 0.0
+        else:
+            self.fa[cat] = self.coef_a[cat]
+            self.fb[cat] = b
 
     def refresh(self) -> None:
         for cat in range(len(self.names)):
@@ -146,18 +174,24 @@ class CategoryTable:
 class CategoryQueues:
     """The O(K) structure: per-category queues of evictable keys, scored at the heads.
 
-    ``rec[key] = [category, last access, offset, spatial]`` for every key held.
-    A key is evictable iff it sits in a queue and is not in use, or sits in
-    the orphan queue (cached children of an evicted parent: they can no
-    longer be hit as a prefix, so they go first).  In-use keys of ordinary
-    classes are out of the queues; a FIFO class keeps its keys in insertion
-    order, in use or not, and passes over the busy ones.
+    ``rec[key] = [category, last access, offset, spatial factor]`` for every
+    key held.  A key is evictable iff it sits in a queue and is not in use, or
+    sits in the orphan queue (cached children of a parent that went: they can
+    no longer be hit as a prefix, so they go first).  In-use keys of ordinary
+    classes are out of the queues, and so are idle keys with cached children
+    in leaf mode (``pinned``); a FIFO class keeps its keys in insertion order,
+    in use or not, and passes over the busy ones.
     """
 
-    def __init__(self, table: CategoryTable, protect_prefix: bool) -> None:
+    def __init__(self, table: CategoryTable, protect_prefix: str | bool) -> None:
         self.table = table
         self.fifo = table.fifo
-        self.protect = protect_prefix
+        if protect_prefix is True:
+            protect_prefix = "leaf"
+        self.mode = protect_prefix or "off"
+        self.protect = self.mode != "off"
+        self.leaf = self.mode == "leaf"
+        self.pinned: set[int] = set()  # idle keys with cached children (leaf mode): not evictable
         self.queues: list[OrderedDict[int, None]] = []
         self.nq = 0
         self.rec: dict[int, list] = {}
@@ -166,16 +200,27 @@ class CategoryQueues:
         self.children: dict[int, set[int]] = {}
         self.busy: set[int] = set()  # in-use keys still queued in a FIFO class
         self.heads: list[float] = []  # cached head score per queue
+        # Cached head data per queue (fast scores): last access (None: empty),
+        # spatial factor, offset tie-break; valid for every queue not in `dirty`
+        # while heads_cached is true.
+        self.head_t: list[float | None] = []
+        self.head_w: list[float] = []
+        self.head_tie: list[float] = []
+        self.heads_cached = False
         self.heads_now: float | None = None
         self.heads_version = -1
         self.dirty: set[int] = set()
         self.evictable = 0
 
     def clone(self) -> "CategoryQueues":
-        other = CategoryQueues(self.table, self.protect)
+        other = CategoryQueues(self.table, self.mode)
+        other.pinned = set(self.pinned)
         other.queues = [OrderedDict(q) for q in self.queues]
         other.nq = self.nq
         other.heads = list(self.heads)
+        other.head_t = list(self.head_t)
+        other.head_w = list(self.head_w)
+        other.head_tie = list(self.head_tie)
         other.rec = {k: list(v) for k, v in self.rec.items()}
         other.orphans = OrderedDict(self.orphans)
         other.parent = dict(self.parent)
@@ -195,6 +240,9 @@ class CategoryQueues:
         while len(queues) < len(self.table):
             queues.append(OrderedDict())
             heads.append(INF)
+            self.head_t.append(None)
+            self.head_w.append(1.0)
+            self.head_tie.append(0.0)
         self.nq = len(queues)
         self.heads_now = None
 
@@ -239,6 +287,8 @@ class CategoryQueues:
             self.dirty.add(old)
         elif self.orphans and self.orphans.pop(key, 0) is None:
             self.evictable -= 1
+        elif self.pinned:
+            self.pinned.discard(key)
         rec[0] = cat
         rec[1] = now
         rec[2] = offset
@@ -258,6 +308,10 @@ class CategoryQueues:
                 self.evictable += 1
             return
         if key in self.orphans:
+            return
+        if self.leaf and key in self.children and not self.fifo[cat]:
+            # Leaf-only eviction: a block with cached children waits for them.
+            self.pinned.add(key)
             return
         q[key] = None
         self.evictable += 1
@@ -286,17 +340,69 @@ class CategoryQueues:
         if t < 0.0:
             t = 0.0
         e = _exp(-tab.lam[cat] * t)
-        if tab.paper:
-            return tab.p[cat] * e * tab.one_minus[cat] - rec[2] * _TIE
-        score = tab.coef_a[cat] * e / (1.0 + tab.coef_b[cat] * e) + tab.ws * rec[3]
+        if tab.fast:
+            # The same expression as the fast rescore, so both give identical scores.
+            return tab.fa[cat] * e / (1.0 + tab.fb[cat] * e) * (rec[3] if tab.scaled else 1.0) - rec[2] * _TIE
+        if tab.scaled:
+            score = tab.coef_a[cat] * e / (1.0 + tab.coef_b[cat] * e) * rec[3]
+        else:
+            score = tab.coef_a[cat] * e / (1.0 + tab.coef_b[cat] * e) + tab.ws * rec[3]
         if t < tab.window[cat]:
             score += tab.coef_l[cat]
         return score - rec[2] * _TIE
 
+    def _cache_heads(self, cats) -> None:
+        """Refresh the cached head data of ``cats`` (queues whose head may have changed)."""
+        queues, rec, scaled = self.queues, self.rec, self.table.scaled
+        head_t, head_w, head_tie = self.head_t, self.head_w, self.head_tie
+        for cat in cats:
+            q = queues[cat]
+            if q:
+                r = rec[next(iter(q))]
+                head_t[cat] = r[1]
+                head_w[cat] = r[3] if scaled else 1.0
+                head_tie[cat] = r[2] * _TIE
+            else:
+                head_t[cat] = None
+
+    def _rescore_dirty(self, now: float) -> None:
+        """Fast scores of the queues whose head changed, at an unchanged time (a burst)."""
+        tab = self.table
+        queues, rec, scaled, heads = self.queues, self.rec, tab.scaled, self.heads
+        head_t, head_w, head_tie = self.head_t, self.head_w, self.head_tie
+        for cat in self.dirty:
+            q = queues[cat]
+            if q:
+                r = rec[next(iter(q))]
+                h = head_t[cat] = r[1]
+                w = head_w[cat] = r[3] if scaled else 1.0
+                tie = head_tie[cat] = r[2] * _TIE
+                # The expression of _rescore_all, so that both give identical scores.
+                e = _exp(tab.lam[cat] * (h - now) if h < now else 0.0)
+                heads[cat] = tab.fa[cat] * e / (1.0 + tab.fb[cat] * e) * w - tie
+            else:
+                head_t[cat] = None
+                heads[cat] = INF
+
     def _rescore_all(self, now: float) -> None:
         """``_score`` of every head, inlined: this loop is the O(K) part of an eviction."""
         tab = self.table
-        if self.busy or tab.paper:
+        if tab.fast and not self.busy:
+            # Only the heads that changed are read again; every score is recomputed
+            # (the time moved), in one comprehension over the cached head data.
+            if self.heads_cached:
+                if self.dirty:
+                    self._cache_heads(self.dirty)
+            else:
+                self._cache_heads(range(self.nq))
+                self.heads_cached = True
+            self.heads = [
+                INF if h is None else a * (e := _exp(l * (h - now) if h < now else 0.0)) / (1.0 + b * e) * w - tie
+                for a, b, l, h, w, tie in zip(tab.fa, tab.fb, tab.lam, self.head_t, self.head_w, self.head_tie)
+            ]
+            return
+        self.heads_cached = False
+        if self.busy or tab.fast or tab.scaled:
             score = self._score
             self.heads[:] = [score(cat, now) for cat in range(self.nq)]
             return
@@ -320,10 +426,16 @@ class CategoryQueues:
         """Pop the lowest-scored evictable key; returns (key, its age)."""
         if self.orphans:
             key = self.orphans.popitem(last=False)[0]
+        elif self.evictable <= 0 and self.pinned:
+            # Nothing queued but idle parents (their children are in use or held
+            # elsewhere): the least recently used goes, its children after it.
+            rec = self.rec
+            key = min(self.pinned, key=lambda k: rec[k][1])
+            self.pinned.discard(key)
+            self.evictable += 1  # balanced below
         else:
             if self.evictable <= 0:
                 raise NoEvictableBlock("every cached block is in use")
-            heads = self.heads
             if now != self.heads_now or self.heads_version != self.table.version:
                 if self.nq < len(self.table):
                     self._grow()
@@ -331,10 +443,17 @@ class CategoryQueues:
                 self.heads_version = self.table.version
                 self._rescore_all(now)
                 self.dirty.clear()
-            elif self.dirty:
-                for cat in self.dirty:
-                    heads[cat] = self._score(cat, now)
-                self.dirty.clear()
+                heads = self.heads
+            else:
+                heads = self.heads
+                if self.dirty:
+                    if self.heads_cached and not self.busy:
+                        self._rescore_dirty(now)
+                    else:
+                        self.heads_cached = False
+                        for cat in self.dirty:
+                            heads[cat] = self._score(cat, now)
+                    self.dirty.clear()
             best = min(heads)
             if best == INF:
                 raise NoEvictableBlock("every cached block is in use")
@@ -344,7 +463,18 @@ class CategoryQueues:
         self.evictable -= 1
         rec = self.rec.pop(key)
         if self.protect:
-            self._unlink(key)
+            # _unlink, with its common case (a leaf whose parent may be unpinned) inline.
+            parent = self.parent.pop(key, None)
+            if parent is not None:
+                kids = self.children.get(parent)
+                if kids is not None:
+                    kids.discard(key)
+                    if not kids:
+                        del self.children[parent]
+                        if parent in self.pinned:
+                            self._unpin(parent)
+            if key in self.children:
+                self._unlink(key)
         return key, now - rec[1]
 
     def _unlink(self, key: int) -> None:
@@ -355,6 +485,8 @@ class CategoryQueues:
                 kids.discard(key)
                 if not kids:
                     del self.children[parent]
+                    if parent in self.pinned:
+                        self._unpin(parent)
         kids = self.children.pop(key, None)
         if kids:
             for kid in kids:
@@ -367,8 +499,33 @@ class CategoryQueues:
                     del q[kid]
                     self.dirty.add(rec[0])
                     self.orphans[kid] = None
+                elif kid in self.pinned:
+                    self.pinned.discard(kid)
+                    self.orphans[kid] = None
+                    self.evictable += 1
+
+    def _unpin(self, key: int) -> None:
+        """``key``'s last cached child left: it joins its queue, at its last-access place when it can."""
+        self.pinned.discard(key)
+        rec = self.rec[key]
+        cat = rec[0]
+        q = self.queues[cat]
+        if q:
+            head = next(iter(q))
+            q[key] = None
+            if rec[1] <= self.rec[head][1]:
+                q.move_to_end(key, last=False)
+                self.dirty.add(cat)
+        else:
+            q[key] = None
+            self.dirty.add(cat)
+        self.evictable += 1
 
     def remove(self, key: int) -> None:
+        if key in self.pinned:
+            self.pinned.discard(key)
+            self.evictable += 1  # balanced by the decrement below
+            self.queues[self.rec[key][0]][key] = None
         rec = self.rec.pop(key, None)
         if rec is None:
             return
@@ -388,6 +545,7 @@ class CategoryQueues:
         """Evictable keys in LRU order (last access, deeper offset first): the fallback's order."""
         keys = [k for q in self.queues for k in q if k not in self.busy]
         keys.extend(self.orphans)
+        keys.extend(self.pinned)
         rec = self.rec
         keys.sort(key=lambda k: (rec[k][1], -rec[k][2]))
         return keys
@@ -449,6 +607,9 @@ class WorkloadAwarePolicy(EvictionPolicy):
         self.shadow_lru = ShadowLRU(capacity) if cfg.fallback.enabled else None
         self._shadow_keys = self.shadow_lru.keys if self.shadow_lru is not None else None
         self._shared_on = cfg.shared_class and not self.paper
+        scaled = self.table.scaled
+        self._sp_a = self.table.wr if scaled else 0.0
+        self._sp_b = self.table.ws if scaled else 1.0
         self._pclasses = 1 if self.paper else cfg.position_classes
         self.shadow_wa: _SimCache | None = None
         self.rhythm = (
@@ -537,7 +698,8 @@ class WorkloadAwarePolicy(EvictionPolicy):
         self.lru.pop(key, None)
 
     def num_evictable(self) -> int:
-        return self.core.evictable
+        # Pinned parents count: they become evictable as their children go.
+        return self.core.evictable + len(self.core.pinned)
 
     def state(self) -> dict:
         window = self._window_sums(self._nbuckets)
@@ -595,7 +757,11 @@ class WorkloadAwarePolicy(EvictionPolicy):
         # Open the episode of this access.
         model.open(key, entry, cat, self._session, shared, now)
         # Decode blocks of a live request lie past its prompt: no spatial credit.
-        spatial = (1.0 - offset / blocks) * self._boost if offset < blocks else 0.0
+        # Stored as the key's spatial factor: wr + ws * s when scaled, s when added.
+        if offset < blocks:
+            spatial = self._sp_a + self._sp_b * ((1.0 - offset / blocks) * self._boost)
+        else:
+            spatial = self._sp_a
         self.core.access(key, cat, now, offset, spatial, parent)
         if self.lru_active:
             self.lru.pop(key, None)
