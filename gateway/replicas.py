@@ -190,14 +190,14 @@ class InProcessReplica(Replica):
         batches = getattr(self.engine, "generate_batches", None)
         if batches is not None:
             return batches(job.request)
-        return _one_by_one(self.engine.generate(job.request))
+        return _single_output_batches(self.engine.generate(job.request))
 
     def inflight_engine(self) -> int:
         stats = self.engine.stats() if self.engine is not None else {}
         return int(stats.get("running", 0)) + int(stats.get("waiting", 0)) if isinstance(stats, dict) else 0
 
 
-async def _one_by_one(outputs: AsyncIterator[GenerationOutput]) -> AsyncIterator[list[GenerationOutput]]:
+async def _single_output_batches(outputs: AsyncIterator[GenerationOutput]) -> AsyncIterator[list[GenerationOutput]]:
     """An engine with only ``generate`` (one output at a time): one-output batches."""
     try:
         async for out in outputs:

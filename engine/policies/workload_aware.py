@@ -463,18 +463,7 @@ class CategoryQueues:
         self.evictable -= 1
         rec = self.rec.pop(key)
         if self.protect:
-            # _unlink, with its common case (a leaf whose parent may be unpinned) inline.
-            parent = self.parent.pop(key, None)
-            if parent is not None:
-                kids = self.children.get(parent)
-                if kids is not None:
-                    kids.discard(key)
-                    if not kids:
-                        del self.children[parent]
-                        if parent in self.pinned:
-                            self._unpin(parent)
-            if key in self.children:
-                self._unlink(key)
+            self._unlink(key)
         return key, now - rec[1]
 
     def _unlink(self, key: int) -> None:
