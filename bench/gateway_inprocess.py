@@ -1,6 +1,7 @@
 """Gateway CPU per request without sockets: aiohttp's protocol fed from a fake transport.
 
     .venv/bin/python bench/gateway_inprocess.py [--requests 6400] [--concurrency 1,64] [--profile OUT.txt]
+    .venv/bin/python bench/gateway_inprocess.py --instructions [--concurrency 1,64]
 
 bench/gateway.py measures over loopback, where the kernel, the scheduler and
 the client process move the figures from run to run.  This drives the same
@@ -12,6 +13,14 @@ path.  It is not the overhead target's measurement (bench/gateway.py is).
 
 Prints the best and the median of several rounds, in microseconds of this
 process's CPU time per request.
+
+``--instructions`` counts instead of timing: each contender runs under
+valgrind's callgrind at two request counts, and the difference over the
+extra requests is the instructions per request.  Slow (a minute or two per
+level) but the same on every run, whatever else the machine is doing; use it
+to judge a change to the request path when timings drift.  Instructions are
+not time: the gateway runs at a lower rate per instruction than the bare
+handler (more code and data per request for the caches).
 """
 
 from __future__ import annotations
@@ -20,9 +29,13 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -101,13 +114,16 @@ async def _measure(app: web.Application, raw: bytes, concurrency: int, requests:
     return per_request
 
 
+def _raw_request() -> bytes:
+    body = json.dumps(REQUEST).encode()
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body
+
+
 async def _main(levels: list[int], requests: int, rounds: int, profile: str | None) -> dict:
     gateway, bare_server, _engines, _served = await _servers()
-    body = json.dumps(REQUEST).encode()
-    raw = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
+    raw = _raw_request()
     results = {}
     try:
         for c in levels:
@@ -125,16 +141,65 @@ async def _main(levels: list[int], requests: int, rounds: int, profile: str | No
     return results
 
 
+async def _run_only(which: str, concurrency: int, requests: int) -> None:
+    """One pass of ``requests`` through one contender, for counting its instructions."""
+    gateway, bare_server, _engines, _served = await _servers()
+    try:
+        app = (gateway if which == "gateway" else bare_server).runner.app
+        await _measure(app, _raw_request(), concurrency, requests, 1)
+    finally:
+        await gateway.stop()
+        await bare_server.stop()
+
+
+def _callgrind_instructions(which: str, concurrency: int, requests: int) -> int:
+    cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, os.path.abspath(__file__),
+           "--only", which, "--concurrency", str(concurrency), "--requests", str(requests)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    match = re.search(r"Collected : (\d+)", done.stderr)
+    if match is None:
+        raise RuntimeError(f"no instruction count from callgrind: {done.stderr[-500:]}")
+    return int(match.group(1))
+
+
+def _instructions(levels: list[int], requests: int) -> dict:
+    """Instructions per request of each contender: (count at ``requests`` - count at
+    one wave) / the requests between them.  Start-up and warm-up cancel out."""
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    results = {}
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        for c in levels:
+            waves = max(2, requests // c)
+            runs = {(which, w): pool.submit(_callgrind_instructions, which, c, w * c)
+                    for which in ("gateway", "bare") for w in (1, waves)}
+            per = {which: (runs[which, waves].result() - runs[which, 1].result()) / ((waves - 1) * c)
+                   for which in ("gateway", "bare")}
+            results[str(c)] = {"gateway_instructions": round(per["gateway"]), "bare_instructions": round(per["bare"])}
+            print(f"c={c:>3}: gateway {per['gateway'] / 1e3:6.0f}k instructions/request | bare {per['bare'] / 1e3:6.0f}k | "
+                  f"bare/gateway {per['bare'] / per['gateway']:.2f}", flush=True)
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,64", help="comma-separated connection counts")
-    parser.add_argument("--requests", type=int, default=6400, help="requests per round")
+    parser.add_argument("--requests", type=int, help="requests per round (default 6400; 1280 with --instructions)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", metavar="OUT.txt", help="pyinstrument profile of the last gateway level")
     parser.add_argument("--json", metavar="OUT", help="write results as JSON")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions per request under valgrind instead of timing (default 1280 requests)")
+    parser.add_argument("--only", choices=("gateway", "bare"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
-    results = asyncio.run(_main(levels, args.requests, args.rounds, args.profile))
+    if args.only:
+        asyncio.run(_run_only(args.only, levels[0], args.requests))
+        return 0
+    if args.instructions:
+        results = _instructions(levels, args.requests or 1280)
+    else:
+        results = asyncio.run(_main(levels, args.requests or 6400, args.rounds, args.profile))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -89,6 +89,10 @@ def test_limits():
         parse_json(b"\xff\xfe\xfa")
     with pytest.raises(ApiError):
         parse_json(b"[1, 2]")
+    # UTF-8 only, a leading BOM tolerated; UTF-16 (which json's own sniffing would take) is refused.
+    assert parse_json(b'\xef\xbb\xbf{"model": "m\xc3\xa9"}') == {"model": "m\u00e9"}
+    with pytest.raises(ApiError):
+        parse_json('{"model": "m"}'.encode("utf-16"))
 
 
 def test_completions_prompt_forms():

@@ -133,7 +133,12 @@ async def test_errors_are_sdk_exceptions_and_server_survives(gw):
                 err = (await r.json())["error"]
                 assert set(err) == {"message", "type", "param", "code"}
         async with s.get(server.url + "/v1/nothing") as r:
-            assert r.status == 404 and "error" in await r.json()
+            assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_url"
+        # A known path with the wrong method: 405, still in OpenAI's error shape.
+        async with s.get(server.url + "/v1/chat/completions") as r:
+            assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
+        async with s.head(server.url + "/health") as r:
+            assert r.status == 200
         async with s.get(server.url + "/health") as r:
             assert r.status == 200
         async with s.get(server.url + "/ready") as r:
