@@ -12,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_shipped_config_yaml_equals_the_defaults():
     # config.yaml documents the defaults: it must not drift from the code.
     assert load_config(ROOT / "config.yaml") == KvgateConfig()
+    # The engine evicts in the workload-aware order unless told otherwise.
+    assert KvgateConfig().cache.policy == "wa"
 
 
 def test_missing_file_and_empty_file(tmp_path):
