@@ -1,91 +1,55 @@
 """The aiohttp app: OpenAI endpoints in front of a set of replicas.
 
-Request path (DESIGN section 1): auth -> body limits -> parse/validate ->
-tokenise once (prompt tokens go to the engine with the request) -> classify ->
-block keys -> route (in-flight counted before sending) -> generate -> shape as
-OpenAI JSON or SSE.  Every exit path releases the in-flight count and closes
-the engine iterator, which aborts the engine work when the client has gone.
+Request path (DESIGN section 1), and where each step lives: auth -> body
+limits -> parse/validate (gateway/protocol.py) -> tokenise once, block keys
+(gateway/prefix.py; the prompt tokens go to the engine with the request) ->
+classify (gateway/classify.py) -> route and generate (gateway/dispatch.py:
+in-flight counted before sending, released on every exit) -> shape as OpenAI
+JSON or SSE (gateway/respond.py).  This module holds the app and the steps
+up to the dispatch.
 
 The same app, built with ``engine_mode=True`` over a single in-process replica,
 is `kvgate engine`: it also accepts ``kvgate_context`` (the gateway's
-classification) and serves ``/kv_events`` so a remote gateway can keep an
-exact index of this engine's cache.
+classification) and serves the endpoints of gateway/engine_endpoints.py
+(``/kv_events`` and friends) so a remote gateway can keep an exact index of
+this engine's cache.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import hmac
-import json
 import logging
 import os
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
 from aiohttp import web
 
 from engine.context import REQUEST_TYPES, WORKLOADS, RequestContext
-from engine.request import GenerationOutput, GenerationRequest, Usage, coalesce
 from gateway import errors
 from gateway.classify import ANONYMOUS, Classifier, Principal
 from gateway.config import KvgateConfig
+from gateway.dispatch import Dispatcher, Sub
+from gateway.engine_endpoints import EngineEndpoints
 from gateway.errors import ApiError, bad_request
 from gateway.metrics import GatewayMetrics
-from gateway.observe import Finished, Observer
+from gateway.observe import Observer
 from gateway.prefix import PrefixHasher, Prompt
-from gateway.protocol import (
-    CHAT,
-    COMPLETIONS,
-    DONE,
-    ChoiceState,
-    ParsedRequest,
-    StreamFormatter,
-    chat_completion,
-    new_id,
-    now_s,
-    parse_json,
-    parse_request,
-    sse_error,
-    text_completion,
-    usage_dict,
-)
-from gateway.replicas import (
-    USAGE_ALL,
-    InProcessReplica,
-    Job,
-    Replica,
-    ReplicaUnavailable,
-    UpstreamError,
-    build_replicas,
-    load_tokenizer,
-)
+from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, now_s, parse_json, parse_request
+from gateway.replicas import InProcessReplica, Replica, build_replicas, load_tokenizer
+from gateway.respond import Responder
 from gateway.router import Router
 
 log = logging.getLogger(__name__)
 
 # Completions default (OpenAI's); chat defaults to what the context leaves, capped by limits.
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# A /kv_events consumer this far behind is cut off; it resyncs from a snapshot.
-_KV_EVENTS_BACKLOG = 100_000
 # Status label for requests whose client went away (nginx's convention).
 CLIENT_GONE = "499"
 _STATIC = Path(__file__).parent / "static"
-
-
-@dataclass(slots=True)
-class Sub:
-    """One engine request of a client request (completions may carry several prompts)."""
-
-    prompt: Prompt
-    source: object  # the prompt as the client sent it (for external replicas)
-    context: RequestContext
-    shift: int  # choice index offset of this prompt's choices
 
 
 class Gateway:
@@ -105,10 +69,11 @@ class Gateway:
         self.router: Router | None = None
         self.hasher: PrefixHasher | None = None
         self.classifier: Classifier | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.responder: Responder | None = None
         self.model_name = ""
         self.max_model_len = config.model.max_model_len
         self.created = now_s()
-        self._kv_streams: set[asyncio.Queue] = set()
 
     # -- lifecycle
 
@@ -135,6 +100,8 @@ class Gateway:
         self.max_model_len = info.max_model_len
         self.classifier = Classifier(self.config.classifier, self.hasher)
         self.router = Router(self.config.router, [r.name for r in self.replicas], self.hasher.block_size)
+        self.dispatcher = Dispatcher(self.router, self.replicas, self.metrics, self.observer, self.hasher.block_size)
+        self.responder = Responder(self.model_name, self.observer)
         for i, r in enumerate(self.replicas):
             # Backends with a metrics_url report load the gateway cannot count itself.
             r.load_listener = lambda waiting, usage, i=i: self.router.set_external_load(i, waiting, usage)
@@ -175,11 +142,6 @@ class Gateway:
     async def dashboard(self, request: web.Request) -> web.FileResponse:
         # Served from the package: the page loads nothing from anywhere else.
         return web.FileResponse(_STATIC / "dashboard.html", headers={"Cache-Control": "no-cache"})
-
-    async def engine_stats(self, request: web.Request) -> web.Response:
-        """`kvgate engine`: AsyncEngine.stats(), polled by gateways for their /metrics and /stats."""
-        self.authenticate(request)
-        return web.json_response(self.replicas[0].engine.stats())
 
     async def models(self, request: web.Request) -> web.Response:
         self.authenticate(request)
@@ -249,10 +211,11 @@ class Gateway:
                 raise errors.model_not_found(parsed.model)
             subs, max_tokens = await self.prepare(request, parsed, principal)
             workload = subs[0].context.workload
+            gen, single = self.dispatcher.run(subs, parsed, max_tokens)
             if parsed.stream:
-                resp = await self.stream(request, parsed, subs, max_tokens, start)
+                resp = await self.responder.stream(request, gen, single, parsed, subs, start)
             else:
-                resp = await self.complete(parsed, subs, max_tokens, start)
+                resp = await self.responder.complete(gen, single, parsed, subs, start)
             status = str(resp.status)
             return resp
         except ApiError as exc:
@@ -372,400 +335,11 @@ class Gateway:
 
     # -- routing and generation
 
-    async def outputs(self, sub: Sub, parsed: ParsedRequest, max_tokens: int) -> AsyncIterator[list[GenerationOutput]]:
-        """One sub-request's outputs from the replica the router picks, in the
-        batches the replica delivers them (what was ready together).
-
-        In-flight work is counted before the request is sent and released in
-        ``finally``; the engine iterator is closed there too, which aborts the
-        engine request if we stop early (client gone, error).  A replica that
-        fails before its first output is excluded and another one tried.
-        """
-        router = self.router
-        # Engines only read the sampling parameters, so every sub-request shares
-        # the parsed ones (prepare() resolved their max_tokens).
-        s = parsed.sampling
-        request = GenerationRequest(new_id("req-"), sub.prompt.token_ids, s, sub.context, sub.prompt.mm_hashes)
-        job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens)
-        load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
-        workload = sub.context.workload
-        arrival = time.monotonic()
-        tried: list[int] = []
-        while True:
-            decision = router.choose(
-                sub.prompt.keys,
-                [r.index for r in self.replicas],
-                [r.healthy for r in self.replicas],
-                sub.context.session,
-                tried,
-            )
-            if decision is None:
-                raise errors.no_replica()
-            replica = self.replicas[decision.replica]
-            ticket = router.acquire(decision.replica, load, sub.prompt.keys, decision.matched_blocks)
-            self.metrics.decisions.labels(replica.name, decision.reason).inc()
-            series = self.metrics.request_series(workload, replica.name)
-            # The engine never serves the block holding the prompt's last token from
-            # cache (its logits must be computed), so neither is it predicted.
-            bs = self.hasher.block_size
-            predicted = min(decision.matched_blocks, (len(sub.prompt.token_ids) - 1) // bs)
-            series.predicted_hits.inc(predicted * bs)
-            produced = exhausted = False
-            usage = _UsageSum(1)
-            last_token: float | None = None
-            # The recorder also wants the blocks the engine fills with generated tokens.
-            generated: list[int] | None = [] if self.observer.recording else None
-            gen = replica.generate(job)
-            try:
-                async for batch in gen:
-                    produced = True
-                    # Tokens that arrived together leave as one delta per choice (one
-                    # frame), and the inter-token gap is measured between deltas:
-                    # what the client sees.
-                    batch = coalesce(batch)
-                    now = time.perf_counter()
-                    for out in batch:
-                        if out.index == 0 and (out.token_ids or out.text):
-                            if last_token is not None:
-                                series.itl.observe(now - last_token)
-                            last_token = now
-                            if generated is not None:
-                                generated.extend(out.token_ids)
-                        if out.usage is not None:
-                            usage.add(0, out)
-                            if out.index == 0 or out.index == USAGE_ALL:
-                                series.prefix_queries.inc(out.usage.prompt_tokens)
-                                series.prefix_hits.inc(out.usage.cached_tokens)
-                        if out.queue_time_s is not None:
-                            series.queue_time.observe(out.queue_time_s)
-                    yield batch
-                exhausted = True
-                self.observer.finished(Finished(
-                    sub.context, replica.name, sub.prompt, usage.prompt[0] or len(sub.prompt.token_ids),
-                    usage.cached[0], usage.completion[0], arrival, parsed.user, generated,
-                ))
-                return
-            except ValueError as exc:
-                # The engine refuses requests it cannot run (prompt too long for its
-                # pool, token ids outside the vocabulary): the caller's problem.
-                if produced:
-                    raise
-                raise bad_request(str(exc), "messages" if parsed.endpoint == CHAT else "prompt") from None
-            except ReplicaUnavailable as exc:
-                if produced:
-                    raise errors.upstream_error(str(exc)) from None
-                log.warning("replica %s unavailable, trying another: %s", replica.name, exc)
-                tried.append(decision.replica)
-            except UpstreamError as exc:
-                body = exc.body.get("error") if isinstance(exc.body.get("error"), dict) else {}
-                raise ApiError(
-                    exc.status if 400 <= exc.status < 600 else 502,
-                    body.get("message") or str(exc),
-                    body.get("type") or "api_error",
-                    body.get("param"),
-                    body.get("code"),
-                ) from None
-            finally:
-                if not exhausted:
-                    await _aclose(gen)
-                router.release(ticket)
-
-    async def merged(
-        self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int
-    ) -> AsyncIterator[list[tuple[int, list[GenerationOutput]]]]:
-        """(choice shift, batch of outputs) of several sub-requests (completions
-        with a list of prompts), grouped by what is ready together.
-
-        One pump task per sub-request; the consumer takes everything queued at
-        once, so outputs that arrive together still leave in one send.  (One
-        sub-request needs none of this: callers read its ``outputs`` directly.)
-        """
-        queue: asyncio.Queue = asyncio.Queue()
-        end = object()
-
-        async def pump(sub: Sub) -> None:
-            gen = self.outputs(sub, parsed, max_tokens)
-            try:
-                async for batch in gen:
-                    queue.put_nowait((sub.shift, batch))
-                queue.put_nowait(end)
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-                queue.put_nowait(exc)
-                raise
-            finally:
-                await _aclose(gen)
-
-        tasks = [asyncio.create_task(pump(sub)) for sub in subs]
-        try:
-            left = len(tasks)
-            while left:
-                items = [await queue.get()]
-                while not queue.empty():
-                    items.append(queue.get_nowait())
-                group = []
-                for item in items:
-                    if item is end:
-                        left -= 1
-                    elif isinstance(item, BaseException):
-                        if group:
-                            yield group  # what came before the failure
-                        raise item
-                    else:
-                        group.append(item)
-                if group:
-                    yield group
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def complete(self, parsed: ParsedRequest, subs: list[Sub], max_tokens: int, start: float) -> web.Response:
-        n = parsed.sampling.n
-        choices = [ChoiceState() for _ in range(n * len(subs))]
-        usage = _UsageSum(len(subs))
-        workload = subs[0].context.workload
-        first = True
-        single = len(subs) == 1
-        gen = self.outputs(subs[0], parsed, max_tokens) if single else self.merged(subs, parsed, max_tokens)
-        try:
-            async for group in gen:
-                if single:
-                    group = ((0, group),)
-                if first:
-                    first = False
-                    self.observer.first_token(workload, time.perf_counter() - start)
-                for sub, shift, out in _each_output(group, n):
-                    usage.add(sub, out)
-                    if out.index == USAGE_ALL:
-                        continue
-                    choice = choices[shift + out.index]
-                    if out.text:
-                        choice.text.append(out.text)
-                    if out.logprobs is not None:
-                        choice.logprobs = (choice.logprobs or []) + out.logprobs
-                    if out.finish_reason is not None:
-                        _check_finish(out.finish_reason)
-                        choice.finish_reason = out.finish_reason
-            gen = None  # exhausted: nothing to close
-        finally:
-            await _aclose(gen)
-        rid = new_id("chatcmpl-" if parsed.endpoint == CHAT else "cmpl-")
-        shape = chat_completion if parsed.endpoint == CHAT else text_completion
-        obj = shape(rid, now_s(), self.model_name, choices, usage.as_dict(subs))
-        return web.Response(body=json.dumps(obj).encode(), content_type="application/json")
-
-    async def stream(
-        self, request: web.Request, parsed: ParsedRequest, subs: list[Sub], max_tokens: int, start: float
-    ) -> web.StreamResponse:
-        n = parsed.sampling.n
-        chat = parsed.endpoint == CHAT
-        rid = new_id("chatcmpl-" if chat else "cmpl-")
-        fmt = StreamFormatter(parsed.endpoint, rid, now_s(), self.model_name, parsed.include_usage)
-        states = [ChoiceState() for _ in range(n * len(subs))]
-        usage = _UsageSum(len(subs))
-        workload = subs[0].context.workload
-        resp: web.StreamResponse | None = None
-        choices_left = len(states)
-        tail_frames = b""
-        # One sub-request (the common case) reads its outputs directly.
-        single = len(subs) == 1
-        gen = self.outputs(subs[0], parsed, max_tokens) if single else self.merged(subs, parsed, max_tokens)
-        try:
-            async for group in gen:
-                if single:
-                    group = ((0, group),)
-                # Everything that arrived together leaves in one send; the outputs
-                # that finish the last choice wait for the stream's tail and end
-                # (usage, [DONE]) and leave with them.
-                frames = []
-                try:
-                    for sub, shift, out in _each_output(group, n):
-                        usage.add(sub, out)
-                        if out.index == USAGE_ALL:
-                            continue
-                        if resp is None:
-                            # Headers go out with the first output so that failures before
-                            # it (no replica, upstream 4xx) still get a proper status code.
-                            resp = _SseResponse(headers=_SSE_HEADERS)
-                            await resp.prepare(request)
-                            self.observer.first_token(workload, time.perf_counter() - start)
-                        index = shift + out.index
-                        state = states[index]
-                        if chat and not state.started:
-                            frames.append(fmt.role(index))
-                        state.started = True
-                        if out.finish_reason is not None:
-                            _check_finish(out.finish_reason)
-                            choices_left -= 1
-                        if out.text or out.logprobs or out.finish_reason is not None:
-                            frames.append(fmt.delta(index, out.text, out.logprobs, state, out.finish_reason))
-                        state.text_len += len(out.text)
-                except ApiError:
-                    if frames:
-                        await resp.write(b"".join(frames))  # what came before the failure
-                    raise
-                if choices_left <= 0:
-                    tail_frames += b"".join(frames)
-                elif frames:
-                    await resp.write(b"".join(frames))
-            gen = None  # exhausted: nothing to close
-            if resp is None:
-                resp = _SseResponse(headers=_SSE_HEADERS)
-                await resp.prepare(request)
-            tail = fmt.usage(usage.as_dict(subs)) + DONE if parsed.include_usage else DONE
-            await resp.write_eof(tail_frames + tail)  # one send for the last frames, the tail and the end
-            return resp
-        except Exception as exc:
-            if resp is None:
-                raise
-            if not isinstance(exc, ApiError):
-                if isinstance(exc, ConnectionError):
-                    raise  # the client is gone; nobody to tell
-                log.exception("stream %s failed after its first byte", rid)
-                exc = errors.internal_error()
-            # Mid-stream: the status is already sent; OpenAI clients raise on an error
-            # event, and [DONE] still ends the stream for clients that wait for it.
-            with contextlib.suppress(ConnectionError):
-                await resp.write(tail_frames + sse_error(exc.body()) + DONE)
-                await resp.write_eof()
-            return resp
-        finally:
-            await _aclose(gen)
-
-    # -- kvgate engine: the KV event stream
-
-    async def kvgate_info(self, request: web.Request) -> web.Response:
-        replica = self.replicas[0]
-        salt = replica.info.hash_salt
-        return web.json_response(
-            {
-                "model": self.model_name,
-                "block_size": replica.info.block_size,
-                "hash_salt": salt.decode() if isinstance(salt, bytes) else salt,
-                "max_model_len": self.max_model_len,
-            }
-        )
-
-    async def kv_events(self, request: web.Request) -> web.StreamResponse:
-        """SSE: a snapshot of the held keys, then every stored/removed event in order.
-
-        The listener is attached before the snapshot is taken and buffers what
-        arrives meanwhile; replaying those events over the snapshot converges
-        to the engine's state because each event is applied in order.  A
-        consumer that falls too far behind is cut off and resyncs.
-        """
-        self.authenticate(request)
-        replica = self.replicas[0]
-        assert isinstance(replica, InProcessReplica)
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        owner = threading.get_ident()
-        lagging = False
-
-        def put(item) -> None:
-            nonlocal lagging
-            if queue.qsize() >= _KV_EVENTS_BACKLOG:
-                lagging = True
-            queue.put_nowait(item)
-
-        def listener(seq: int, kind: str, keys: list[int], tier: str) -> None:
-            item = (seq, kind, keys, tier)
-            if threading.get_ident() == owner:
-                put(item)
-            else:
-                loop.call_soon_threadsafe(put, item)
-
-        detach = replica.add_listener(listener)
-        self._kv_streams.add(queue)
-        try:
-            resp = web.StreamResponse(headers=_SSE_HEADERS)
-            await resp.prepare(request)
-            snapshot = {"seq": replica.seq, "model": self.model_name, "keys": replica.held_keys()}
-            await resp.write(b"event: snapshot\ndata: " + json.dumps(snapshot).encode() + b"\n\n")
-            while not lagging:
-                item = await queue.get()
-                if item is None:
-                    break  # shutting down
-                seq, kind, keys, tier = item
-                frame = {"seq": seq, "kind": kind, "keys": keys, "tier": tier}
-                await resp.write(b"data: " + json.dumps(frame).encode() + b"\n\n")
-            return resp
-        finally:
-            self._kv_streams.discard(queue)
-            detach()
-
-    async def on_shutdown(self, app: web.Application) -> None:
-        # Long-lived /kv_events streams would otherwise hold shutdown for its full timeout.
-        for queue in list(self._kv_streams):
-            queue.put_nowait(None)
-
-
-class _SseResponse(web.StreamResponse):
-    # Headers ride with the first frames (one send, not two); aiohttp's own
-    # web.Response does the same.
-    _send_headers_immediately = False
-
-
-class _UsageSum:
-    """Usage over sub-requests: prompt counted once per prompt, completions summed."""
-
-    __slots__ = ("prompt", "cached", "completion", "all")
-
-    def __init__(self, subs: int) -> None:
-        self.prompt = [0] * subs
-        self.cached = [0] * subs
-        self.completion = [0] * subs
-        self.all = [False] * subs
-
-    def add(self, sub: int, out: GenerationOutput) -> None:
-        u = out.usage
-        if u is None:
-            return
-        if out.index == USAGE_ALL:
-            self.prompt[sub], self.cached[sub], self.completion[sub] = u.prompt_tokens, u.cached_tokens, u.completion_tokens
-            self.all[sub] = True
-            return
-        if self.all[sub]:
-            return
-        self.prompt[sub] = max(self.prompt[sub], u.prompt_tokens)
-        if out.index == 0:
-            # The first choice looked the prompt up; later ones reuse its blocks.
-            self.cached[sub] = u.cached_tokens
-        self.completion[sub] += u.completion_tokens
-
-    def as_dict(self, subs: list[Sub]) -> dict:
-        prompt = sum(p or len(s.prompt.token_ids) for p, s in zip(self.prompt, subs))
-
-        return usage_dict(Usage(prompt, sum(self.completion), sum(self.cached)))
-
-
-def _each_output(group, n: int):
-    """(sub-request, choice shift, output) of each output in a group of
-    (choice shift, batch) pairs; ``n`` choices per sub-request."""
-    for shift, batch in group:
-        sub = shift // n
-        for out in batch:
-            yield sub, shift, out
-
-
-def _check_finish(reason: str) -> None:
-    if reason == "abort":
-        raise ApiError(503, "The engine aborted the request (it is shutting down or overloaded).", "server_error", None, "engine_abort")
-
-
 def _mm_hashes(raw) -> list[tuple[int, bytes]]:
     try:
         return [(int(off), bytes.fromhex(h)) for off, h in raw]
     except (TypeError, ValueError):
         raise bad_request("kvgate_mm_hashes must be [[offset, hex], ...].", "kvgate_mm_hashes") from None
-
-
-async def _aclose(gen) -> None:
-    """Close an async iterator that may have stopped early (None: nothing to close)."""
-    aclose = getattr(gen, "aclose", None)
-    if aclose is not None:
-        with contextlib.suppress(Exception):
-            await aclose()
 
 
 def _load_keys(config: KvgateConfig) -> dict[str, Principal]:
@@ -854,7 +428,6 @@ def create_app(
     gw = Gateway(config, replicas, engine_mode, tokenizer)
     app[GATEWAY] = gw
     app.cleanup_ctx.append(gw.lifespan)
-    app.on_shutdown.append(gw.on_shutdown)
     routes = [
         ("POST", "/v1/chat/completions", functools.partial(gw.serve, endpoint=CHAT)),
         ("POST", "/v1/completions", functools.partial(gw.serve, endpoint=COMPLETIONS)),
@@ -867,10 +440,12 @@ def create_app(
         ("GET", "/dashboard", gw.dashboard),
     ]
     if engine_mode:
+        extra = EngineEndpoints(gw)
+        app.on_shutdown.append(extra.on_shutdown)
         routes += [
-            ("GET", "/kv_events", gw.kv_events),
-            ("GET", "/kvgate/info", gw.kvgate_info),
-            ("GET", "/kvgate/stats", gw.engine_stats),
+            ("GET", "/kv_events", extra.kv_events),
+            ("GET", "/kvgate/info", extra.info),
+            ("GET", "/kvgate/stats", extra.stats),
         ]
     for method, path, handler in routes:
         # GET routes answer HEAD too, as aiohttp's add_get does.

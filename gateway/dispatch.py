@@ -1,0 +1,223 @@
+"""Sending engine requests to replicas: route, count in flight, retry, observe.
+
+For each engine request (``Sub``) the router picks a replica; its in-flight
+load is counted before the request is sent and released on every exit; a
+replica that fails before its first output is excluded and another one tried;
+the engine iterator is closed on every exit, which aborts the engine work when
+the client has gone.  What the replica reports on the way (tokens, usage,
+queue time) feeds the request metrics and the observer.  The caller (the
+response shapers in gateway/respond.py) only sees batches of outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from engine.context import RequestContext
+from engine.request import GenerationOutput, GenerationRequest, coalesce
+from gateway import errors
+from gateway.errors import ApiError, bad_request
+from gateway.metrics import GatewayMetrics
+from gateway.observe import Finished, Observer
+from gateway.prefix import Prompt
+from gateway.protocol import CHAT, ParsedRequest, new_id
+from gateway.replicas import USAGE_ALL, Job, Replica, ReplicaUnavailable, UpstreamError
+from gateway.router import Router
+from gateway.usage import UsageSum
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Sub:
+    """One engine request of a client request (completions may carry several prompts)."""
+
+    prompt: Prompt
+    source: object  # the prompt as the client sent it (for external replicas)
+    context: RequestContext
+    shift: int  # choice index offset of this prompt's choices
+
+
+class Dispatcher:
+    """Runs a client request's engine requests on the replicas the router picks."""
+
+    def __init__(
+        self, router: Router, replicas: list[Replica], metrics: GatewayMetrics, observer: Observer, block_size: int
+    ) -> None:
+        self.router = router
+        self.replicas = replicas
+        self.metrics = metrics
+        self.observer = observer
+        self.block_size = block_size
+
+    def run(
+        self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int
+    ) -> tuple[AsyncIterator, bool]:
+        """The outputs of all ``subs`` and whether there is a single one.
+
+        One sub-request (the common case) yields its batches directly; several
+        yield (choice shift, batch) groups (``merged``).  The caller closes it.
+        """
+        if len(subs) == 1:
+            return self.outputs(subs[0], parsed, max_tokens), True
+        return self.merged(subs, parsed, max_tokens), False
+
+    async def outputs(self, sub: Sub, parsed: ParsedRequest, max_tokens: int) -> AsyncIterator[list[GenerationOutput]]:
+        """One sub-request's outputs from the replica the router picks, in the
+        batches the replica delivers them (what was ready together).
+
+        In-flight work is counted before the request is sent and released in
+        ``finally``; the engine iterator is closed there too, which aborts the
+        engine request if we stop early (client gone, error).  A replica that
+        fails before its first output is excluded and another one tried.
+        """
+        router = self.router
+        # Engines only read the sampling parameters, so every sub-request shares
+        # the parsed ones (prepare() resolved their max_tokens).
+        s = parsed.sampling
+        request = GenerationRequest(new_id("req-"), sub.prompt.token_ids, s, sub.context, sub.prompt.mm_hashes)
+        job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens)
+        load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
+        workload = sub.context.workload
+        arrival = time.monotonic()
+        tried: list[int] = []
+        while True:
+            decision = router.choose(
+                sub.prompt.keys,
+                [r.index for r in self.replicas],
+                [r.healthy for r in self.replicas],
+                sub.context.session,
+                tried,
+            )
+            if decision is None:
+                raise errors.no_replica()
+            replica = self.replicas[decision.replica]
+            ticket = router.acquire(decision.replica, load, sub.prompt.keys, decision.matched_blocks)
+            self.metrics.decisions.labels(replica.name, decision.reason).inc()
+            series = self.metrics.request_series(workload, replica.name)
+            # The engine never serves the block holding the prompt's last token from
+            # cache (its logits must be computed), so neither is it predicted.
+            bs = self.block_size
+            predicted = min(decision.matched_blocks, (len(sub.prompt.token_ids) - 1) // bs)
+            series.predicted_hits.inc(predicted * bs)
+            produced = exhausted = False
+            usage = UsageSum(1)
+            last_token: float | None = None
+            # The recorder also wants the blocks the engine fills with generated tokens.
+            generated: list[int] | None = [] if self.observer.recording else None
+            gen = replica.generate(job)
+            try:
+                async for batch in gen:
+                    produced = True
+                    # Tokens that arrived together leave as one delta per choice (one
+                    # frame), and the inter-token gap is measured between deltas:
+                    # what the client sees.
+                    batch = coalesce(batch)
+                    now = time.perf_counter()
+                    for out in batch:
+                        if out.index == 0 and (out.token_ids or out.text):
+                            if last_token is not None:
+                                series.itl.observe(now - last_token)
+                            last_token = now
+                            if generated is not None:
+                                generated.extend(out.token_ids)
+                        if out.usage is not None:
+                            usage.add(0, out)
+                            if out.index == 0 or out.index == USAGE_ALL:
+                                series.prefix_queries.inc(out.usage.prompt_tokens)
+                                series.prefix_hits.inc(out.usage.cached_tokens)
+                        if out.queue_time_s is not None:
+                            series.queue_time.observe(out.queue_time_s)
+                    yield batch
+                exhausted = True
+                self.observer.finished(Finished(
+                    sub.context, replica.name, sub.prompt, usage.prompt[0] or len(sub.prompt.token_ids),
+                    usage.cached[0], usage.completion[0], arrival, parsed.user, generated,
+                ))
+                return
+            except ValueError as exc:
+                # The engine refuses requests it cannot run (prompt too long for its
+                # pool, token ids outside the vocabulary): the caller's problem.
+                if produced:
+                    raise
+                raise bad_request(str(exc), "messages" if parsed.endpoint == CHAT else "prompt") from None
+            except ReplicaUnavailable as exc:
+                if produced:
+                    raise errors.upstream_error(str(exc)) from None
+                log.warning("replica %s unavailable, trying another: %s", replica.name, exc)
+                tried.append(decision.replica)
+            except UpstreamError as exc:
+                body = exc.body.get("error") if isinstance(exc.body.get("error"), dict) else {}
+                raise ApiError(
+                    exc.status if 400 <= exc.status < 600 else 502,
+                    body.get("message") or str(exc),
+                    body.get("type") or "api_error",
+                    body.get("param"),
+                    body.get("code"),
+                ) from None
+            finally:
+                if not exhausted:
+                    await aclose(gen)
+                router.release(ticket)
+
+    async def merged(
+        self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int
+    ) -> AsyncIterator[list[tuple[int, list[GenerationOutput]]]]:
+        """(choice shift, batch of outputs) of several sub-requests (completions
+        with a list of prompts), grouped by what is ready together.
+
+        One pump task per sub-request; the consumer takes everything queued at
+        once, so outputs that arrive together still leave in one send.  (One
+        sub-request needs none of this: callers read its ``outputs`` directly.)
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
+
+        async def pump(sub: Sub) -> None:
+            gen = self.outputs(sub, parsed, max_tokens)
+            try:
+                async for batch in gen:
+                    queue.put_nowait((sub.shift, batch))
+                queue.put_nowait(end)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait(exc)
+                raise
+            finally:
+                await aclose(gen)
+
+        tasks = [asyncio.create_task(pump(sub)) for sub in subs]
+        try:
+            left = len(tasks)
+            while left:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                group = []
+                for item in items:
+                    if item is end:
+                        left -= 1
+                    elif isinstance(item, BaseException):
+                        if group:
+                            yield group  # what came before the failure
+                        raise item
+                    else:
+                        group.append(item)
+                if group:
+                    yield group
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def aclose(gen) -> None:
+    """Close an async iterator that may have stopped early (None: nothing to close)."""
+    close = getattr(gen, "aclose", None)
+    if close is not None:
+        with contextlib.suppress(Exception):
+            await close()

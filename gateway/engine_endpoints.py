@@ -1,0 +1,104 @@
+"""The endpoints only `kvgate engine` serves, for the gateways in front of it.
+
+``/kvgate/info``: block size, hash salt and context length, so a gateway
+hashes prompts exactly as this engine does.  ``/kv_events``: the engine's
+block stored/removed events as server-sent events, so a gateway keeps an
+exact index of what this engine holds.  ``/kvgate/stats``: the engine's
+figures, polled by gateways for their /metrics and /stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from gateway.respond import SSE_HEADERS
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+# A /kv_events consumer this far behind is cut off; it resyncs from a snapshot.
+_BACKLOG = 100_000
+
+
+class EngineEndpoints:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway  # its only replica is the in-process engine
+        self._streams: set[asyncio.Queue] = set()
+
+    async def stats(self, request: web.Request) -> web.Response:
+        """AsyncEngine.stats(), polled by gateways for their /metrics and /stats."""
+        gw = self.gateway
+        gw.authenticate(request)
+        return web.json_response(gw.replicas[0].engine.stats())
+
+    async def info(self, request: web.Request) -> web.Response:
+        """Block identity and limits: what a gateway needs to hash prompts as this engine does."""
+        gw = self.gateway
+        replica = gw.replicas[0]
+        salt = replica.info.hash_salt
+        return web.json_response(
+            {
+                "model": gw.model_name,
+                "block_size": replica.info.block_size,
+                "hash_salt": salt.decode() if isinstance(salt, bytes) else salt,
+                "max_model_len": gw.max_model_len,
+            }
+        )
+
+    async def kv_events(self, request: web.Request) -> web.StreamResponse:
+        """SSE: a snapshot of the held keys, then every stored/removed event in order.
+
+        The listener is attached before the snapshot is taken and buffers what
+        arrives meanwhile; replaying those events over the snapshot converges
+        to the engine's state because each event is applied in order.  A
+        consumer that falls too far behind is cut off and resyncs.
+        """
+        gw = self.gateway
+        gw.authenticate(request)
+        replica = gw.replicas[0]
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        owner = threading.get_ident()
+        lagging = False
+
+        def put(item) -> None:
+            nonlocal lagging
+            if queue.qsize() >= _BACKLOG:
+                lagging = True
+            queue.put_nowait(item)
+
+        def listener(seq: int, kind: str, keys: list[int], tier: str) -> None:
+            item = (seq, kind, keys, tier)
+            if threading.get_ident() == owner:
+                put(item)
+            else:
+                loop.call_soon_threadsafe(put, item)
+
+        detach = replica.add_listener(listener)
+        self._streams.add(queue)
+        try:
+            resp = web.StreamResponse(headers=SSE_HEADERS)
+            await resp.prepare(request)
+            snapshot = {"seq": replica.seq, "model": gw.model_name, "keys": replica.held_keys()}
+            await resp.write(b"event: snapshot\ndata: " + json.dumps(snapshot).encode() + b"\n\n")
+            while not lagging:
+                item = await queue.get()
+                if item is None:
+                    break  # shutting down
+                seq, kind, keys, tier = item
+                frame = {"seq": seq, "kind": kind, "keys": keys, "tier": tier}
+                await resp.write(b"data: " + json.dumps(frame).encode() + b"\n\n")
+            return resp
+        finally:
+            self._streams.discard(queue)
+            detach()
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        # Long-lived /kv_events streams would otherwise hold shutdown for its full timeout.
+        for queue in list(self._streams):
+            queue.put_nowait(None)

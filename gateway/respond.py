@@ -1,0 +1,185 @@
+"""Engine outputs shaped as OpenAI responses: one JSON object, or a stream of server-sent events.
+
+Everything that arrived together leaves in one write.  A stream sends its
+headers with its first output, so that failures before it (no replica, an
+upstream 4xx) still get a proper status code; a failure after it ends the
+stream with an OpenAI error event and [DONE] (the status is already sent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from gateway import errors
+from gateway.dispatch import Sub, aclose
+from gateway.errors import ApiError
+from gateway.observe import Observer
+from gateway.protocol import (
+    CHAT,
+    DONE,
+    ChoiceState,
+    ParsedRequest,
+    StreamFormatter,
+    chat_completion,
+    new_id,
+    now_s,
+    sse_error,
+    text_completion,
+)
+from gateway.replicas import USAGE_ALL
+from gateway.usage import UsageSum
+
+log = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _SseResponse(web.StreamResponse):
+    # Headers ride with the first frames (one send, not two); aiohttp's own
+    # web.Response does the same.
+    _send_headers_immediately = False
+
+
+class Responder:
+    """Shapes a client request's outputs for the wire, under the served model name.
+
+    ``gen`` and ``single`` come from ``Dispatcher.run``: the batches of the one
+    sub-request when ``single``, else (choice shift, batch) groups.  Both
+    shapers close ``gen`` on every exit, which aborts the engine work.
+    """
+
+    def __init__(self, model_name: str, observer: Observer) -> None:
+        self.model_name = model_name
+        self.observer = observer
+
+    async def complete(
+        self, gen: AsyncIterator, single: bool, parsed: ParsedRequest, subs: list[Sub], start: float
+    ) -> web.Response:
+        """The whole response as one JSON object, once every choice has finished."""
+        n = parsed.sampling.n
+        choices = [ChoiceState() for _ in range(n * len(subs))]
+        usage = UsageSum(len(subs))
+        workload = subs[0].context.workload
+        first = True
+        try:
+            async for group in gen:
+                if single:
+                    group = ((0, group),)
+                if first:
+                    first = False
+                    self.observer.first_token(workload, time.perf_counter() - start)
+                for sub, shift, out in _each_output(group, n):
+                    usage.add(sub, out)
+                    if out.index == USAGE_ALL:
+                        continue
+                    choice = choices[shift + out.index]
+                    if out.text:
+                        choice.text.append(out.text)
+                    if out.logprobs is not None:
+                        choice.logprobs = (choice.logprobs or []) + out.logprobs
+                    if out.finish_reason is not None:
+                        _check_finish(out.finish_reason)
+                        choice.finish_reason = out.finish_reason
+            gen = None  # exhausted: nothing to close
+        finally:
+            await aclose(gen)
+        rid = new_id("chatcmpl-" if parsed.endpoint == CHAT else "cmpl-")
+        shape = chat_completion if parsed.endpoint == CHAT else text_completion
+        obj = shape(rid, now_s(), self.model_name, choices, usage.as_dict(subs))
+        return web.Response(body=json.dumps(obj).encode(), content_type="application/json")
+
+    async def stream(
+        self, request: web.Request, gen: AsyncIterator, single: bool, parsed: ParsedRequest, subs: list[Sub], start: float
+    ) -> web.StreamResponse:
+        """Server-sent events: a chunk per choice as its tokens arrive, then usage (if asked) and [DONE]."""
+        n = parsed.sampling.n
+        chat = parsed.endpoint == CHAT
+        rid = new_id("chatcmpl-" if chat else "cmpl-")
+        fmt = StreamFormatter(parsed.endpoint, rid, now_s(), self.model_name, parsed.include_usage)
+        states = [ChoiceState() for _ in range(n * len(subs))]
+        usage = UsageSum(len(subs))
+        workload = subs[0].context.workload
+        resp: web.StreamResponse | None = None
+        choices_left = len(states)
+        tail_frames = b""
+        try:
+            async for group in gen:
+                if single:
+                    group = ((0, group),)
+                # Everything that arrived together leaves in one send; the outputs
+                # that finish the last choice wait for the stream's tail and end
+                # (usage, [DONE]) and leave with them.
+                frames = []
+                try:
+                    for sub, shift, out in _each_output(group, n):
+                        usage.add(sub, out)
+                        if out.index == USAGE_ALL:
+                            continue
+                        if resp is None:
+                            # Headers go out with the first output so that failures before
+                            # it (no replica, upstream 4xx) still get a proper status code.
+                            resp = _SseResponse(headers=SSE_HEADERS)
+                            await resp.prepare(request)
+                            self.observer.first_token(workload, time.perf_counter() - start)
+                        index = shift + out.index
+                        state = states[index]
+                        if chat and not state.started:
+                            frames.append(fmt.role(index))
+                        state.started = True
+                        if out.finish_reason is not None:
+                            _check_finish(out.finish_reason)
+                            choices_left -= 1
+                        if out.text or out.logprobs or out.finish_reason is not None:
+                            frames.append(fmt.delta(index, out.text, out.logprobs, state, out.finish_reason))
+                        state.text_len += len(out.text)
+                except ApiError:
+                    if frames:
+                        await resp.write(b"".join(frames))  # what came before the failure
+                    raise
+                if choices_left <= 0:
+                    tail_frames += b"".join(frames)
+                elif frames:
+                    await resp.write(b"".join(frames))
+            gen = None  # exhausted: nothing to close
+            if resp is None:
+                resp = _SseResponse(headers=SSE_HEADERS)
+                await resp.prepare(request)
+            tail = fmt.usage(usage.as_dict(subs)) + DONE if parsed.include_usage else DONE
+            await resp.write_eof(tail_frames + tail)  # one send for the last frames, the tail and the end
+            return resp
+        except Exception as exc:
+            if resp is None:
+                raise
+            if not isinstance(exc, ApiError):
+                if isinstance(exc, ConnectionError):
+                    raise  # the client is gone; nobody to tell
+                log.exception("stream %s failed after its first byte", rid)
+                exc = errors.internal_error()
+            # Mid-stream: the status is already sent; OpenAI clients raise on an error
+            # event, and [DONE] still ends the stream for clients that wait for it.
+            with contextlib.suppress(ConnectionError):
+                await resp.write(tail_frames + sse_error(exc.body()) + DONE)
+                await resp.write_eof()
+            return resp
+        finally:
+            await aclose(gen)
+
+
+def _each_output(group, n: int):
+    """(sub-request, choice shift, output) of each output in a group of
+    (choice shift, batch) pairs; ``n`` choices per sub-request."""
+    for shift, batch in group:
+        sub = shift // n
+        for out in batch:
+            yield sub, shift, out
+
+
+def _check_finish(reason: str) -> None:
+    if reason == "abort":
+        raise ApiError(503, "The engine aborted the request (it is shutting down or overloaded).", "server_error", None, "engine_abort")

@@ -1,0 +1,44 @@
+"""Token usage of a client request summed over its engine requests and choices."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.request import GenerationOutput, Usage
+from gateway.protocol import usage_dict
+from gateway.replicas import USAGE_ALL
+
+if TYPE_CHECKING:
+    from gateway.dispatch import Sub
+
+
+class UsageSum:
+    """Usage over sub-requests: prompt counted once per prompt, completions summed."""
+
+    __slots__ = ("prompt", "cached", "completion", "all")
+
+    def __init__(self, subs: int) -> None:
+        self.prompt = [0] * subs
+        self.cached = [0] * subs
+        self.completion = [0] * subs
+        self.all = [False] * subs
+
+    def add(self, sub: int, out: GenerationOutput) -> None:
+        u = out.usage
+        if u is None:
+            return
+        if out.index == USAGE_ALL:
+            self.prompt[sub], self.cached[sub], self.completion[sub] = u.prompt_tokens, u.cached_tokens, u.completion_tokens
+            self.all[sub] = True
+            return
+        if self.all[sub]:
+            return
+        self.prompt[sub] = max(self.prompt[sub], u.prompt_tokens)
+        if out.index == 0:
+            # The first choice looked the prompt up; later ones reuse its blocks.
+            self.cached[sub] = u.cached_tokens
+        self.completion[sub] += u.completion_tokens
+
+    def as_dict(self, subs: list[Sub]) -> dict:
+        prompt = sum(p or len(s.prompt.token_ids) for p, s in zip(self.prompt, subs))
+        return usage_dict(Usage(prompt, sum(self.completion), sum(self.cached)))
