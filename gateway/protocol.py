@@ -107,50 +107,59 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
 
 
 def _parse_sampling(req: ParsedRequest, body: dict, limits: LimitsConfig, max_logprobs: int) -> None:
+    # An absent field keeps SamplingParams' default (OpenAI's); most requests set
+    # two or three fields, so presence is checked before calling a validator.
     s = req.sampling
-    max_tokens = _int(body, "max_completion_tokens", None, 1, None)
+    max_tokens = _int(body, "max_completion_tokens", None, 1, None) if "max_completion_tokens" in body else None
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", None, 1, None)
+        max_tokens = _int(body, "max_tokens", None, 1, None) if "max_tokens" in body else None
         param = "max_tokens"
     else:
         param = "max_completion_tokens"
     if max_tokens is not None and max_tokens > limits.max_tokens:
         raise bad_request(f"{param} is too large: {max_tokens}. This server allows at most {limits.max_tokens}.", param)
     req.max_tokens = max_tokens
-    s.temperature = _float(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _float(body, "top_p", 1.0, 0.0, 1.0)
-    # top_p = 0 means "only the most likely token"; a tiny nucleus does exactly that.
-    s.top_p = top_p if top_p > 0 else 1e-9
-    s.n = _int(body, "n", 1, 1, None)
-    if s.n > limits.max_n:
-        raise bad_request(f"n is too large: {s.n}. This server allows at most {limits.max_n}.", "n")
-    s.presence_penalty = _float(body, "presence_penalty", 0.0, -2.0, 2.0)
-    s.frequency_penalty = _float(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    s.seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
+    if "temperature" in body:
+        s.temperature = _float(body, "temperature", 1.0, 0.0, 2.0)
+    if "top_p" in body:
+        top_p = _float(body, "top_p", 1.0, 0.0, 1.0)
+        # top_p = 0 means "only the most likely token"; a tiny nucleus does exactly that.
+        s.top_p = top_p if top_p > 0 else 1e-9
+    if "n" in body:
+        s.n = _int(body, "n", 1, 1, None)
+        if s.n > limits.max_n:
+            raise bad_request(f"n is too large: {s.n}. This server allows at most {limits.max_n}.", "n")
+    if "presence_penalty" in body:
+        s.presence_penalty = _float(body, "presence_penalty", 0.0, -2.0, 2.0)
+    if "frequency_penalty" in body:
+        s.frequency_penalty = _float(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    if "seed" in body:
+        s.seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
     # vLLM's extensions, which clients of vLLM-style servers already send.
-    s.top_k = _int(body, "top_k", 0, -1, None) or 0
-    if s.top_k < 0:
-        s.top_k = 0
-    s.ignore_eos = _bool(body, "ignore_eos", False)
+    if "top_k" in body:
+        # -1 is vLLM's "off", as is 0.
+        s.top_k = max(0, _int(body, "top_k", 0, -1, None) or 0)
+    if "ignore_eos" in body:
+        s.ignore_eos = _bool(body, "ignore_eos", False)
     stop = body.get("stop")
-    if stop is None:
-        s.stop = []
-    elif isinstance(stop, str):
-        s.stop = [stop] if stop else []
-    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
-        if len(stop) > _MAX_STOP:
-            raise bad_request(f"'stop' may hold at most {_MAX_STOP} sequences, got {len(stop)}.", "stop")
-        s.stop = [x for x in stop if x]
-    else:
-        raise bad_request(_type_msg("stop", "a string or an array of strings", stop), "stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            s.stop = [stop] if stop else []
+        elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+            if len(stop) > _MAX_STOP:
+                raise bad_request(f"'stop' may hold at most {_MAX_STOP} sequences, got {len(stop)}.", "stop")
+            s.stop = [x for x in stop if x]
+        else:
+            raise bad_request(_type_msg("stop", "a string or an array of strings", stop), "stop")
     if req.endpoint == CHAT:
-        want = _bool(body, "logprobs", False)
-        top = _int(body, "top_logprobs", None, 0, _MAX_TOP_LOGPROBS_CHAT)
-        if top is not None and not want:
-            raise bad_request("top_logprobs requires logprobs to be set to true.", "top_logprobs")
-        s.logprobs = (top or 0) if want else None
-        req.logprobs = want
-    else:
+        if "logprobs" in body or "top_logprobs" in body:
+            want = _bool(body, "logprobs", False)
+            top = _int(body, "top_logprobs", None, 0, _MAX_TOP_LOGPROBS_CHAT)
+            if top is not None and not want:
+                raise bad_request("top_logprobs requires logprobs to be set to true.", "top_logprobs")
+            s.logprobs = (top or 0) if want else None
+            req.logprobs = want
+    elif "logprobs" in body:
         lp = _int(body, "logprobs", None, 0, max_logprobs)
         s.logprobs = lp
         req.logprobs = lp is not None

@@ -163,6 +163,7 @@ class Router:
         self._mean_request_tokens = float(_PRIOR_REQUEST_TOKENS)
         self._hot: dict[tuple[int, int], int] = {}
         self._turn = 0
+        self._everyone = list(range(n))
         self._name_seeds = [name.encode() for name in self.names]
 
     # -- decisions
@@ -176,9 +177,12 @@ class Router:
         exclude: Sequence[int] = (),
     ) -> Decision | None:
         """Pick a replica for a prompt with block ``keys``; None when none is usable."""
-        cands = [i for i in range(len(self.names)) if healthy[i] and i not in exclude]
-        if not cands:
-            return None
+        if not exclude and all(healthy):
+            cands = self._everyone  # the usual case, without building a list per request
+        else:
+            cands = [i for i in self._everyone if healthy[i] and i not in exclude]
+            if not cands:
+                return None
         self._turn += 1
         policy = self.cfg.policy
         if len(cands) == 1:
@@ -188,42 +192,43 @@ class Router:
             return Decision(cands[self._turn % len(cands)], "round-robin", 0)
         if policy == "session" and session is not None:
             return Decision(self._rendezvous(session, cands), "session", 0)
-        if policy != "prefix-aware" or self._imbalanced(cands):
+        loads = self._loads()
+        if policy != "prefix-aware" or self._imbalanced(cands, loads):
             reason = "imbalance" if policy == "prefix-aware" else "load"
-            i = self._least_loaded(cands)
+            i = self._least_loaded(cands, loads)
             return Decision(i, reason, indexes[i].match(keys) if policy == "prefix-aware" else 0)
-        return self._prefix_aware(keys, indexes, cands)
+        return self._prefix_aware(keys, indexes, cands, loads)
 
-    def _prefix_aware(self, keys: Sequence[int], indexes: Sequence[PrefixIndex], cands: list[int]) -> Decision:
+    def _prefix_aware(
+        self, keys: Sequence[int], indexes: Sequence[PrefixIndex], cands: Sequence[int], loads: Sequence[int]
+    ) -> Decision:
         nblocks = len(keys)
         weight = self.cfg.load_weight / self.block_size
-        loads = self._loads()
         n = len(self.names)
-        best = None
+        turn = self._turn
+        best = best_matched = -1
         best_rank = None
-        matched = {}
         for i in cands:
             m = indexes[i].match(keys) if nblocks else 0
-            matched[i] = m
             # Ties break by load, then by a rotating order so equal misses spread.
-            rank = ((nblocks - m) + weight * loads[i], loads[i], (i - self._turn) % n)
+            rank = ((nblocks - m) + weight * loads[i], loads[i], (i - turn) % n)
             if best_rank is None or rank < best_rank:
-                best, best_rank = i, rank
-        if not matched[best]:
+                best, best_matched, best_rank = i, m, rank
+        if not best_matched:
             return Decision(best, "load", 0)
         # The hot prefix is the cached run this request shares (e.g. a system prompt),
         # named by its last block's key.
-        key = keys[matched[best] - 1]
+        key = keys[best_matched - 1]
         hot = self._hot.get((best, key), 0)
         if hot >= self.cfg.hot_prefix_inflight:
             # Replicate a hot prefix rather than queueing everyone on its holder.
             alt = min(
                 (i for i in cands if i != best),
-                key=lambda i: (self._hot.get((i, key), 0), loads[i], (i - self._turn) % n),
+                key=lambda i: (self._hot.get((i, key), 0), loads[i], (i - turn) % n),
             )
             if loads[alt] < loads[best] and self._hot.get((alt, key), 0) < hot:
-                return Decision(alt, "hot-spread", matched[alt])
-        return Decision(best, "prefix", matched[best])
+                return Decision(alt, "hot-spread", indexes[alt].match(keys))
+        return Decision(best, "prefix", best_matched)
 
     def _loads(self) -> list[int]:
         ext = self.external_tokens
@@ -231,15 +236,16 @@ class Router:
             return self.inflight_tokens
         return [a + b for a, b in zip(self.inflight_tokens, ext)]
 
-    def _imbalanced(self, cands: list[int]) -> bool:
-        all_loads = self._loads()
-        loads = [all_loads[i] for i in cands]
-        lo, hi = min(loads), max(loads)
+    def _imbalanced(self, cands: Sequence[int], all_loads: Sequence[int]) -> bool:
+        if cands is self._everyone:
+            lo, hi = min(all_loads), max(all_loads)
+        else:
+            loads = [all_loads[i] for i in cands]
+            lo, hi = min(loads), max(loads)
         return hi - lo > self.cfg.imbalance_abs_tokens and hi > self.cfg.imbalance_rel * lo
 
-    def _least_loaded(self, cands: list[int]) -> int:
+    def _least_loaded(self, cands: Sequence[int], loads: Sequence[int]) -> int:
         n = len(self.names)
-        loads = self._loads()
         return min(cands, key=lambda i: (loads[i], self.inflight_requests[i], (i - self._turn) % n))
 
     def _rendezvous(self, session: str, cands: list[int]) -> int:

@@ -323,6 +323,28 @@ def test_default_config_still_loads():
 
 # ----------------------------------------------------------------------------- fuzzing
 
+def test_absent_and_null_fields_keep_the_sampling_defaults():
+    # Parsing only validates the fields a body carries; absent and null ones
+    # must come out exactly as SamplingParams' defaults (OpenAI's).
+    from engine.request import SamplingParams
+
+    defaults = SamplingParams()
+    assert chat().sampling == defaults
+    nulls = {k: None for k in ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "seed",
+                               "top_k", "ignore_eos", "stop", "logprobs", "top_logprobs", "max_tokens")}
+    assert chat(**nulls).sampling == defaults
+    assert chat(**nulls).max_tokens is None
+    # The edge values that are rewritten rather than refused.
+    assert chat(top_k=-1).sampling.top_k == 0
+    assert chat(top_p=0).sampling.top_p == 1e-9
+    assert chat(stop="").sampling.stop == []
+    assert chat(logprobs=True).sampling.logprobs == 0
+    assert chat(logprobs=False, top_logprobs=None).sampling.logprobs is None
+    assert parse_request(COMPLETIONS, {"model": "m", "prompt": "x", "logprobs": 2}, LIMITS).sampling.logprobs == 2
+    # max_completion_tokens wins over max_tokens, as OpenAI documents.
+    assert chat(max_tokens=5, max_completion_tokens=7).max_tokens == 7
+
+
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
