@@ -240,6 +240,12 @@ async def _bench(levels: list[int], requests: int, seconds: float, profile: str 
     return results
 
 
+def write_json(path: str, payload) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="OUT", help="write results as JSON")
@@ -267,9 +273,7 @@ def main(argv=None) -> int:
         "results": results,
     }
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
+        write_json(args.json, payload)
     print(json.dumps({c: {k: r[k] for k in ("gateway_rps", "bare_rps", "added_p50_ms", "added_p99_ms")}
                       for c, r in results.items()}, indent=2))
     return 0

@@ -43,7 +43,7 @@ if ROOT not in sys.path:
 
 from aiohttp import web  # noqa: E402
 
-from bench.gateway import REQUEST, _servers, profiled  # noqa: E402
+from bench.gateway import REQUEST, _servers, profiled, write_json  # noqa: E402
 
 _END_OF_CHUNKED = b"0\r\n\r\n"
 
@@ -201,9 +201,7 @@ def main(argv=None) -> int:
     else:
         results = asyncio.run(_main(levels, args.requests or 6400, args.rounds, args.profile))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
+        write_json(args.json, results)
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ if ROOT not in sys.path:
 
 from multidict import CIMultiDict  # noqa: E402
 
-from bench.gateway import _servers  # noqa: E402
+from bench.gateway import _servers, write_json  # noqa: E402
 from bench.gateway_inprocess import _measure, _raw_request  # noqa: E402
 from engine.request import GenerationRequest  # noqa: E402
 from gateway.app import GATEWAY  # noqa: E402
@@ -152,9 +151,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = asyncio.run(_main(args.rounds))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-            f.write("\n")
+        write_json(args.json, results)
     return 0
 
 
