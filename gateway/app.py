@@ -100,7 +100,7 @@ class Gateway:
         self.max_model_len = info.max_model_len
         self.classifier = Classifier(self.config.classifier, self.hasher)
         self.router = Router(self.config.router, [r.name for r in self.replicas], self.hasher.block_size)
-        self.dispatcher = Dispatcher(self.router, self.replicas, self.metrics, self.observer, self.hasher.block_size)
+        self.dispatcher = Dispatcher(self.router, self.replicas, self.metrics, self.observer)
         self.responder = Responder(self.model_name, self.observer)
         for i, r in enumerate(self.replicas):
             # Backends with a metrics_url report load the gateway cannot count itself.

@@ -46,18 +46,13 @@ class Sub:
 class Dispatcher:
     """Runs a client request's engine requests on the replicas the router picks."""
 
-    def __init__(
-        self, router: Router, replicas: list[Replica], metrics: GatewayMetrics, observer: Observer, block_size: int
-    ) -> None:
+    def __init__(self, router: Router, replicas: list[Replica], metrics: GatewayMetrics, observer: Observer) -> None:
         self.router = router
         self.replicas = replicas
         self.metrics = metrics
         self.observer = observer
-        self.block_size = block_size
 
-    def run(
-        self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int
-    ) -> tuple[AsyncIterator, bool]:
+    def run(self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int) -> tuple[AsyncIterator, bool]:
         """The outputs of all ``subs`` and whether there is a single one.
 
         One sub-request (the common case) yields its batches directly; several
@@ -102,7 +97,7 @@ class Dispatcher:
             series = self.metrics.request_series(workload, replica.name)
             # The engine never serves the block holding the prompt's last token from
             # cache (its logits must be computed), so neither is it predicted.
-            bs = self.block_size
+            bs = router.block_size
             predicted = min(decision.matched_blocks, (len(sub.prompt.token_ids) - 1) // bs)
             series.predicted_hits.inc(predicted * bs)
             produced = exhausted = False

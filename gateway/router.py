@@ -237,11 +237,8 @@ class Router:
         return [a + b for a, b in zip(self.inflight_tokens, ext)]
 
     def _imbalanced(self, cands: Sequence[int], all_loads: Sequence[int]) -> bool:
-        if cands is self._everyone:
-            lo, hi = min(all_loads), max(all_loads)
-        else:
-            loads = [all_loads[i] for i in cands]
-            lo, hi = min(loads), max(loads)
+        loads = all_loads if cands is self._everyone else [all_loads[i] for i in cands]
+        lo, hi = min(loads), max(loads)
         return hi - lo > self.cfg.imbalance_abs_tokens and hi > self.cfg.imbalance_rel * lo
 
     def _least_loaded(self, cands: Sequence[int], loads: Sequence[int]) -> int:
