@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from engine.block_pool import DEVICE, HOST, BlockPool
+from engine.chat_tokens import ChatTokenizer
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.kv_cache import KVCache, KVShape, size_device_blocks
 from engine.model_loader import LoadedModel, load_model
@@ -49,11 +50,13 @@ class AsyncEngine:
         engine_cfg: EngineConfig | None = None,
         cache_cfg: CacheConfig | None = None,
         max_model_len: int = 2048,
+        tokenize_cache_tokens: int = 2_000_000,
     ) -> None:
         engine_cfg = engine_cfg or EngineConfig()
         cache_cfg = cache_cfg or CacheConfig()
         self.loaded = loaded
         self.engine_cfg = engine_cfg
+        self.chat_tokens = ChatTokenizer(loaded.tokenizer, tokenize_cache_tokens)
         config = loaded.model.config
         bs = engine_cfg.block_size
         shape = KVShape.from_model_config(config, bs, loaded.dtype)
@@ -104,7 +107,7 @@ class AsyncEngine:
         if engine_cfg.threads:
             torch.set_num_threads(engine_cfg.threads)
         torch.manual_seed(engine_cfg.seed)
-        return cls(load_model(model_cfg), engine_cfg, cache_cfg, model_cfg.max_model_len)
+        return cls(load_model(model_cfg), engine_cfg, cache_cfg, model_cfg.max_model_len, model_cfg.tokenize_cache_tokens)
 
     # ---- properties the gateway reads --------------------------------------
 
@@ -131,10 +134,7 @@ class AsyncEngine:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """The exact prompt tokens the engine sees for a chat request."""
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
-            out = out["input_ids"]
-        return list(out)
+        return self.chat_tokens.encode_chat(messages)
 
     # ---- lifecycle -----------------------------------------------------------
 

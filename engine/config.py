@@ -29,6 +29,9 @@ class ModelConfig(Section):
     max_model_len: int = Field(2048, ge=32)
     # Name the model is served under; None derives it from the path.
     served_name: str | None = None
+    # Chat prompts: tokens of message text already seen, kept for the next turn
+    # (engine/chat_tokens.py); about 4 bytes each, 0 turns the cache off.
+    tokenize_cache_tokens: int = Field(2_000_000, ge=0)
 
 
 class EngineConfig(Section):

@@ -127,6 +127,10 @@ class GatewayMetrics:
         """Read engine, policy, reuse and user-share state at scrape time."""
         self.registry.register(_ScrapeCollector(replica_stats, reuse_ratio, user_hit_share))
 
+    def watch_chat_tokens(self, stats: Callable[[], Mapping]) -> None:
+        """Read the chat tokenizer's piece cache (engine/chat_tokens.py) at scrape time."""
+        self.registry.register(_ChatTokensCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -252,6 +256,29 @@ def policy_rows(policy_name: str, state: Mapping) -> dict[str, int]:
         return {policy_name: 1}
     fallback = active == "lru"
     return {policy_name: 0 if fallback else 1, "lru": 1 if fallback else 0}
+
+
+class _ChatTokensCollector:
+    def __init__(self, stats: Callable[[], Mapping]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterable[Metric]:
+        family = self._family()
+        stats = self._stats()
+        family.add_metric(["hit"], stats["hit_tokens"])
+        family.add_metric(["miss"], stats["miss_tokens"])
+        return [family]
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "kvgate_chat_tokenize_cache_tokens",
+            "Chat prompt tokens taken from the tokenizer's piece cache (hit) or tokenised (miss).",
+            labels=["result"],
+        )
 
 
 class _ScrapeCollector:

