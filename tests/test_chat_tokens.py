@@ -148,3 +148,17 @@ def test_pieces_equal_the_whole_prompt_smollm2():
     check()
     for prompt in _conversation(5):
         assert chat.encode_chat(prompt) == chat.whole(prompt)
+
+
+def test_threads_share_the_cache_safely(tiny):
+    """The gateway tokenises huge prompts on a worker thread while the loop
+    thread keeps using the cache; a small capacity keeps evictions going."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chat = ChatTokenizer(tiny, cache_tokens=300)
+    prompts = [p for seed in range(4) for p in _conversation(6 + seed)]
+    expected = [chat.whole(p) for p in prompts]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(chat.encode_chat, prompts * 5))
+    assert results == expected * 5
+    assert chat.stats()["cached_tokens"] <= 300
