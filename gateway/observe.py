@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping
 
 import aiohttp
 
