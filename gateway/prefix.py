@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Sequence
 
 from engine.block_hash import block_hashes, content_hash
+from engine.chat_tokens import ChatTokenizer
 from gateway.protocol import IMAGE_PLACEHOLDER
 
 
@@ -24,8 +25,9 @@ class Prompt(NamedTuple):
 class PrefixHasher:
     """Tokenises requests and computes their chained block keys.
 
-    ``template`` turns chat messages into token ids; for in-process replicas it is
-    the engine's own ``apply_chat_template`` so both sides agree by construction.
+    ``template`` turns chat messages into token ids: the engine's own
+    ``apply_chat_template`` for in-process replicas, so both sides agree by
+    construction, else a ``ChatTokenizer`` over the same tokenizer.
     """
 
     def __init__(
@@ -38,18 +40,12 @@ class PrefixHasher:
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.salt = salt
-        self._template = template or self._hf_template
+        # Default: the tokenizer's own template, tokenised whole (no piece cache).
+        self._template = template or ChatTokenizer(tokenizer, cache_tokens=0).whole
         try:
             self.vocab_size = len(tokenizer)
         except TypeError:
             self.vocab_size = getattr(tokenizer, "vocab_size", 1 << 31)
-
-    def _hf_template(self, messages: list[dict]) -> list[int]:
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        # transformers 5 may return a BatchEncoding-like mapping.
-        if isinstance(out, dict) or hasattr(out, "input_ids"):
-            out = out["input_ids"]
-        return list(out)
 
     def chat(self, messages: list[dict], images: Sequence[bytes] = ()) -> Prompt:
         ids = self._template(messages)
