@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from array import array
 from collections import OrderedDict
 from typing import Any
 
@@ -58,11 +57,31 @@ _PROBES: list[list[dict]] = [
 ]
 
 
+# Pieces up to this many characters (role headers, the newlines between
+# messages, short turns) are keyed by their text: cheaper than hashing it.
+_KEEP_TEXT_KEY = 64
+
+
+def piece_key(piece: str) -> int | str:
+    """A piece's cache key.  Long pieces are keyed by a 128-bit hash, so that
+    the cache does not hold the conversation's text as well as its tokens."""
+    if len(piece) <= _KEEP_TEXT_KEY:
+        return piece
+    return xxhash.xxh3_128_intdigest(piece.encode("utf-8", "surrogatepass"))
+
+
+def _vocab_size(tokenizer: Any) -> int:
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return int(getattr(tokenizer, "vocab_size", 0))
+
+
 class ChatTokenizer:
     """``encode_chat(messages)``: the ids ``tokenizer.apply_chat_template`` gives
     (with the generation prompt), from cached pieces where it can.
 
-    ``cache_tokens`` bounds the cache by the tokens it holds (4 bytes each);
+    ``cache_tokens`` bounds the cache by the tokens it holds (8 bytes each);
     0 turns it off.  Safe to call from several threads (the gateway tokenises
     huge prompts off the event loop).
     """
@@ -73,7 +92,8 @@ class ChatTokenizer:
         self.verify_every = verify_every
         self.hit_tokens = 0
         self.miss_tokens = 0
-        self._pieces: OrderedDict[int, array] = OrderedDict()
+        self._pieces: OrderedDict[int | str, list[int]] = OrderedDict()
+        self._ints: list[int] = []
         self._held = 0
         self._calls = 0
         self._lock = threading.Lock()
@@ -82,12 +102,14 @@ class ChatTokenizer:
         self._cut: re.Pattern | None = None
         why = self._unsupported() if cache_tokens > 0 else "cache_tokens is 0"
         if why is None:
+            self._ints = list(range(_vocab_size(tokenizer)))
             why = self._probe()
         self.enabled = why is None
         self.hit_tokens = self.miss_tokens = 0  # count served prompts, not the probes
         if why is not None:
             self._pieces.clear()
             self._held = 0
+            self._ints = []
             if cache_tokens > 0:
                 log.info("chat prompts are tokenised whole (no piece cache): %s", why)
 
@@ -113,26 +135,39 @@ class ChatTokenizer:
     def _from_pieces(self, text: str) -> list[int]:
         ids: list[int] = []
         added = self._added
+        pieces = self._pieces
+        lock = self._lock
+        hit = 0
         # re.split with one group alternates: piece, added token, piece, ...
+        # (Inlined hit path: a long conversation has ~4 pieces a turn.)
         for i, part in enumerate(self._cut.split(text)):
             if i % 2:
                 ids.append(added[part])
-            elif part:
-                ids.extend(self._piece(part))
+                continue
+            if not part:
+                continue
+            key = piece_key(part)
+            with lock:
+                cached = pieces.get(key)
+                if cached is not None:
+                    pieces.move_to_end(key)
+            if cached is None:
+                cached = self._tokenise(key, part)
+            else:
+                hit += len(cached)
+            ids.extend(cached)
+        if hit:
+            with lock:
+                self.hit_tokens += hit
         return ids
 
-    def _piece(self, piece: str) -> array:
-        # Keyed by a 128-bit hash, not the text: the cache then holds 4 bytes a
-        # token, not the conversation's text as well.
-        key = xxhash.xxh3_128_intdigest(piece.encode("utf-8", "surrogatepass"))
-        with self._lock:
-            cached = self._pieces.get(key)
-            if cached is not None:
-                self._pieces.move_to_end(key)
-                self.hit_tokens += len(cached)
-                return cached
-        # Tokenise outside the lock: a long piece takes milliseconds.
-        ids = array("I", self._backend.encode(piece, add_special_tokens=False).ids)
+    def _tokenise(self, key: int | str, piece: str) -> list[int]:
+        # Outside the lock: a long piece takes milliseconds.  The ids are stored
+        # as references to one shared int per vocabulary entry: 8 bytes a token,
+        # and a hit is a plain list.extend (an array of 4-byte ids would make
+        # a new int object per token on every hit, ~15 ns each).
+        shared = self._ints
+        ids = [shared[t] if t < len(shared) else t for t in self._backend.encode(piece, add_special_tokens=False).ids]
         with self._lock:
             self.miss_tokens += len(ids)
             if len(ids) <= self.capacity and key not in self._pieces:

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from array import array
 
 import pytest
-import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.chat_tokens import ChatTokenizer
+from engine.chat_tokens import ChatTokenizer, piece_key
 from tests.tiny_model import make_tiny_tokenizer
 
 ROLES = ["system", "user", "assistant"]
@@ -122,7 +120,7 @@ def test_a_sampled_difference_turns_the_cache_off(tiny, caplog):
     # A wrong entry, as a tokenizer the probes missed would produce.
     piece = next(p for p in chat._cut.split(tiny.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False))
                  if "capital" in p)
-    chat._pieces[xxhash.xxh3_128_intdigest(piece.encode())] = array("I", [1, 2, 3])
+    chat._pieces[piece_key(piece)] = [1, 2, 3]
     with caplog.at_level(logging.WARNING, logger="engine.chat_tokens"):
         assert chat.encode_chat(prompt) == right  # the whole prompt's ids, not the wrong ones
     assert not chat.enabled and "piece cache turned off" in caplog.text
