@@ -31,7 +31,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import xxhash
 
@@ -100,9 +100,11 @@ class ChatTokenizer:
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._added: dict[str, int] = {}
         self._cut: re.Pattern | None = None
+        self._render = self._template_text
         why = self._unsupported() if cache_tokens > 0 else "cache_tokens is 0"
         if why is None:
             self._ints = list(range(_vocab_size(tokenizer)))
+            self._render = self._direct_renderer() or self._template_text
             why = self._probe()
         self.enabled = why is None
         self.hit_tokens = self.miss_tokens = 0  # count served prompts, not the probes
@@ -118,8 +120,7 @@ class ChatTokenizer:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         if not self.enabled:
             return self.whole(messages)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = self._from_pieces(text)
+        ids = self._from_pieces(self._render(messages))
         self._calls += 1
         if self._calls % self.verify_every == 0:
             return self._verified(messages, ids)
@@ -131,6 +132,37 @@ class ChatTokenizer:
         if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
             out = out["input_ids"]
         return list(out)
+
+    def _template_text(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def _direct_renderer(self) -> Callable[[list[dict]], str] | None:
+        """The template's text by the call apply_chat_template makes itself, with
+        the template and its arguments resolved once: ~15-20 us less per prompt
+        (of ~55 us for a short chat).  None, and the plain call is used, when
+        transformers does not offer it or it renders a probe differently."""
+        try:
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            template = self.tokenizer.get_chat_template()
+            arguments = dict(self.tokenizer.special_tokens_map)
+        except Exception:  # noqa: BLE001 - an older or newer transformers: use the plain call
+            return None
+
+        def render(messages: list[dict]) -> str:
+            return render_jinja_template([messages], chat_template=template, add_generation_prompt=True, **arguments)[0][0]
+
+        for messages in _PROBES:
+            try:
+                expected = self._template_text(messages)
+            except Exception:  # noqa: BLE001 - a template that rejects a probe
+                continue
+            try:
+                if render(messages) != expected:
+                    return None
+            except Exception:  # noqa: BLE001
+                return None
+        return render
 
     def _from_pieces(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -212,8 +244,7 @@ class ChatTokenizer:
                 expected = self.whole(messages)
             except Exception:  # noqa: BLE001 - a template that rejects a probe (e.g. no system role)
                 continue
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            if self._from_pieces(text) != expected:
+            if self._from_pieces(self._render(messages)) != expected:
                 return "a probe conversation tokenises differently in pieces"
         return None
 

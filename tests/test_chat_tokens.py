@@ -53,6 +53,9 @@ def test_pieces_equal_the_whole_prompt_tiny(tiny, conversations):
     assert chat.enabled
     for messages in conversations + conversations:  # the second pass reads the cache
         assert chat.encode_chat(messages) == chat.whole(messages)
+        # The template's text, rendered without apply_chat_template's per-call set-up.
+        assert chat._render(messages) == tiny.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat._render != chat._template_text
     assert chat.stats()["cached_tokens"] <= 500
 
 
