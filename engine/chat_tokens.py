@@ -123,8 +123,25 @@ class ChatTokenizer:
         ids = self._from_pieces(self._render(messages))
         self._calls += 1
         if self._calls % self.verify_every == 0:
-            return self._verified(messages, ids)
+            return self._verified(ids, self.whole(messages))
         return ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """``tokenizer.encode(text, add_special_tokens=False)``, from cached pieces
+        when the text carries added tokens (a completions prompt formatted with
+        the chat markup by the client).  Plain text is one piece, most often
+        unique, so it is tokenised as it is and kept out of the cache."""
+        if not self.enabled or self._cut.search(text) is None:
+            return self.plain(text)
+        ids = self._from_pieces(text)
+        self._calls += 1
+        if self._calls % self.verify_every == 0:
+            return self._verified(ids, self.plain(text))
+        return ids
+
+    def plain(self, text: str) -> list[int]:
+        """``text`` tokenised in one go (what ``encode_text`` must reproduce)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def whole(self, messages: list[dict]) -> list[int]:
         """The template tokenised in one go (what the cache must reproduce)."""
@@ -248,16 +265,15 @@ class ChatTokenizer:
                 return "a probe conversation tokenises differently in pieces"
         return None
 
-    def _verified(self, messages: list[dict], ids: list[int]) -> list[int]:
-        """``ids``, checked against the whole prompt's; on a difference the whole
-        prompt's ids, and the cache is off from then on."""
-        expected = self.whole(messages)
+    def _verified(self, ids: list[int], expected: list[int]) -> list[int]:
+        """``expected`` (the whole prompt's ids); if ``ids`` differ from them, the
+        cache is off from then on."""
         if ids != expected:
             self.enabled = False
             with self._lock:
                 self._pieces.clear()
                 self._held = 0
-            log.warning("chat prompt tokenised in pieces differed from the whole prompt; piece cache turned off")
+            log.warning("a prompt tokenised in pieces differed from the whole prompt; piece cache turned off")
         return expected
 
     def stats(self) -> dict:

@@ -90,15 +90,18 @@ class Gateway:
         local = next((r for r in self.replicas if isinstance(r, InProcessReplica)), None)
         if local is not None:
             eng = local.engine
-            self.hasher = PrefixHasher(eng.tokenizer, eng.block_size, eng.hash_salt, eng.apply_chat_template)
             chat_tokens = getattr(eng, "chat_tokens", None)
+            encoder = chat_tokens.encode_text if chat_tokens is not None else None
+            self.hasher = PrefixHasher(eng.tokenizer, eng.block_size, eng.hash_salt, eng.apply_chat_template, encoder)
             info = local.info
         else:
             tokenizer = self._tokenizer or await asyncio.to_thread(load_tokenizer, self.config)
             chat_tokens = await asyncio.to_thread(ChatTokenizer, tokenizer, self.config.model.tokenize_cache_tokens)
             # Engines know their block identity exactly; external servers only their name.
             info = next((r.info for r in self.replicas if r.kind == "engine"), None) or self.replicas[0].info
-            self.hasher = PrefixHasher(tokenizer, info.block_size, info.hash_salt, chat_tokens.encode_chat)
+            self.hasher = PrefixHasher(
+                tokenizer, info.block_size, info.hash_salt, chat_tokens.encode_chat, chat_tokens.encode_text
+            )
         if chat_tokens is not None:
             self.metrics.watch_chat_tokens(chat_tokens.stats)
         self.model_name = self.config.model.served_name or info.model

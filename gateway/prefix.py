@@ -28,6 +28,8 @@ class PrefixHasher:
     ``template`` turns chat messages into token ids: the engine's own
     ``apply_chat_template`` for in-process replicas, so both sides agree by
     construction, else a ``ChatTokenizer`` over the same tokenizer.
+    ``encoder`` (default: the tokenizer's ``encode``) does the same for text
+    prompts; kvgate passes ``ChatTokenizer.encode_text``.
     """
 
     def __init__(
@@ -36,12 +38,14 @@ class PrefixHasher:
         block_size: int,
         salt: str | bytes,
         template: Callable[[list[dict]], list[int]] | None = None,
+        encoder: Callable[[str], list[int]] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.salt = salt
         # Default: the tokenizer's own template, tokenised whole (no piece cache).
         self._template = template or ChatTokenizer(tokenizer, cache_tokens=0).whole
+        self._encoder = encoder
         try:
             self.vocab_size = len(tokenizer)
         except TypeError:
@@ -60,6 +64,8 @@ class PrefixHasher:
         return Prompt(ids, [], block_hashes(ids, self.block_size, self.salt))
 
     def encode(self, text: str) -> list[int]:
+        if self._encoder is not None:
+            return self._encoder(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _image_offsets(self, messages: list[dict], images: Sequence[bytes]) -> list[tuple[int, bytes]]:

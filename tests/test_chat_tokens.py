@@ -59,6 +59,29 @@ def test_pieces_equal_the_whole_prompt_tiny(tiny, conversations):
     assert chat.stats()["cached_tokens"] <= 500
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(TEXT, min_size=1, max_size=4))
+def test_text_prompts_equal_plain_encoding_tiny(tiny, texts):
+    """Completions prompts: the same cut, for text formatted with the chat markup by the client."""
+    chat = ChatTokenizer(tiny, cache_tokens=500)
+    for text in texts + texts:
+        assert chat.encode_text(text) == chat.plain(text)
+
+
+def test_plain_text_prompts_stay_out_of_the_cache(tiny):
+    chat = ChatTokenizer(tiny)
+    before = chat.stats()["cached_pieces"]
+    prompt = "A to-B template with no chat markup. Input: 12345"
+    assert chat.encode_text(prompt) == chat.plain(prompt)
+    assert chat.stats()["cached_pieces"] == before
+    marked = "<|im_start|>system\nYou are a classifier.<|im_end|>\n<|im_start|>user\nInput: 1<|im_end|>\n"
+    assert chat.encode_text(marked) == chat.plain(marked)
+    second = marked.replace("Input: 1", "Input: 2")
+    hits = chat.stats()["hit_tokens"]
+    assert chat.encode_text(second) == chat.plain(second)
+    assert chat.stats()["hit_tokens"] > hits  # the system piece came from the cache
+
+
 def test_later_turns_come_from_the_cache(tiny):
     chat = ChatTokenizer(tiny)
     for prompt in _conversation(6):
