@@ -211,12 +211,16 @@ class ChatTokenizer:
         return ids
 
     def _tokenise(self, key: int | str, piece: str) -> list[int]:
-        # Outside the lock: a long piece takes milliseconds.  The ids are stored
-        # as references to one shared int per vocabulary entry: 8 bytes a token,
-        # and a hit is a plain list.extend (an array of 4-byte ids would make
-        # a new int object per token on every hit, ~15 ns each).
+        # Outside the lock: a long piece takes milliseconds.  encode_batch, not
+        # encode: only the batch call lets go of the GIL while it works, which
+        # is what keeps the event loop serving while the gateway tokenises a
+        # huge prompt on a worker thread (encode held it: the loop stalled).
+        # The ids are stored as references to one shared int per vocabulary
+        # entry: 8 bytes a token, and a hit is a plain list.extend (an array of
+        # 4-byte ids would make a new int object per token on every hit).
+        encoded = self._backend.encode_batch([piece], add_special_tokens=False)[0].ids
         shared = self._ints
-        ids = [shared[t] if t < len(shared) else t for t in self._backend.encode(piece, add_special_tokens=False).ids]
+        ids = [shared[t] if t < len(shared) else t for t in encoded]
         with self._lock:
             self.miss_tokens += len(ids)
             if len(ids) <= self.capacity and key not in self._pieces:

@@ -174,6 +174,30 @@ def test_pieces_equal_the_whole_prompt_smollm2():
         assert chat.encode_chat(prompt) == chat.whole(prompt)
 
 
+def test_a_huge_piece_lets_other_threads_run(tiny):
+    """The gateway tokenises huge prompts on a worker thread so that the event
+    loop keeps serving: the tokenizer must let go of the GIL meanwhile."""
+    import threading
+    import time
+
+    chat = ChatTokenizer(tiny)
+    huge = "<|im_start|>user\n" + "The capital of France is Paris. " * 40_000 + "<|im_end|>\n"
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (chat.encode_text(huge), done.set()))
+    spins = []
+    start = time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        t = time.perf_counter()
+        sum(range(2000))  # the loop thread's own work, ~20 us
+        spins.append(time.perf_counter() - t)
+    worker.join()
+    elapsed = time.perf_counter() - start
+    # Holding the GIL, the tokenizer left this thread ~1% of the time; letting go, most of it.
+    assert elapsed > 0.05, "the piece must take long enough to tell"
+    assert sum(spins) > 0.3 * elapsed, (sum(spins), elapsed)
+
+
 def test_threads_share_the_cache_safely(tiny):
     """The gateway tokenises huge prompts on a worker thread while the loop
     thread keeps using the cache; a small capacity keeps evictions going."""
