@@ -120,11 +120,7 @@ class ChatTokenizer:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         if not self.enabled:
             return self.whole(messages)
-        ids = self._from_pieces(self._render(messages))
-        self._calls += 1
-        if self._calls % self.verify_every == 0:
-            return self._verified(ids, self.whole(messages))
-        return ids
+        return self._sampled(self._from_pieces(self._render(messages)), lambda: self.whole(messages))
 
     def encode_text(self, text: str) -> list[int]:
         """``tokenizer.encode(text, add_special_tokens=False)``, from cached pieces
@@ -133,11 +129,7 @@ class ChatTokenizer:
         unique, so it is tokenised as it is and kept out of the cache."""
         if not self.enabled or self._cut.search(text) is None:
             return self.plain(text)
-        ids = self._from_pieces(text)
-        self._calls += 1
-        if self._calls % self.verify_every == 0:
-            return self._verified(ids, self.plain(text))
-        return ids
+        return self._sampled(self._from_pieces(text), lambda: self.plain(text))
 
     def plain(self, text: str) -> list[int]:
         """``text`` tokenised in one go (what ``encode_text`` must reproduce)."""
@@ -269,9 +261,14 @@ class ChatTokenizer:
                 return "a probe conversation tokenises differently in pieces"
         return None
 
-    def _verified(self, ids: list[int], expected: list[int]) -> list[int]:
-        """``expected`` (the whole prompt's ids); if ``ids`` differ from them, the
-        cache is off from then on."""
+    def _sampled(self, ids: list[int], whole: Callable[[], list[int]]) -> list[int]:
+        """``ids``, except on one call in ``verify_every``: then the whole prompt's
+        ids (``whole()``), and if ``ids`` differ from them the cache is off from
+        then on."""
+        self._calls += 1
+        if self._calls % self.verify_every:
+            return ids
+        expected = whole()
         if ids != expected:
             self.enabled = False
             with self._lock:
