@@ -17,9 +17,12 @@ and takes each piece's ids from a bounded LRU cache, tokenising only the
 pieces it has not seen.
 
 That equality is a property of the tokenizer, not a law: an added token that
-strips the whitespace beside it, a normaliser that runs before the cut, or a
-pre-tokenizer that treats the start of the text specially breaks it.  So the
-cache is only used when the tokenizer's added tokens are plain, when a set
+strips the whitespace beside it or a normaliser that runs before the cut
+breaks it.  A SentencePiece-style pre-tokenizer that marks only the start of
+the text (Metaspace with ``prepend_scheme="first"``: Llama 2, Mistral) marks
+only the piece at offset 0, so the other pieces are tokenised by a copy of the
+tokenizer that marks none.  The cache is only used when the tokenizer's added
+tokens are plain, when a set
 of probe conversations tokenise identically both ways at start-up, and while
 a sample of live prompts keeps agreeing (one in ``verify_every``); otherwise
 every prompt is tokenised whole, as before.
@@ -27,6 +30,7 @@ every prompt is tokenised whole, as before.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -77,6 +81,29 @@ def _vocab_size(tokenizer: Any) -> int:
         return int(getattr(tokenizer, "vocab_size", 0))
 
 
+def _piece_backend(backend: Any) -> tuple[Any, bool]:
+    """The tokenizer for pieces that do not start the text, and whether that
+    differs from ``backend``.  A Metaspace pre-tokenizer with
+    ``prepend_scheme="first"`` puts its word mark only before the split at
+    offset 0 of the whole text: in a prompt cut at added tokens, every other
+    piece goes unmarked, as a copy with ``prepend_scheme="never"`` tokenises it."""
+    from tokenizers import Tokenizer
+
+    config = json.loads(backend.to_str())
+    marked = False
+    stack = [config.get("pre_tokenizer")]
+    while stack:  # Metaspace may sit inside a Sequence
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                node["prepend_scheme"] = "never"
+                marked = True
+            stack.extend(node.get("pretokenizers") or [])
+    if not marked:
+        return backend, False
+    return Tokenizer.from_str(json.dumps(config)), True
+
+
 class ChatTokenizer:
     """``encode_chat(messages)``: the ids ``tokenizer.apply_chat_template`` gives
     (with the generation prompt), from cached pieces where it can.
@@ -98,6 +125,9 @@ class ChatTokenizer:
         self._calls = 0
         self._lock = threading.Lock()
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        # What tokenises pieces that do not start the text (see _piece_backend).
+        self._inner = self._backend
+        self._marks_start = False
         self._added: dict[str, int] = {}
         self._cut: re.Pattern | None = None
         self._render = self._template_text
@@ -180,8 +210,17 @@ class ChatTokenizer:
         lock = self._lock
         hit = 0
         # re.split with one group alternates: piece, added token, piece, ...
+        parts = self._cut.split(text)
+        if self._marks_start and parts[0]:
+            # Text before the first added token is the one piece the tokenizer
+            # marks as the start: tokenised as it is, not from the cache.
+            first = self._backend.encode_batch([parts[0]], add_special_tokens=False)[0].ids
+            ids.extend(first)
+            parts[0] = ""
+            with lock:
+                self.miss_tokens += len(first)
         # (Inlined hit path: a long conversation has ~4 pieces a turn.)
-        for i, part in enumerate(self._cut.split(text)):
+        for i, part in enumerate(parts):
             if i % 2:
                 ids.append(added[part])
                 continue
@@ -210,7 +249,7 @@ class ChatTokenizer:
         # The ids are stored as references to one shared int per vocabulary
         # entry: 8 bytes a token, and a hit is a plain list.extend (an array of
         # 4-byte ids would make a new int object per token on every hit).
-        encoded = self._backend.encode_batch([piece], add_special_tokens=False)[0].ids
+        encoded = self._inner.encode_batch([piece], add_special_tokens=False)[0].ids
         shared = self._ints
         ids = [shared[t] if t < len(shared) else t for t in encoded]
         with self._lock:
@@ -243,6 +282,7 @@ class ChatTokenizer:
             self._added[getattr(token, "content", str(token))] = int(token_id)
         if not self._added:
             return "no added tokens to cut at"
+        self._inner, self._marks_start = _piece_backend(self._backend)
         # Longest first: at each position the longest added token wins, as in
         # the tokenizer's own matching.
         alternatives = sorted(self._added, key=len, reverse=True)
@@ -259,6 +299,10 @@ class ChatTokenizer:
                 continue
             if self._from_pieces(self._render(messages)) != expected:
                 return "a probe conversation tokenises differently in pieces"
+        # Text that starts outside the markup (a completions prompt).
+        text = f"Start here {specials[0]} then  more{specials[-1]}\nend "
+        if self._from_pieces(text) != self.plain(text):
+            return "a probe text tokenises differently in pieces"
         return None
 
     def _sampled(self, ids: list[int], whole: Callable[[], list[int]]) -> list[int]:

@@ -2,9 +2,9 @@
 
 The tiny tokenizer (a byte-level BPE with ChatML tokens) and the bundled
 SmolLM2 tokenizer are checked against ``apply_chat_template(tokenize=True)``
-on generated conversations; tokenizers the cut does not hold for (a stripping
-added token, a pre-tokenizer that marks the start of the text) must fall back
-to whole prompts.
+on generated conversations, and so are tokenizers shaped like the common model
+families' ones (``tests/tokenizer_families.py``); tokenizers the cut does not
+hold for (a stripping added token) must fall back to whole prompts.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from engine.chat_tokens import ChatTokenizer, piece_key
 from tests.tiny_model import make_tiny_tokenizer
+from tests.tokenizer_families import FAMILIES
 
 ROLES = ["system", "user", "assistant"]
 # Text that stresses the cut: edge whitespace, newlines, non-ASCII, and the
@@ -118,25 +119,42 @@ def test_stripping_added_token_falls_back_to_whole_prompts():
     assert chat.encode_chat(prompt) == chat.whole(prompt)
 
 
-def test_start_of_text_pre_tokenizer_fails_the_probe():
-    """A Metaspace pre-tokenizer that marks only the start of the text (Llama and
-    Mistral style) tokenises a piece alone differently: the probes catch it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_model_family_tokenizers(family):
+    """Qwen2, Gemma, Llama-3 and Llama-2 shaped tokenizers give exactly their
+    whole prompts' ids from the cache, for chats and for text prompts.  The
+    Llama-2 one (SentencePiece style) marks only the start of the text: pieces
+    after the first are tokenised unmarked, the first as it is."""
+    build, markup = FAMILIES[family]
+    chat = ChatTokenizer(build())
+    assert chat.enabled
+    text = st.lists(st.sampled_from(list("ab Paris\n\t  ,.é東🙂") + markup + [" the", "cache"]), max_size=30).map("".join)
+    messages = st.lists(st.builds(lambda role, content: {"role": role, "content": content}, st.sampled_from(ROLES), text),
+                        min_size=1, max_size=5)
 
-    from tests.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS
+    @settings(max_examples=60, deadline=None)
+    @given(conversations=st.lists(messages, min_size=1, max_size=3), texts=st.lists(text, max_size=3))
+    def check(conversations, texts):
+        for prompt in conversations + conversations:
+            assert chat.encode_chat(prompt) == chat.whole(prompt)
+        for prompt in texts + texts:
+            assert chat.encode_text(prompt) == chat.plain(prompt)
 
-    raw = Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
-    raw.decoder = decoders.Metaspace(prepend_scheme="first")
-    raw.train_from_iterator(["You are a helpful assistant. Hello there, what is the capital of France?"] * 4,
-                            trainer=trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIAL_TOKENS, show_progress=False))
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<pad>")
-    tok.chat_template = CHAT_TEMPLATE
-    chat = ChatTokenizer(tok)
-    assert not chat.enabled
-    prompt = [{"role": "user", "content": "Hello there"}]
-    assert chat.encode_chat(prompt) == chat.whole(prompt)
+    check()
+    for prompt in _conversation(4):
+        assert chat.encode_chat(prompt) == chat.whole(prompt)
+    assert chat.stats()["hit_tokens"] > 0
+
+
+def test_start_marking_pre_tokenizer_marks_only_the_leading_piece():
+    """With Metaspace(prepend_scheme="first") the same words tokenise one way at
+    the start of the text and another after an added token; both must hold."""
+    chat = ChatTokenizer(FAMILIES["llama2"][0]())
+    assert chat.enabled and chat._marks_start
+    at_start, after_token = "Hello there", "</s>Hello there"
+    assert chat.plain(at_start)[0] != chat.plain(after_token)[1]  # the mark differs
+    for text in [at_start + after_token, after_token + at_start, at_start, after_token] * 2:
+        assert chat.encode_text(text) == chat.plain(text)
 
 
 def test_a_sampled_difference_turns_the_cache_off(tiny, caplog):
