@@ -251,6 +251,8 @@ class AsyncEngine:
             raise ValueError("need 0 < top_p <= 1, top_k >= 0 and temperature >= 0")
         if s.logprobs is not None and s.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 (got {s.logprobs})")
+        if s.logit_bias and (min(s.logit_bias) < 0 or max(s.logit_bias) >= vocab):
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
 
     # ---- the loop (event loop thread) -----------------------------------------
 

@@ -36,6 +36,8 @@ class SamplingParams:
     n: int = 1
     # None: no logprobs; k >= 0: the chosen token's logprob plus the top k.
     logprobs: int | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclass(slots=True)
@@ -74,6 +76,9 @@ class GenerationOutput:
     usage: Usage | None = None
     # Seconds the request waited before its first scheduled step.
     queue_time_s: float | None = None
+    # An external server's delta fields besides its text (tool_calls,
+    # reasoning_content, ...), relayed to the client as they came.
+    extra: dict | None = None
 
 
 def coalesce(outputs: list[GenerationOutput]) -> list[GenerationOutput]:
@@ -87,6 +92,9 @@ def coalesce(outputs: list[GenerationOutput]) -> list[GenerationOutput]:
     """
     if len(outputs) < 2:
         return outputs
+    for out in outputs:
+        if out.extra is not None:
+            return outputs  # fragments of tool calls and the like stay as they came
     index = outputs[0].index
     for out in outputs:
         if out.index != index:

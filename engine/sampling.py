@@ -60,6 +60,7 @@ class SequenceSampler:
         self.emitted = 0
         self.num_generated = 0
         self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -69,12 +70,18 @@ class SequenceSampler:
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits suffices (batched fast path)."""
         p = self.params
-        return self.greedy and not (p.presence_penalty or p.frequency_penalty) and p.logprobs is None
+        return self.greedy and not (p.presence_penalty or p.frequency_penalty or p.logit_bias) and p.logprobs is None
 
     def sample(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
         """One token from a float32 [vocab] row of raw logits."""
         p = self.params
         raw = logits
+        if p.logit_bias:
+            if self._bias is None:
+                ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+                self._bias = (ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype))
+            logits = logits.clone()
+            logits[self._bias[0]] += self._bias[1]
         if self.counts and (p.presence_penalty or p.frequency_penalty):
             ids = torch.tensor(list(self.counts), dtype=torch.long)
             counts = torch.tensor(list(self.counts.values()), dtype=logits.dtype)

@@ -74,6 +74,7 @@ class Gateway:
         self.responder: Responder | None = None
         self.model_name = ""
         self.max_model_len = config.model.max_model_len
+        self.passthrough = False
         self.created = now_s()
 
     # -- lifecycle
@@ -106,6 +107,9 @@ class Gateway:
             self.metrics.watch_chat_tokens(chat_tokens.stats)
         self.model_name = self.config.model.served_name or info.model
         self.max_model_len = info.max_model_len
+        # A fleet of external servers only: fields the kvgate engine cannot honour
+        # (tools, JSON output, echo, ...) are theirs to handle, passed through as sent.
+        self.passthrough = all(getattr(r, "kind", "") == "openai" for r in self.replicas)
         self.classifier = Classifier(self.config.classifier, self.hasher)
         self.router = Router(self.config.router, [r.name for r in self.replicas], self.hasher.block_size)
         self.dispatcher = Dispatcher(self.router, self.replicas, self.metrics, self.observer)
@@ -217,6 +221,8 @@ class Gateway:
             parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
             if parsed.model != self.model_name:
                 raise errors.model_not_found(parsed.model)
+            if parsed.engine_unsupported is not None and not self.passthrough:
+                raise bad_request(*parsed.engine_unsupported)
             subs, max_tokens = await self.prepare(request, parsed, principal)
             workload = subs[0].context.workload
             gen, single = self.dispatcher.run(subs, parsed, max_tokens)
@@ -248,8 +254,15 @@ class Gateway:
             if parsed.endpoint != CHAT and max(prompt.token_ids) >= self.hasher.vocab_size:
                 raise bad_request(f"Token ids must be below the vocabulary size {self.hasher.vocab_size}.", "prompt")
             longest = max(longest, len(prompt.token_ids))
+        bias = parsed.sampling.logit_bias
+        if bias and max(bias) >= self.hasher.vocab_size:
+            raise bad_request(f"Invalid key in 'logit_bias': {max(bias)}. Token ids must be below the vocabulary size "
+                              f"{self.hasher.vocab_size}.", "logit_bias")
         max_tokens = self.resolve_max_tokens(parsed, longest)
         parsed.sampling.max_tokens = max_tokens
+        if parsed.echo and not self.passthrough:
+            decode = self.hasher.tokenizer.decode
+            parsed.echo_texts = [p if isinstance(p, str) else decode(p) for p in sources]
         override = self.engine_context(parsed.body) if self.engine_mode else None
         subs = []
         n = parsed.sampling.n

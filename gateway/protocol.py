@@ -57,6 +57,16 @@ class ParsedRequest:
     prompts: list[str | list[int]] | None = None
     # chat logprobs use the chat shape; completions the legacy shape.
     logprobs: bool = False
+    # completions: the legacy top_logprobs also hold the sampled token (OpenAI
+    # and vLLM); not in engine mode, where a gateway reads chat's shape from them.
+    top_with_sampled: bool = False
+    # completions: echo the prompt before the completion; echo_texts are the
+    # prompts' texts when the gateway does it itself (not an external server).
+    echo: bool = False
+    echo_texts: list[str] | None = None
+    # (message, param) of the first field the kvgate engine cannot honour
+    # (tools, JSON output, ...): such requests are for external servers only.
+    engine_unsupported: tuple[str, str] | None = None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -101,9 +111,70 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
     _parse_sampling(req, body, limits, _MAX_TOP_LOGPROBS_CHAT if engine_mode else _MAX_LOGPROBS_COMPLETIONS)
     if endpoint == CHAT:
         _parse_messages(req, body, limits)
+        if "tools" in body or "tool_choice" in body or "response_format" in body:
+            _parse_chat_extras(req, body)
     else:
         _parse_prompt(req, body, limits)
+        req.top_with_sampled = not engine_mode
+        if "echo" in body or "suffix" in body or "best_of" in body:
+            _parse_completion_extras(req, body)
     return req
+
+
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _parse_chat_extras(req: ParsedRequest, body: dict) -> None:
+    """tools, tool_choice and response_format: checked here, forwarded as they are
+    to external servers; the kvgate engine has no tool-call parser or guided
+    decoding, so it refuses them rather than quietly answering in plain text."""
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise bad_request(_type_msg("tools", "an array of objects", tools), "tools")
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if not isinstance(choice, (str, dict)):
+            raise bad_request(_type_msg("tool_choice", "a string or an object", choice), "tool_choice")
+        if not tools:
+            raise bad_request("Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.",
+                              "tool_choice")
+    if tools and choice != "none":
+        req.engine_unsupported = ("Tool calling is not supported by the kvgate engine; send 'tools' to a gateway in "
+                                  "front of a server that parses tool calls (e.g. vLLM), or set tool_choice to 'none'.",
+                                  "tools")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if not isinstance(fmt, dict):
+            raise bad_request(_type_msg("response_format", "an object", fmt), "response_format")
+        if kind not in _RESPONSE_FORMATS:
+            raise bad_request(f"Invalid value: {kind!r}. Supported values are: 'json_object', 'json_schema', and 'text'.",
+                              "response_format.type")
+        if kind == "json_schema" and not isinstance(fmt.get("json_schema"), dict):
+            raise bad_request("Missing required parameter: 'response_format.json_schema'.", "response_format.json_schema")
+        if kind != "text" and req.engine_unsupported is None:
+            req.engine_unsupported = (f"response_format {kind!r} is not supported by the kvgate engine (it has no guided "
+                                      "decoding); use an external server such as vLLM for structured output.",
+                                      "response_format")
+
+
+def _parse_completion_extras(req: ParsedRequest, body: dict) -> None:
+    req.echo = _bool(body, "echo", False)
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise bad_request(_type_msg("suffix", "a string", suffix), "suffix")
+    best_of = _int(body, "best_of", None, 1, 20)
+    n = req.sampling.n
+    if best_of is not None and best_of < n:
+        raise bad_request(f"best_of must be greater than or equal to n, but got best_of={best_of} and n={n}.", "best_of")
+    # The kvgate engine computes no prompt logprobs, no insertion, no ranking of extra samples.
+    if req.echo and req.logprobs:
+        req.engine_unsupported = ("echo with logprobs (prompt logprobs) is not supported by the kvgate engine.", "echo")
+    elif suffix:
+        req.engine_unsupported = ("suffix is not supported by the kvgate engine.", "suffix")
+    elif best_of is not None and best_of > n:
+        req.engine_unsupported = ("best_of greater than n is not supported by the kvgate engine.", "best_of")
 
 
 def _parse_sampling(req: ParsedRequest, body: dict, limits: LimitsConfig, max_logprobs: int) -> None:
@@ -163,6 +234,25 @@ def _parse_sampling(req: ParsedRequest, body: dict, limits: LimitsConfig, max_lo
         lp = _int(body, "logprobs", None, 0, max_logprobs)
         s.logprobs = lp
         req.logprobs = lp is not None
+    bias = body.get("logit_bias")
+    if bias is not None:
+        s.logit_bias = _logit_bias(bias) or None
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as JSON object keys) to a bias in [-100, 100].
+    Ids beyond the vocabulary are refused once the tokenizer is known."""
+    if not isinstance(bias, dict):
+        raise bad_request(_type_msg("logit_bias", "an object", bias), "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
+            raise bad_request(f"Invalid key in 'logit_bias': {key!r}. Keys must be token ids.", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request(f"Invalid value for 'logit_bias' key {key}: expected a number between -100 and 100, "
+                              f"but got {json.dumps(value)} instead.", "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> None:
@@ -383,14 +473,19 @@ def chat_logprobs(items: list[TokenLogprob] | None) -> dict | None:
     }
 
 
-def completion_logprobs(items: list[TokenLogprob] | None, text_offset: int) -> dict | None:
+def completion_logprobs(items: list[TokenLogprob] | None, text_offset: int, with_sampled: bool = True) -> dict | None:
+    """The legacy shape; ``with_sampled``: each top_logprobs entry also holds the
+    sampled token (up to logprobs + 1 entries), as OpenAI and vLLM return them."""
     if items is None:
         return None
     tokens, values, tops, offsets = [], [], [], []
     for lp in items:
         tokens.append(lp.token)
         values.append(lp.logprob)
-        tops.append({t: v for _, t, v in lp.top} if lp.top else None)
+        top = {t: v for _, t, v in lp.top}
+        if with_sampled:
+            top.setdefault(lp.token, lp.logprob)
+        tops.append(top or None)
         offsets.append(text_offset)
         text_offset += len(lp.token)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
@@ -405,6 +500,36 @@ class ChoiceState:
     finish_reason: str | None = None
     text_len: int = 0
     started: bool = False
+    # An external server's other message fields (tool_calls, reasoning_content).
+    extra: dict | None = None
+
+
+def merge_delta_extra(acc: dict, delta: dict) -> None:
+    """Fold one streamed delta's extra fields into a whole message's, as OpenAI's
+    SDK accumulates a stream: tool call fragments by their index (id, type and
+    name once, arguments appended), other strings appended, anything else
+    replaced."""
+    for key, value in delta.items():
+        if key == "tool_calls" and isinstance(value, list):
+            calls = acc.setdefault("tool_calls", [])
+            for fragment in value:
+                if not isinstance(fragment, dict):
+                    continue
+                position = fragment.get("index", len(calls))
+                while len(calls) <= position:
+                    calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                call = calls[position]
+                if fragment.get("id"):
+                    call["id"] = fragment["id"]
+                if fragment.get("type"):
+                    call["type"] = fragment["type"]
+                function = fragment.get("function") or {}
+                call["function"]["name"] += function.get("name") or ""
+                call["function"]["arguments"] += function.get("arguments") or ""
+        elif isinstance(value, str) and isinstance(acc.get(key), str):
+            acc[key] += value
+        else:
+            acc[key] = value
 
 
 def chat_completion(rid: str, created: int, model: str, choices: list[ChoiceState], usage: dict) -> dict:
@@ -416,7 +541,7 @@ def chat_completion(rid: str, created: int, model: str, choices: list[ChoiceStat
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
+                "message": _message(c),
                 "logprobs": chat_logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
             }
@@ -427,7 +552,18 @@ def chat_completion(rid: str, created: int, model: str, choices: list[ChoiceStat
     }
 
 
-def text_completion(rid: str, created: int, model: str, choices: list[ChoiceState], usage: dict) -> dict:
+def _message(choice: ChoiceState) -> dict:
+    message = {"role": "assistant", "content": "".join(choice.text), "refusal": None}
+    if choice.extra:
+        message.update(choice.extra)
+        if message.get("tool_calls") and not message["content"]:
+            message["content"] = None  # OpenAI's shape for a turn that only calls tools
+    return message
+
+
+def text_completion(
+    rid: str, created: int, model: str, choices: list[ChoiceState], usage: dict, with_sampled: bool = True
+) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
@@ -437,7 +573,7 @@ def text_completion(rid: str, created: int, model: str, choices: list[ChoiceStat
             {
                 "index": i,
                 "text": "".join(c.text),
-                "logprobs": completion_logprobs(c.logprobs, 0),
+                "logprobs": completion_logprobs(c.logprobs, 0, with_sampled),
                 "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(choices)
@@ -458,12 +594,15 @@ class StreamFormatter:
     with empty choices, as OpenAI does.
     """
 
-    __slots__ = ("endpoint", "include_usage", "_head", "_tail", "_chat")
+    __slots__ = ("endpoint", "include_usage", "with_sampled", "_head", "_tail", "_chat")
 
-    def __init__(self, endpoint: str, rid: str, created: int, model: str, include_usage: bool) -> None:
+    def __init__(
+        self, endpoint: str, rid: str, created: int, model: str, include_usage: bool, with_sampled: bool = True
+    ) -> None:
         self.endpoint = endpoint
         self._chat = endpoint == CHAT
         self.include_usage = include_usage
+        self.with_sampled = with_sampled
         obj = "chat.completion.chunk" if self._chat else "text_completion"
         self._head = (
             f'data: {{"id": {_json_str(rid)}, "object": "{obj}", "created": {int(created)}, '
@@ -477,7 +616,19 @@ class StreamFormatter:
     def role(self, index: int) -> bytes:
         return self._head + _role_choice(index) + self._tail
 
-    def delta(self, index: int, text: str, logprobs: list[TokenLogprob] | None, state: ChoiceState, finish: str | None = None) -> bytes:
+    def delta(
+        self,
+        index: int,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        state: ChoiceState,
+        finish: str | None = None,
+        extra: dict | None = None,
+    ) -> bytes:
+        if extra and self._chat:
+            delta = {"content": text} if text else {}
+            delta.update(extra)
+            return self._frame({"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish})
         if logprobs is None:
             finish_json = "null" if finish is None else _json_str(finish)
             if self._chat:
@@ -489,7 +640,7 @@ class StreamFormatter:
         if self._chat:
             delta = {"content": text} if text or finish is None else {}
             return self._frame({"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish})
-        lp = completion_logprobs(logprobs, state.text_len)
+        lp = completion_logprobs(logprobs, state.text_len, self.with_sampled)
         return self._frame({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
 
     def usage(self, usage: dict) -> bytes:

@@ -313,14 +313,18 @@ class RemoteReplica(Replica):
 
     async def _fetch_models(self) -> None:
         """An external server's model name (the gateway serves it under that name
-        unless model.served_name says otherwise)."""
+        unless model.served_name says otherwise) and context length."""
         async with self._session.get(self.base + "/v1/models", headers=self._auth(), timeout=aiohttp.ClientTimeout(total=5)) as resp:
             resp.raise_for_status()
             data = await resp.json()
-        ids = [m["id"] for m in data.get("data", ())]
-        model = self.cfg.model if self.cfg.model in ids else (ids[0] if ids else None)
+        cards = {m["id"]: m for m in data.get("data", ())}
+        model = self.cfg.model if self.cfg.model in cards else next(iter(cards), None)
         if model:
-            self.info = ReplicaInfo(model, self.info.block_size, self.info.hash_salt, self.info.max_model_len)
+            # vLLM and SGLang say their context length on the model card.
+            length = cards[model].get("max_model_len")
+            if type(length) is not int or length < 2:
+                length = self.info.max_model_len
+            self.info = ReplicaInfo(model, self.info.block_size, self.info.hash_salt, length)
 
     # -- health and the circuit breaker
 
@@ -461,6 +465,7 @@ class RemoteReplica(Replica):
                 "presence_penalty": s.presence_penalty,
                 "frequency_penalty": s.frequency_penalty,
                 "logprobs": s.logprobs,
+                "logit_bias": {str(k): v for k, v in s.logit_bias.items()} if s.logit_bias else None,
                 "top_k": s.top_k,
                 "ignore_eos": s.ignore_eos,
                 "user": parsed.user,
@@ -479,6 +484,8 @@ class RemoteReplica(Replica):
             body.pop("max_completion_tokens", None)
             if parsed.endpoint != CHAT:
                 body["prompt"] = job.prompt
+                if parsed.echo_texts is not None:
+                    body.pop("echo", None)  # the gateway echoes the prompt itself
             path = "/v1/chat/completions" if parsed.endpoint == CHAT else "/v1/completions"
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -521,16 +528,20 @@ class RemoteReplica(Replica):
                 batch = []
                 for choice in chunk.get("choices") or ():
                     index = choice.get("index", 0)
+                    extra = None
                     if chat:
-                        text = (choice.get("delta") or {}).get("content") or ""
+                        delta = choice.get("delta") or {}
+                        text = delta.get("content") or ""
                         lps = _chat_logprobs(choice.get("logprobs"))
+                        # Tool calls, reasoning text and the like pass through as they came.
+                        extra = {k: v for k, v in delta.items() if v is not None and k not in _DELTA_OWN} or None
                     else:
                         text = choice.get("text") or ""
                         lps = _completion_logprobs(choice.get("logprobs"))
                     finish = choice.get("finish_reason")
-                    if not text and finish is None and not lps:
+                    if not text and finish is None and not lps and extra is None:
                         continue  # the role chunk
-                    batch.append(GenerationOutput(rid, index, [], text, lps, finish))
+                    batch.append(GenerationOutput(rid, index, [], text, lps, finish, extra=extra))
                 usage = chunk.get("usage")
                 if usage:
                     details = usage.get("prompt_tokens_details") or {}
@@ -559,6 +570,9 @@ class RemoteReplica(Replica):
             # Closing the connection is what aborts the request upstream.
             resp.close()
 
+
+# Delta fields the gateway writes itself; the rest of an external server's delta is relayed.
+_DELTA_OWN = frozenset(("content", "role"))
 
 # Vendor names of the two load figures; SGLang's first, then vLLM's (old and new).
 _WAITING_METRICS = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")

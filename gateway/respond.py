@@ -27,6 +27,7 @@ from gateway.protocol import (
     ParsedRequest,
     StreamFormatter,
     chat_completion,
+    merge_delta_extra,
     new_id,
     now_s,
     sse_error,
@@ -81,6 +82,10 @@ class Responder:
                     choice = choices[shift + out.index]
                     if out.text:
                         choice.text.append(out.text)
+                    if out.extra:
+                        if choice.extra is None:
+                            choice.extra = {}
+                        merge_delta_extra(choice.extra, out.extra)
                     if out.logprobs is not None:
                         choice.logprobs = (choice.logprobs or []) + out.logprobs
                     if out.finish_reason is not None:
@@ -89,9 +94,14 @@ class Responder:
             gen = None  # exhausted: nothing to close
         finally:
             await aclose(gen)
-        rid = new_id("chatcmpl-" if parsed.endpoint == CHAT else "cmpl-")
-        shape = chat_completion if parsed.endpoint == CHAT else text_completion
-        obj = shape(rid, now_s(), self.model_name, choices, usage.as_dict(subs))
+        if parsed.echo_texts is not None:
+            for i, choice in enumerate(choices):
+                choice.text.insert(0, parsed.echo_texts[i // n])
+        if parsed.endpoint == CHAT:
+            obj = chat_completion(new_id("chatcmpl-"), now_s(), self.model_name, choices, usage.as_dict(subs))
+        else:
+            obj = text_completion(new_id("cmpl-"), now_s(), self.model_name, choices, usage.as_dict(subs),
+                                  parsed.top_with_sampled)
         return web.Response(body=json.dumps(obj).encode(), content_type="application/json")
 
     async def stream(
@@ -101,7 +111,8 @@ class Responder:
         n = parsed.sampling.n
         chat = parsed.endpoint == CHAT
         rid = new_id("chatcmpl-" if chat else "cmpl-")
-        fmt = StreamFormatter(parsed.endpoint, rid, now_s(), self.model_name, parsed.include_usage)
+        fmt = StreamFormatter(parsed.endpoint, rid, now_s(), self.model_name, parsed.include_usage, parsed.top_with_sampled)
+        echo = parsed.echo_texts
         states = [ChoiceState() for _ in range(n * len(subs))]
         usage = UsageSum(len(subs))
         workload = subs[0].context.workload
@@ -129,15 +140,19 @@ class Responder:
                             self.observer.first_token(workload, time.perf_counter() - start)
                         index = shift + out.index
                         state = states[index]
-                        if chat and not state.started:
-                            frames.append(fmt.role(index))
-                        state.started = True
+                        text = out.text
+                        if not state.started:
+                            if chat:
+                                frames.append(fmt.role(index))
+                            elif echo is not None:
+                                text = echo[sub] + text  # the prompt leads the choice's first chunk
+                            state.started = True
                         if out.finish_reason is not None:
                             _check_finish(out.finish_reason)
                             choices_left -= 1
-                        if out.text or out.logprobs or out.finish_reason is not None:
-                            frames.append(fmt.delta(index, out.text, out.logprobs, state, out.finish_reason))
-                        state.text_len += len(out.text)
+                        if text or out.logprobs or out.finish_reason is not None or out.extra:
+                            frames.append(fmt.delta(index, text, out.logprobs, state, out.finish_reason, out.extra))
+                        state.text_len += len(text)
                 except ApiError:
                     if frames:
                         await resp.write(b"".join(frames))  # what came before the failure

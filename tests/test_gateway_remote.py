@@ -282,3 +282,75 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
     finally:
         await gw.stop()
         await upstream.stop()
+
+
+async def test_external_server_features_pass_through(tiny_model_dir):
+    """Tools, JSON output, logit_bias and echo are the external server's to honour:
+    the gateway forwards them as sent and relays tool calls and reasoning text,
+    streamed and whole; the server's own context length bounds prompts.
+
+    The upstream is a scripted aiohttp server that answers with vLLM's tool-call
+    stream (a `kvgate engine` has no tool calls to send); the gateway is real.
+    """
+    seen: list[dict] = []
+    arguments = ['{"a": ', '1, "b": ', "2}"]
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 32768}]})
+
+    async def chat(request):
+        body = await request.json()
+        seen.append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        deltas = [
+            {"role": "assistant", "content": ""},
+            {"reasoning_content": "The user wants a sum.", "content": None},
+            {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "add", "arguments": ""}}]},
+            *({"tool_calls": [{"index": 0, "function": {"arguments": part}}]} for part in arguments),
+        ]
+        for delta in deltas:
+            chunk = {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 3000, "completion_tokens": 9, "total_tokens": 3009}}
+        for chunk in (end, usage):
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    stub = web.Application()
+    stub.router.add_get("/v1/models", models)
+    stub.router.add_post("/v1/chat/completions", chat)
+    upstream = await start_server(stub)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)]))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    # Longer than the gateway config's max_model_len (2048), within the server's 32768.
+    long_question = "Add one and two. " * 600
+    request = dict(model=MODEL, messages=[{"role": "user", "content": long_question}], tools=tools, tool_choice="auto",
+                   response_format={"type": "json_object"}, logit_bias={"5": 10}, max_tokens=20)
+    try:
+        whole = await client.chat.completions.create(**request)
+        message = whole.choices[0].message
+        assert whole.choices[0].finish_reason == "tool_calls" and message.content is None
+        call = message.tool_calls[0]
+        assert (call.id, call.type, call.function.name, call.function.arguments) == ("call_1", "function", "add", '{"a": 1, "b": 2}')
+        assert message.model_extra["reasoning_content"] == "The user wants a sum."
+        assert seen[-1]["tools"] == tools and seen[-1]["tool_choice"] == "auto"
+        assert seen[-1]["response_format"] == {"type": "json_object"} and seen[-1]["logit_bias"] == {"5": 10}
+
+        stream = await client.chat.completions.create(**request, stream=True)
+        fragments, reasons = [], []
+        async for chunk in stream:
+            for choice in chunk.choices:
+                fragments += choice.delta.tool_calls or []
+                reasons.append(choice.finish_reason)
+        assert "".join(f.function.arguments or "" for f in fragments) == '{"a": 1, "b": 2}'
+        assert fragments[0].id == "call_1" and fragments[0].function.name == "add"
+        assert reasons[-1] == "tool_calls"
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()

@@ -97,7 +97,11 @@ async def test_completions_models_and_logprobs(gw):
     lp = resp.choices[0].logprobs
     assert len(lp.tokens) == 2 and lp.text_offset == [0, len(lp.tokens[0])]
     # (tokens may end in a partial UTF-8 character the text holds back: no equality)
-    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    # The top 2 plus the sampled token when it is not among them (OpenAI: up to logprobs + 1).
+    assert all(2 <= len(top) <= 3 and top[tok] == val for top, tok, val in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
+    zero = await client.completions.create(model=MODEL, prompt="one", max_tokens=2, logprobs=0, extra_body=FIXED)
+    zero_lp = zero.choices[0].logprobs
+    assert zero_lp.top_logprobs == [{t: v} for t, v in zip(zero_lp.tokens, zero_lp.token_logprobs)]
     chat = await client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, logprobs=True, top_logprobs=1,
         extra_body=FIXED,
@@ -109,6 +113,64 @@ async def test_completions_models_and_logprobs(gw):
     # Token-id prompts are passed through without re-tokenising.
     await client.completions.create(model=MODEL, prompt=[65, 66, 67], max_tokens=1)
     assert any(r.prompt_token_ids == [65, 66, 67] for s in seen for r in s)
+
+
+async def test_logit_bias_and_echo(gw):
+    app, server, client, engines, seen = gw
+    tokenizer = engines[0].tokenizer
+    (token,) = tokenizer.encode("a", add_special_tokens=False)
+    base = dict(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0, extra_body=FIXED)
+    forced = await client.completions.create(**base, logit_bias={str(token): 100})
+    assert forced.choices[0].text == "aaa"
+    banned = await client.completions.create(**base, logit_bias={str(token): -100}, logprobs=0)
+    assert "a" not in banned.choices[0].logprobs.tokens
+
+    plain = await client.completions.create(**base)
+    echoed = await client.completions.create(**base, echo=True)
+    assert echoed.choices[0].text == "The capital of France is" + plain.choices[0].text
+    assert echoed.usage.completion_tokens == 3
+    stream = await client.completions.create(**base, echo=True, stream=True)
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == echoed.choices[0].text
+    ids = tokenizer.encode("one two", add_special_tokens=False)
+    by_ids = await client.completions.create(**{**base, "prompt": ids}, echo=True, n=2)
+    assert all(c.text.startswith("one two") for c in by_ids.choices)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "nonsense"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+])
+async def test_chat_fields_the_engine_cannot_honour_are_refused(gw, fields, param):
+    """Tools and JSON output need a tool-call parser and guided decoding, which the
+    kvgate engine has not: a clear 400 instead of a plain-text answer."""
+    app, server, client, engines, seen = gw
+    msgs = [{"role": "user", "content": "add 1 and 2"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, **fields)
+    assert err.value.body["param"] == param
+    # What the engine can honour still answers.
+    ok = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, response_format={"type": "text"},
+                                              tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"suffix": "end"}, "suffix"),
+    ({"best_of": 3}, "best_of"),
+    ({"best_of": 1, "n": 2}, "best_of"),
+])
+async def test_completion_fields_the_engine_cannot_honour_are_refused(gw, fields, param):
+    app, server, client, engines, seen = gw
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=2, **fields)
+    assert err.value.body["param"] == param
 
 
 async def test_errors_are_sdk_exceptions_and_server_survives(gw):
