@@ -69,7 +69,9 @@ class ReplicaConfig(Section):
     model: str | None = None
     # Bearer token sent to the upstream (any remote kind), if it needs one.
     api_key: str | None = None
-    # Seconds to wait for an upstream's response headers before giving up.
+    # Seconds to wait for a TCP connection to the replica (and, at start, for a
+    # `kvgate engine` to answer /kvgate/info).  A replica that connects but never
+    # answers is left when its health checks open the breaker.
     connect_timeout_s: float = Field(10.0, gt=0)
     # Prometheus endpoint of an external server (vllm:num_requests_waiting, ...).
     metrics_url: str | None = None
@@ -189,9 +191,11 @@ def load_config(path: str | os.PathLike | None = None) -> KvgateConfig:
         return KvgateConfig()
     source = str(path)
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not UTF-8 text (byte {exc.start})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

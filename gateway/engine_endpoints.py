@@ -89,7 +89,11 @@ class EngineEndpoints:
             while not lagging:
                 item = await queue.get()
                 if item is None:
-                    break  # shutting down
+                    # Shutting down: the engine finishes what it holds but takes
+                    # nothing new; a gateway that knows stops routing here without
+                    # cutting the streams still being served.
+                    await resp.write(b"event: draining\ndata: {}\n\n")
+                    break
                 seq, kind, keys, tier = item
                 frame = {"seq": seq, "kind": kind, "keys": keys, "tier": tier}
                 await resp.write(b"data: " + json.dumps(frame).encode() + b"\n\n")

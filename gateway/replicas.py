@@ -254,6 +254,16 @@ class RemoteReplica(Replica):
         self._open_until = 0.0
         self._following = False
         self._live: set[aiohttp.ClientResponse] = set()
+        # Resolved when the breaker opens: requests still waiting for their
+        # response headers give up then (and go to another replica).
+        self._cut: asyncio.Future | None = None
+        # A `kvgate engine` shutting down said so: out of routing, but its
+        # streams run to their end rather than being cut.
+        self.draining = False
+        # Learnt from the replica itself (engine: /kvgate/info; external: /v1/models);
+        # until then ``info`` holds the config's guess.  The gateway listens for changes.
+        self.info_known = False
+        self.info_listener: Callable[[Replica], None] | None = None
         self.events_seen = 0
         self.trips = 0
         # Last figures from the backend's Prometheus endpoint (metrics_url).
@@ -309,7 +319,14 @@ class RemoteReplica(Replica):
         ) as resp:
             resp.raise_for_status()
             data = await resp.json()
-        self.info = ReplicaInfo(data["model"], int(data["block_size"]), data["hash_salt"], int(data["max_model_len"]))
+        self._learn(ReplicaInfo(data["model"], int(data["block_size"]), data["hash_salt"], int(data["max_model_len"])))
+
+    def _learn(self, info: ReplicaInfo) -> None:
+        changed = info != self.info or not self.info_known
+        self.info = info
+        self.info_known = True
+        if changed and self.info_listener is not None:
+            self.info_listener(self)
 
     async def _fetch_models(self) -> None:
         """An external server's model name (the gateway serves it under that name
@@ -324,7 +341,7 @@ class RemoteReplica(Replica):
             length = cards[model].get("max_model_len")
             if type(length) is not int or length < 2:
                 length = self.info.max_model_len
-            self.info = ReplicaInfo(model, self.info.block_size, self.info.hash_salt, length)
+            self._learn(ReplicaInfo(model, self.info.block_size, self.info.hash_salt, length))
 
     # -- health and the circuit breaker
 
@@ -342,6 +359,10 @@ class RemoteReplica(Replica):
             await asyncio.sleep(interval)
             if await self._probe():
                 self._failures = 0
+                if self.kind == "openai" and not self.info_known:
+                    # Down when the gateway started: its model name is still to learn.
+                    with contextlib.suppress(Exception):
+                        await self._fetch_models()
                 self._maybe_rejoin()
             else:
                 self._note_failure()
@@ -359,19 +380,26 @@ class RemoteReplica(Replica):
             self._trip(f"{self._failures} failures in a row")
 
     def _trip(self, why: str) -> None:
-        """Open the breaker: out of routing for breaker_reset_s, live streams cut."""
+        """Open the breaker: out of routing for breaker_reset_s, live streams cut
+        (unless the replica is draining: those streams are still being served)."""
         if self.healthy:
             log.warning("replica %s leaves routing: %s", self.name, why)
         self.trips += 1
         self.healthy = False
         self._failures = 0
         self._open_until = time.monotonic() + self.router_cfg.breaker_reset_s
-        self._cut_live()
+        if isinstance(self.index, ApproxIndex):
+            self.index.clear()  # a restarted server holds none of it
+        if not self.draining:
+            self._cut_live()
 
     def _cut_live(self) -> None:
         # Closing a response makes its reader fail at once (-> an error event).
         for resp in list(self._live):
             resp.close()
+        if self._cut is not None and not self._cut.done():
+            self._cut.set_result(None)
+        self._cut = None
 
     @property
     def breaker_open(self) -> bool:
@@ -393,10 +421,17 @@ class RemoteReplica(Replica):
                         raise ReplicaUnavailable(f"/kv_events answered {resp.status}")
                     last = None
                     async for event, data in _sse_events(resp.content):
+                        if event == "draining":
+                            if self.healthy:
+                                log.info("replica %s is shutting down: out of routing, its streams finish", self.name)
+                            self.draining = True
+                            self.healthy = False
+                            continue
                         if event == "snapshot":
                             self.index.reset(data["keys"])
                             last = data["seq"]
-                            if self.info is None or self.info.model != data.get("model"):
+                            self.draining = False  # a (re)started engine
+                            if not self.info_known or self.info.model != data.get("model"):
                                 with contextlib.suppress(Exception):
                                     await self._fetch_info()
                             self._following = True
@@ -498,8 +533,22 @@ class RemoteReplica(Replica):
         chat = self.kind != "engine" and job.parsed.endpoint == CHAT
         headers = self._auth()
         rid = job.request.request_id
+        # A replica that accepts the connection but never answers (stopped, hung
+        # in prefill) would hold this request forever: it gives up when the
+        # breaker opens, and, having produced nothing, is retried elsewhere.
+        if self._cut is None:
+            self._cut = asyncio.get_running_loop().create_future()
+        post = asyncio.ensure_future(self._session.post(self.base + path, json=body, headers=headers))
         try:
-            resp = await self._session.post(self.base + path, json=body, headers=headers)
+            await asyncio.wait((post, self._cut), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            post.cancel()  # the client went away meanwhile
+            raise
+        if not post.done():
+            post.cancel()
+            raise ReplicaUnavailable(f"replica {self.name} stopped answering")
+        try:
+            resp = post.result()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             self._note_failure()
             raise ReplicaUnavailable(f"replica {self.name}: {exc}") from exc
@@ -670,12 +719,9 @@ def build_replicas(config: KvgateConfig, urls: list[str] = ()) -> list[Replica]:
             specs.append(ReplicaConfig(kind="engine", url=url))
     if not specs:
         specs = [ReplicaConfig(kind="inprocess")]
-    fallback = ReplicaInfo(
-        config.model.served_name or _default_name(config),
-        config.engine.block_size,
-        "",
-        config.model.max_model_len,
-    )
+    name = default_model_name(config)
+    # An engine on the same config salts its block hashes with this name.
+    fallback = ReplicaInfo(config.model.served_name or name, config.engine.block_size, name, config.model.max_model_len)
     out: list[Replica] = []
     names: set[str] = set()
     for i, spec in enumerate(specs):
@@ -690,7 +736,7 @@ def build_replicas(config: KvgateConfig, urls: list[str] = ()) -> list[Replica]:
     return out
 
 
-def _default_name(config: KvgateConfig) -> str:
+def default_model_name(config: KvgateConfig) -> str:
     from engine.model_loader import served_name
 
     return served_name(config.model)

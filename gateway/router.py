@@ -124,6 +124,9 @@ class ApproxIndex:
         while len(seen) > self.capacity:
             seen.popitem(last=False)
 
+    def clear(self) -> None:
+        self._seen.clear()
+
     def __len__(self) -> int:
         return len(self._seen)
 

@@ -43,6 +43,25 @@ def _client(url):
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
+async def _scripted_upstream(models, chat, port: int = 0):
+    """A scripted OpenAI-compatible server (for failures and answers a `kvgate engine`
+    cannot produce on cue): ``models`` and ``chat`` are its two handlers."""
+    stub = web.Application()
+    stub.router.add_get("/v1/models", models)
+    stub.router.add_post("/v1/chat/completions", chat)
+    return await start_server(stub, port=port)
+
+
+def _models_while(state: dict):
+    """A /v1/models handler that lists MODEL while ``state["healthy"]``, else fails."""
+    async def models(request):
+        if not state["healthy"]:
+            return web.json_response({"error": {"message": "down"}}, status=500)
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    return models
+
+
 async def test_gateway_follows_remote_engine_kv_events(tiny_model_dir):
     # A small pool with no host tier, so that later prompts evict earlier ones.
     (e1, s1), (e2, s2) = [await _engine_server(tiny_model_dir, device_blocks=48, host_multiplier=0) for _ in range(2)]
@@ -215,10 +234,7 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
     """
     state = {"healthy": True, "mode": "cut"}
 
-    async def models(request):
-        if not state["healthy"]:
-            return web.json_response({"error": {"message": "down"}}, status=500)
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+    models = _models_while(state)
 
     async def chat(request):
         await request.read()
@@ -229,13 +245,11 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
         if state["mode"] == "hang":
             await asyncio.sleep(20)  # bounded: the gateway must cut it well before
         else:
+            await asyncio.sleep(0.3)  # after the gateway relayed the first token
             request.transport.close()  # dropped: no [DONE]
         return resp
 
-    stub = web.Application()
-    stub.router.add_get("/v1/models", models)
-    stub.router.add_post("/v1/chat/completions", chat)
-    upstream = await start_server(stub)
+    upstream = await _scripted_upstream(models, chat)
     config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
                          router=RouterConfig(health_interval_s=0.1, breaker_failures=2, breaker_reset_s=0.5))
     app = create_app(config)
@@ -319,10 +333,7 @@ async def test_external_server_features_pass_through(tiny_model_dir):
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    stub = web.Application()
-    stub.router.add_get("/v1/models", models)
-    stub.router.add_post("/v1/chat/completions", chat)
-    upstream = await start_server(stub)
+    upstream = await _scripted_upstream(models, chat)
     app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)]))
     gw = await start_server(app)
     client = _client(gw.url)
@@ -354,3 +365,142 @@ async def test_external_server_features_pass_through(tiny_model_dir):
         await client.close()
         await gw.stop()
         await upstream.stop()
+
+
+async def test_engine_shutting_down_finishes_its_streams_and_leaves_routing(tiny_model_dir):
+    """A rolling restart: the engine stops listening and drains.  Its streams
+    through the gateway run to [DONE] (they are not cut as a dead replica's
+    would be) and it takes no new requests meanwhile."""
+    engine, server = await _engine_server(tiny_model_dir)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=server.url)],
+                         router=RouterConfig(health_interval_s=0.1, breaker_failures=1))
+    app = create_app(config)
+    gw = await start_server(app)
+    replica = app[GATEWAY].replicas[0]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 400, "ignore_eos": True, "stream": True}
+    try:
+        await wait_for(lambda: replica.healthy, what="healthy")
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                await resp.content.readline()
+                stopping = asyncio.create_task(server.stop())  # what SIGTERM does
+                await wait_for(lambda: replica.draining and not replica.healthy, timeout=5, what="draining")
+                rest = (await asyncio.wait_for(resp.content.read(), 60)).decode()
+        events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        await stopping
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gw.url + "/v1/chat/completions", json={**body, "stream": False}) as resp:
+                assert resp.status == 503
+        assert app[GATEWAY].router.inflight_requests == [0]
+    finally:
+        await gw.stop()
+
+
+async def test_request_waiting_for_headers_gives_up_when_the_breaker_opens(tiny_model_dir):
+    """A server that accepts the connection but never answers (a stopped process,
+    a hung prefill): the request must not wait forever.  When the health probes
+    fail and the breaker opens, the waiting request ends (503 here, with no other
+    replica; another replica would get it, since nothing was sent yet)."""
+    state = {"healthy": True}
+
+    models = _models_while(state)
+
+    async def chat(request):
+        await request.read()
+        state["healthy"] = False
+        await asyncio.sleep(30)  # bounded: the gateway must give up well before
+        return web.json_response({})
+
+    upstream = await _scripted_upstream(models, chat)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                         router=RouterConfig(health_interval_s=0.1, breaker_failures=2, breaker_reset_s=5))
+    app = create_app(config)
+    gw = await start_server(app)
+    try:
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                status = resp.status
+                error = (await asyncio.wait_for(resp.json(), 10))["error"]
+        assert status == 503 and error["code"] == "no_healthy_replica"
+        assert app[GATEWAY].router.inflight_requests == [0]
+    finally:
+        await gw.stop()
+        await upstream.stop()
+
+
+async def test_replicas_that_answer_after_the_gateway_started(tiny_model_dir, unused_tcp_port_factory):
+    """Kubernetes starts the gateway and its engines together: a `kvgate engine`
+    that comes up late still gets prefix matches (its block identity is the
+    config's, and the gateway adopts what the engine says), and an external
+    server down at start is served under its own model name once it is up."""
+    engine_port, external_port = unused_tcp_port_factory(), unused_tcp_port_factory()
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=f"http://127.0.0.1:{engine_port}",
+                                                        connect_timeout_s=0.5)],
+                         router=RouterConfig(health_interval_s=0.1, breaker_reset_s=0.2))
+    app = create_app(config)
+    gw = await start_server(app)
+    engine_app = create_app(tiny_config(tiny_model_dir), engine_mode=True)
+    engine_server = None
+    client = _client(gw.url)
+    try:
+        replica = app[GATEWAY].replicas[0]
+        assert not replica.info_known
+        engine_server = await start_server(engine_app, port=engine_port)
+        await wait_for(lambda: replica.healthy and replica.info_known, timeout=10, what="engine joined")
+        messages = [{"role": "user", "content": "The same question, asked twice, about the capital of France. " * 4}]
+        for _ in range(2):
+            resp = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+        cached = resp.usage.prompt_tokens_details.cached_tokens
+        assert cached > 0
+        async with aiohttp.ClientSession() as session:
+            async with session.get(gw.url + "/metrics") as metrics:
+                text = await metrics.text()
+        predicted = sum(float(line.split()[-1]) for line in text.splitlines()
+                        if line.startswith("kvgate_router_predicted_hit_tokens_total"))
+        assert predicted == cached
+    finally:
+        await client.close()
+        await gw.stop()
+        if engine_server is not None:
+            await engine_server.stop()
+
+    # An external server that is down when the gateway starts.
+    served = {"name": "upstream-model"}
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": served["name"], "object": "model", "max_model_len": 4096}]})
+
+    async def chat(request):
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"index": 0, "delta": {"content": body["model"]}, "finish_reason": "stop"}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    external = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=f"http://127.0.0.1:{external_port}")],
+                           router=RouterConfig(health_interval_s=0.1))
+    external.model.served_name = None  # serve under the upstream's name
+    app = create_app(external)
+    gw = await start_server(app)
+    upstream = None
+    client = _client(gw.url)
+    try:
+        assert not app[GATEWAY].replicas[0].healthy
+        upstream = await _scripted_upstream(models, chat, port=external_port)
+        await wait_for(lambda: app[GATEWAY].model_name == "upstream-model", timeout=10, what="name learnt")
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, timeout=10, what="healthy")
+        assert [m.id for m in (await client.models.list()).data] == ["upstream-model"]
+        resp = await client.chat.completions.create(model="upstream-model", messages=[{"role": "user", "content": "hi"}])
+        assert resp.choices[0].message.content == "upstream-model" and resp.model == "upstream-model"
+        assert app[GATEWAY].max_model_len == 4096
+    finally:
+        await client.close()
+        await gw.stop()
+        if upstream is not None:
+            await upstream.stop()
