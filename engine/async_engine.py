@@ -305,6 +305,13 @@ class AsyncEngine:
         state = self._requests.pop(request_id, None)
         if state is None:
             return
+        if not state.seqs:
+            # Aborted before the loop took it in: no sequences yet, but its reader
+            # still waits for every choice to end.
+            for index in range(state.request.sampling.n):
+                usage = Usage(len(state.request.prompt_token_ids), 0, 0)
+                state.queue.put_nowait(GenerationOutput(request_id, index, [], "", finish_reason="abort", usage=usage))
+            return
         for seq in state.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")

@@ -111,6 +111,21 @@ class BlockPool:
                 host += 1
         return PrefixMatch(device, host)
 
+    def prefix_cost(self, keys: Sequence[int]) -> tuple[int, int]:
+        """(length of the leading cached run of ``keys``, free or evictable device
+        blocks that acquiring it would use up: one per host block promoted, and
+        each unreferenced device block, which stops being evictable); changes nothing."""
+        run = used = 0
+        cached = self.cached
+        for key in keys:
+            block = cached.get(key)
+            if block is None:
+                break
+            run += 1
+            if block >= self.num_device or not self.ref_count[block]:
+                used += 1
+        return run, used
+
     def num_free_device(self) -> int:
         """Device blocks that an allocation could obtain now (free or evictable)."""
         return len(self.free_device) + self.device_policy.num_evictable()

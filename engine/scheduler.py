@@ -109,7 +109,15 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int, now: float) -> int | None:
         """Take the cached prefix and blocks for the first chunk; None if blocks are short."""
         ctx = seq.request.context
-        blocks = self.pool.acquire_prefix(seq.cacheable_prefix_keys(), ctx, now)
+        keys = seq.cacheable_prefix_keys()
+        # Check first, acquire after: acquiring touches the prefix (a hit for the
+        # eviction policy, host blocks promoted), which a request that then waits
+        # for blocks must not do on every step (vLLM checks before touching too).
+        run, used = self.pool.prefix_cost(keys)
+        short = -(-(run * self.block_size + min(seq.num_tokens - run * self.block_size, budget)) // self.block_size) - run
+        if short + used > self.pool.num_free_device():
+            return None
+        blocks = self.pool.acquire_prefix(keys, ctx, now)
         cached = len(blocks) * self.block_size
         count = min(seq.num_tokens - cached, budget)
         need = -(-(cached + count) // self.block_size) - len(blocks)

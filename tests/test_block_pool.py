@@ -131,3 +131,47 @@ def test_request_larger_than_the_cache_is_cut_not_crashed():
     assert len(blocks) == 2 and hits == 0
     pool.release(list(reversed(blocks)), CTX, 0.0)
     assert pool.num_free_device() == 2
+
+
+def test_a_request_waiting_for_blocks_leaves_its_cached_prefix_untouched():
+    """Admission checks capacity before taking the prefix: a request that must
+    wait does not count as a reuse of its prefix (nor refresh it in LRU) on every
+    step it waits, as acquiring and releasing it each time would."""
+    from engine.request import GenerationRequest
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    bs = 4
+    pool = BlockPool(8, 0, "lru")
+    hits = []
+    real_hit = pool.device_policy.hit
+    pool.device_policy.hit = lambda key, ctx, offset, now: (hits.append(key), real_hit(key, ctx, offset, now))
+    clock = [0.0]
+    scheduler = Scheduler(pool, bs, max_num_seqs=4, max_batched_tokens=64, clock=lambda: clock[0])
+
+    def step():
+        batch = scheduler.schedule()
+        scheduler.after_step(batch)
+        for seq, _ in batch:
+            if seq.num_computed == seq.num_tokens:
+                seq.append(7)
+        clock[0] += 1.0
+
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+    first = Sequence(0, GenerationRequest("first", prefix + [9]), 0, bs, "x")
+    scheduler.add(first)
+    step()
+    scheduler.finish(first, "stop")  # the prefix's two blocks stay cached, evictable
+    big = Sequence(1, GenerationRequest("big", list(range(100, 120))), 0, bs, "x")
+    scheduler.add(big)
+    step()
+    waiting = Sequence(2, GenerationRequest("waiting", prefix + list(range(200, 212))), 0, bs, "x")
+    scheduler.add(waiting)
+    hits.clear()
+    for _ in range(5):
+        step()
+    assert waiting in scheduler.waiting and hits == []
+    scheduler.finish(big, "stop")
+    step()
+    # Admitted once blocks are free: now its prefix counts, once per block it reuses.
+    assert waiting not in scheduler.waiting and len(hits) == waiting.cached_tokens // bs > 0

@@ -128,6 +128,32 @@ async def test_abort_by_id_ends_the_stream(engines):
     assert engine.stats()["blocks"]["device"]["in_use"] == 0
 
 
+async def test_abort_or_shutdown_before_the_loop_takes_the_request_ends_its_stream(engines):
+    """A request aborted (or the engine shut down) before the loop took it in has
+    no sequences yet; its reader must still get every choice's end, not hang."""
+    engine = engines()
+    await engine.start()
+
+    async def last_reason(request):
+        outs = [out async for out in engine.generate(request)]
+        return sorted((out.index, out.finish_reason) for out in outs if out.finish_reason)
+
+    request = greedy("early", prompt_of(20, seed=7), 50)
+    request.sampling.n = 2
+    early = asyncio.create_task(last_reason(request))
+    await asyncio.sleep(0)  # registered, not yet taken in by the loop
+    engine.abort("early")
+    assert await asyncio.wait_for(early, 10) == [(0, "abort"), (1, "abort")]
+
+    busy = asyncio.create_task(last_reason(greedy("busy", prompt_of(40, seed=8), 200)))
+    await asyncio.sleep(0.05)
+    late = asyncio.create_task(last_reason(greedy("late", prompt_of(40, seed=9), 200)))
+    await asyncio.sleep(0)
+    await engine.shutdown()
+    assert await asyncio.wait_for(late, 10) == [(0, "abort")]
+    assert (await asyncio.wait_for(busy, 10))[0][1] in ("abort", "length")
+
+
 async def test_demotion_then_promotion_keeps_kv_bit_exact(engines, reference):
     engine = engines(device_blocks=8, host_blocks_multiplier=4.0)
     pool, kv = engine.pool, engine.kv
