@@ -251,7 +251,8 @@ class CacheConfig(Section):
     # The workload-aware order by default: on the shared traces it matched or beat
     # LRU (bench/RESULTS.md), and where a shadow LRU does better it falls back to
     # LRU by itself (small recordings can go either way by a fraction of a point).
-    policy: Literal["lru", "fifo", "s3fifo", "belady", "wa", "wa-paper"] = "wa"
+    # (belady needs the future: `kvgate replay --policies belady` only)
+    policy: Literal["lru", "fifo", "s3fifo", "wa", "wa-paper"] = "wa"
     s3fifo: S3FifoConfig = S3FifoConfig()
     workload_aware: WorkloadAwareConfig = WorkloadAwareConfig()
 

@@ -96,8 +96,8 @@ def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
             where = f"{source}:{line_no}"
             try:
                 record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise TraceError(f"{where}: not valid JSON ({exc})") from None
+            except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, absurd numbers or nesting
+                raise TraceError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
             if not isinstance(record, dict):
                 raise TraceError(f"{where}: expected a JSON object, got {type(record).__name__}")
             if fmt == "auto":
@@ -157,9 +157,13 @@ def _lengths(record: dict, where: str) -> tuple[int, int]:
 
 def _timestamp(record: dict, where: str) -> float:
     value = _field(record, "timestamp", (int, float), where)
+    try:
+        value = float(value)
+    except OverflowError:
+        raise TraceError(f"{where}: timestamp out of range") from None
     if not math.isfinite(value):
         raise TraceError(f"{where}: timestamp must be finite")
-    return float(value)
+    return value
 
 
 def _mooncake_request(record: dict, where: str, index: int) -> TraceRequest:

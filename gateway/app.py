@@ -29,6 +29,7 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from engine.chat_tokens import ChatTokenizer
+from engine.config import ConfigError
 from engine.context import REQUEST_TYPES, WORKLOADS, RequestContext
 from gateway import errors
 from gateway.classify import ANONYMOUS, Classifier, Principal
@@ -40,7 +41,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer
 from gateway.prefix import PrefixHasher, Prompt
 from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, now_s, parse_json, parse_request
-from gateway.replicas import InProcessReplica, Replica, build_replicas, load_tokenizer
+from gateway.replicas import InProcessReplica, Replica, build_replicas, default_model_name, load_tokenizer
 from gateway.respond import Responder
 from gateway.router import Router
 
@@ -75,6 +76,7 @@ class Gateway:
         self.model_name = ""
         self.max_model_len = config.model.max_model_len
         self.passthrough = False
+        self._identity_known = True
         self.created = now_s()
 
     # -- lifecycle
@@ -99,7 +101,12 @@ class Gateway:
             tokenizer = self._tokenizer or await asyncio.to_thread(load_tokenizer, self.config)
             chat_tokens = await asyncio.to_thread(ChatTokenizer, tokenizer, self.config.model.tokenize_cache_tokens)
             # Engines know their block identity exactly; external servers only their name.
-            info = next((r.info for r in self.replicas if r.kind == "engine"), None) or self.replicas[0].info
+            engines = [r for r in self.replicas if r.kind == "engine"]
+            known = next((r for r in engines if r.info_known), None)
+            info = (known or (engines or self.replicas)[0]).info
+            # No engine answered yet: hash with the config's identity (the one an
+            # engine on the same config has) until one says otherwise.
+            self._identity_known = known is not None or not engines
             self.hasher = PrefixHasher(
                 tokenizer, info.block_size, info.hash_salt, chat_tokens.encode_chat, chat_tokens.encode_text
             )
@@ -114,6 +121,10 @@ class Gateway:
         self.router = Router(self.config.router, [r.name for r in self.replicas], self.hasher.block_size)
         self.dispatcher = Dispatcher(self.router, self.replicas, self.metrics, self.observer)
         self.responder = Responder(self.model_name, self.observer)
+        for r in self.replicas:
+            r.info_listener = self.replica_learnt
+            if r.kind == "engine" and r.info_known:
+                self.replica_learnt(r)
         for i, r in enumerate(self.replicas):
             # Backends with a metrics_url report load the gateway cannot count itself.
             r.load_listener = lambda waiting, usage, i=i: self.router.set_external_load(i, waiting, usage)
@@ -125,6 +136,34 @@ class Gateway:
                 lambda r=r: len(r.index),
             )
         self.observer.start(self.replicas, lambda i: self.router.inflight_requests[i], self.hasher.block_size, self.hasher.salt)
+
+    def replica_learnt(self, replica: Replica) -> None:
+        """A remote replica told the gateway what it is: an external server its model
+        name and context length (it may have been down at start); a `kvgate engine`
+        its block identity, which the gateway's hashes must equal or its index never
+        matches a prompt."""
+        info = replica.info
+        if replica.kind == "openai":
+            if self.config.model.served_name is None and info.model != self.model_name:
+                log.info("serving the model as %r, the name replica %s gives it", info.model, replica.name)
+                self.model_name = self.responder.model_name = info.model
+            self.max_model_len = info.max_model_len
+            return
+        if not self._identity_known:
+            self._identity_known = True
+            self.hasher.block_size = self.router.block_size = info.block_size
+            self.hasher.salt = info.hash_salt
+            self.max_model_len = info.max_model_len
+            log.info("replica %s answered: hashing blocks as it does (%d tokens, salt %r)", replica.name,
+                     info.block_size, info.hash_salt)
+        elif (info.block_size, info.hash_salt) != (self.hasher.block_size, self.hasher.salt):
+            log.error("replica %s hashes blocks of %d tokens salted %r, the gateway %d salted %r: its prefix index "
+                      "cannot match (run every engine on the same model and engine.block_size)", replica.name,
+                      info.block_size, info.hash_salt, self.hasher.block_size, self.hasher.salt)
+        expected = default_model_name(self.config)
+        if info.model != expected and self.config.model.served_name is None:
+            log.error("replica %s runs model %r but the gateway tokenises prompts for %r (model.path): give the "
+                      "gateway the engines' model", replica.name, info.model, expected)
 
     async def close(self) -> None:
         await asyncio.gather(*(r.close() for r in self.replicas), return_exceptions=True)
@@ -373,7 +412,7 @@ def _load_keys(config: KvgateConfig) -> dict[str, Principal]:
         key, _, rest = item.partition(":")
         tenant, _, workload = rest.partition(":")
         if workload and workload not in WORKLOADS:
-            raise ValueError(f"KVGATE_API_KEYS: workload {workload!r} for a key must be one of {', '.join(WORKLOADS)}")
+            raise ConfigError(f"KVGATE_API_KEYS: workload {workload!r} for a key must be one of {', '.join(WORKLOADS)}")
         keys[key] = Principal(tenant or "default", workload or None)
     return keys
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -39,16 +40,17 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway")
     serve.add_argument("--config", help="config.yaml (default: built-in defaults)")
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="listen port (default 8000)")
+    serve.add_argument("--port", type=_port, help="listen port (default 8000)")
     serve.add_argument("--replica", action="append", default=[], metavar="URL",
-                       help="a `kvgate engine` server to route to; repeat for more")
+                       help="a `kvgate engine` server to route to (openai+http://... for an external "
+                            "OpenAI-compatible server); repeat for more")
     serve.add_argument("--record-trace", metavar="FILE", help="record served traffic as a Bailian trace")
     serve.set_defaults(run=_run_serve)
 
     engine = sub.add_parser("engine", help="run one engine replica over HTTP")
     engine.add_argument("--config", help="config.yaml")
-    engine.add_argument("--host", default=None)
-    engine.add_argument("--port", type=int, default=8001)
+    engine.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    engine.add_argument("--port", type=_port, default=8001, help="listen port (default 8001)")
     engine.set_defaults(run=_run_engine)
 
     replay = sub.add_parser("replay", help="replay a trace through the block cache")
@@ -114,8 +116,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         config.server.record_trace = args.record_trace
     from gateway.server import run_gateway
 
-    run_gateway(config, args.host or config.server.host, args.port if args.port is not None else config.server.port,
-                args.replica)
+    with _startup_errors():
+        run_gateway(config, args.host or config.server.host,
+                    args.port if args.port is not None else config.server.port, args.replica)
     return 0
 
 
@@ -123,8 +126,45 @@ def _run_engine(args: argparse.Namespace) -> int:
     config = _load_config(args.config)
     from gateway.server import run_engine_server
 
-    run_engine_server(config, args.host or config.server.host, args.port)
+    with _startup_errors():
+        run_engine_server(config, args.host or config.server.host, args.port)
     return 0
+
+
+@contextlib.contextmanager
+def _startup_errors():
+    """What stops a server from starting (the model, the port, the keys, the
+    recording file) as one line: these say what to fix, a traceback would not."""
+    from engine.config import ConfigError
+    from engine.model_loader import ModelLoadError
+
+    try:
+        yield
+    except (ModelLoadError, ConfigError) as exc:
+        raise CliError(str(exc)) from None
+    except OSError as exc:  # the port in use, a recording path that cannot be made
+        raise CliError(f"cannot start: {exc}") from None
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number (0-65535)")
+    return value
+
+
+def _writable(path: str | None, flag: str) -> None:
+    """Refuse an output path that cannot be written before a long run, not after."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        raise CliError(f"{flag}: {path} is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise CliError(f"{flag}: cannot write into {parent}")
 
 
 def _parse_list(text: str, kind: type, name: str) -> list:
@@ -137,8 +177,8 @@ def _parse_list(text: str, kind: type, name: str) -> list:
             value = kind(part)
         except ValueError:
             raise CliError(f"{name}: {part!r} is not a {'number' if kind is float else 'whole number'}") from None
-        if value <= 0:
-            raise CliError(f"{name}: {part!r} must be positive")
+        if not value > 0 or value == float("inf"):
+            raise CliError(f"{name}: {part!r} must be a positive, finite number")
         values.append(value)
     if not values:
         raise CliError(f"{name}: give at least one value")
@@ -154,6 +194,14 @@ def _run_replay(args: argparse.Namespace) -> int:
     from engine.traces import TraceError, load_trace
 
     config = _load_config(args.config)
+    _writable(args.json, "--json")
+    _writable(args.plot, "--plot")
+    if args.plot and os.path.splitext(args.plot)[1].lower() not in ("", ".png", ".pdf", ".svg", ".jpg", ".jpeg"):
+        raise CliError("--plot: write .png, .pdf, .svg or .jpg")
+    if args.host_blocks < 0:
+        raise CliError("--host-blocks: give a number >= 0")
+    if args.replicas < 1:
+        raise CliError("--replicas: give a positive number")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in policy_names()]
     if unknown or not policies:
@@ -237,11 +285,13 @@ def _run_tune(args: argparse.Namespace) -> int:
         capacity = args.capacity_blocks
     else:
         fraction = 0.05 if args.capacity is None else args.capacity
-        if not 0 < fraction:
+        if not 0 < fraction < float("inf"):
             raise CliError("--capacity: give a positive fraction of the unique blocks")
         capacity = max(1, round(fraction * unique))
     if not 0 <= args.holdout < 1:
         raise CliError("--holdout: give a fraction in [0, 1)")
+    if args.host_blocks < 0:
+        raise CliError("--host-blocks: give a number >= 0")
     with tqdm(total=1, unit="replay", file=sys.stderr, disable=True if args.no_progress else None, leave=False) as bar:
         def progress(done: int, planned: int, label: str) -> None:
             bar.total = planned
@@ -270,6 +320,7 @@ def _run_synth(args: argparse.Namespace) -> int:
         return 0
     if not args.output:
         raise CliError("synth: give -o FILE for the trace (or --stats FILE to analyse one)")
+    _writable(args.output, "-o")
     try:
         records = synth.synthesize(args.profile, args.duration, args.rate, args.seed)
     except ValueError as exc:

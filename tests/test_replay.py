@@ -145,6 +145,8 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
         ("[1, 2]\n", ":1: expected a JSON object"),
         ('{"timestamp": 0, "input_length": 3}\n', ":1: missing field 'hash_ids'"),
         ("\n\n", "holds no requests"),
+        ('{"timestamp": 1' + "0" * 400 + ', "input_length": 3, "hash_ids": [1]}\n', ":1: timestamp out of range"),
+        ("[" * 100_000 + "\n", ":1: not valid JSON"),
     ],
 )
 def test_cli_bad_traces_give_file_line_and_status_2(tmp_path, capsys, content, expected):
@@ -165,7 +167,26 @@ def test_cli_missing_trace_and_bad_arguments(tmp_path, capsys):
     assert main(["replay", str(trace), "--capacity", "0.1,abc"]) == 2
     assert "not a number" in capsys.readouterr().err
     assert main(["replay", str(trace), "--capacity-blocks", "-5"]) == 2
-    assert "must be positive" in capsys.readouterr().err
+    assert "must be a positive" in capsys.readouterr().err
+    assert main(["replay", str(trace), "--capacity", "nan"]) == 2
+    assert "must be a positive" in capsys.readouterr().err
+    assert main(["replay", str(trace), "--host-blocks", "-5"]) == 2
+    assert "--host-blocks" in capsys.readouterr().err
+    # Output that cannot be written is refused before the run, not after it.
+    assert main(["replay", str(trace), "--json", str(tmp_path / "no" / "x.json")]) == 2
+    assert "--json: cannot write" in capsys.readouterr().err
+    assert main(["replay", str(trace), "--plot", str(tmp_path / "x.xyz")]) == 2
+    assert "--plot" in capsys.readouterr().err
+
+
+def test_a_long_gap_in_a_trace_replays_promptly(tmp_path):
+    """The traffic-rhythm detector steps through trace time a minute at a time:
+    a gap of years between two requests must not take years of steps."""
+    path = tmp_path / "gap.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 3, "hash_ids": [1]}\n'
+                    '{"timestamp": 1e12, "input_length": 3, "hash_ids": [1]}\n')
+    result = replay(load_trace(str(path)), "wa", 1)
+    assert (result.hits, result.accesses) == (1, 2)
 
 
 def test_console_script_runs(tmp_path):

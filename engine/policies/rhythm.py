@@ -9,6 +9,9 @@ import math
 from collections import OrderedDict, deque
 
 
+# Idle minutes stepped through at most between two arrivals (one week).
+_MAX_IDLE_MINUTES = 7 * 24 * 60
+
 class TrafficRhythm:
     """Per-minute-of-hour arrival profile and a spike state.
 
@@ -64,6 +67,11 @@ class TrafficRhythm:
             if self.minutes_seen >= self.min_minutes:
                 means = sorted(self.sums[m] / self.hours[m] for m in range(60) if self.hours[m])
                 self.baseline = means[len(means) // 2]
+            if minute - self.minute > _MAX_IDLE_MINUTES:
+                # A longer silence (a gap in a trace) adds nothing but more empty
+                # minutes: a week of them stands for all, instead of stepping
+                # through years of trace time minute by minute.
+                self.minute = minute - _MAX_IDLE_MINUTES
 
     def arrival(self, now: float) -> None:
         self.update(now)
