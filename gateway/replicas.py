@@ -543,6 +543,8 @@ class RemoteReplica(Replica):
             await asyncio.wait((post, self._cut), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             post.cancel()  # the client went away meanwhile
+            if post.done() and not post.cancelled() and post.exception() is None:
+                post.result().close()  # it answered in the same moment: let the connection go
             raise
         if not post.done():
             post.cancel()
