@@ -114,13 +114,11 @@ class Scheduler:
         # eviction policy, host blocks promoted), which a request that then waits
         # for blocks must not do on every step (vLLM checks before touching too).
         run, used = self.pool.prefix_cost(keys)
-        short = -(-(run * self.block_size + min(seq.num_tokens - run * self.block_size, budget)) // self.block_size) - run
-        if short + used > self.pool.num_free_device():
+        if self._first_chunk(seq, run, budget)[1] + used > self.pool.num_free_device():
             return None
         blocks = self.pool.acquire_prefix(keys, ctx, now)
         cached = len(blocks) * self.block_size
-        count = min(seq.num_tokens - cached, budget)
-        need = -(-(cached + count) // self.block_size) - len(blocks)
+        count, need = self._first_chunk(seq, len(blocks), budget)
         try:
             fresh = self.pool.allocate(need, now)
         except NoFreeBlocks:
@@ -134,6 +132,13 @@ class Scheduler:
             self.prefix_query_tokens += seq.num_tokens
             self.prefix_hit_tokens += cached
         return count
+
+    def _first_chunk(self, seq: Sequence, cached_blocks: int, budget: int) -> tuple[int, int]:
+        """(tokens of the first chunk, fresh blocks it needs) when ``cached_blocks``
+        of the prompt come from the cache."""
+        cached = cached_blocks * self.block_size
+        count = min(seq.num_tokens - cached, budget)
+        return count, -(-(cached + count) // self.block_size) - cached_blocks
 
     def after_step(self, scheduled: list[ScheduledSeq]) -> None:
         """The step's KV is in the pool: advance and publish blocks that filled up."""

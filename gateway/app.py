@@ -116,7 +116,7 @@ class Gateway:
         self.max_model_len = info.max_model_len
         # A fleet of external servers only: fields the kvgate engine cannot honour
         # (tools, JSON output, echo, ...) are theirs to handle, passed through as sent.
-        self.passthrough = all(getattr(r, "kind", "") == "openai" for r in self.replicas)
+        self.passthrough = all(r.kind == "openai" for r in self.replicas)
         self.classifier = Classifier(self.config.classifier, self.hasher)
         self.router = Router(self.config.router, [r.name for r in self.replicas], self.hasher.block_size)
         self.dispatcher = Dispatcher(self.router, self.replicas, self.metrics, self.observer)
