@@ -73,6 +73,14 @@ class ReplicaConfig(Section):
     # `kvgate engine` to answer /kvgate/info).  A replica that connects but never
     # answers is left when its health checks open the breaker.
     connect_timeout_s: float = Field(10.0, gt=0)
+    # Seconds a request waits for the replica's next bytes (its response headers,
+    # then each piece of the stream) before giving up on it: a request stuck in a
+    # replica that still passes its health checks.  Before the first token the
+    # request goes to another replica; after it, the stream ends with an error
+    # event.  Generous, because a long prompt's prefill or a deep queue sends
+    # nothing for a while (Envoy's stream idle timeout is five minutes too).
+    # 0: wait forever.
+    read_timeout_s: float = Field(300.0, ge=0)
     # Prometheus endpoint of an external server (vllm:num_requests_waiting, ...).
     metrics_url: str | None = None
 

@@ -249,6 +249,11 @@ class RemoteReplica(Replica):
         if cfg.kind == "openai":
             self.index = ApproxIndex(router_cfg.approx_ttl_s, router_cfg.approx_capacity_blocks)
         self._session: aiohttp.ClientSession | None = None
+        # For generation requests: sock_read bounds each wait for the replica's
+        # next bytes, which is what a stuck request looks like from here.
+        self._request_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s or None
+        )
         self._tasks: list[asyncio.Task] = []
         self._failures = 0
         self._open_until = 0.0
@@ -538,7 +543,9 @@ class RemoteReplica(Replica):
         # breaker opens, and, having produced nothing, is retried elsewhere.
         if self._cut is None:
             self._cut = asyncio.get_running_loop().create_future()
-        post = asyncio.ensure_future(self._session.post(self.base + path, json=body, headers=headers))
+        post = asyncio.ensure_future(
+            self._session.post(self.base + path, json=body, headers=headers, timeout=self._request_timeout)
+        )
         try:
             await asyncio.wait((post, self._cut), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
@@ -551,6 +558,9 @@ class RemoteReplica(Replica):
             raise ReplicaUnavailable(f"replica {self.name} stopped answering")
         try:
             resp = post.result()
+        except aiohttp.ServerTimeoutError as exc:
+            self._note_failure()
+            raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             self._note_failure()
             raise ReplicaUnavailable(f"replica {self.name}: {exc}") from exc
@@ -607,6 +617,12 @@ class RemoteReplica(Replica):
                 # EOF without [DONE]: the server went away; a silent truncation
                 # would look like a complete answer to the client.
                 raise ReplicaUnavailable(f"replica {self.name} closed the stream before [DONE]")
+        except aiohttp.ServerTimeoutError as exc:
+            # One request stuck while the replica may be serving others: a failure
+            # to count, not a reason to cut every stream it has (a replica that is
+            # wholly hung fails its health checks, and those open the breaker).
+            self._note_failure()
+            raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, ReplicaUnavailable) as exc:
             # ValueError: a broken frame (JSONDecodeError) from a dying server.
             if produced:
@@ -620,6 +636,12 @@ class RemoteReplica(Replica):
             self._live.discard(resp)
             # Closing the connection is what aborts the request upstream.
             resp.close()
+
+
+    def _timeout_reason(self, exc: aiohttp.ServerTimeoutError) -> str:
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            return f"no connection within {self.cfg.connect_timeout_s:g} s"
+        return f"sent nothing for {self.cfg.read_timeout_s:g} s (read_timeout_s)"
 
 
 # Delta fields the gateway writes itself; the rest of an external server's delta is relayed.

@@ -433,6 +433,79 @@ async def test_request_waiting_for_headers_gives_up_when_the_breaker_opens(tiny_
         await upstream.stop()
 
 
+async def test_request_stuck_in_a_healthy_replica_times_out(tiny_model_dir):
+    """A replica that passes its health checks but leaves one request without an
+    answer (read_timeout_s): before the first token the request goes to another
+    replica; after it, the stream ends with an error event, and the replica,
+    still healthy, stays in routing (one stuck request is not a dead server)."""
+    state = {"stall": "headers", "stalled": 0}
+
+    async def chat(request):
+        await request.read()
+        if state["stall"] == "headers":
+            state["stalled"] += 1
+            await asyncio.sleep(20)  # bounded: the gateway must give up well before
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"index": 0, "delta": {"content": "Hello"}, "finish_reason": None}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if state["stall"] == "stream":
+            state["stalled"] += 1
+            await asyncio.sleep(20)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def answer(request):
+        await request.read()
+        chunk = {"choices": [{"index": 0, "delta": {"content": "Fine"}, "finish_reason": "stop"}]}
+        return web.Response(body=b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n",
+                            content_type="text/event-stream")
+
+    healthy = _models_while({"healthy": True})
+    stuck = await _scripted_upstream(healthy, chat)
+    good = await _scripted_upstream(healthy, answer)
+    timeout = 0.5
+    replicas = [ReplicaConfig(kind="openai", url=stuck.url, name="stuck", read_timeout_s=timeout),
+                ReplicaConfig(kind="openai", url=good.url, name="good", read_timeout_s=timeout)]
+    router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=5)
+    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
+    gw = await start_server(app)
+    stuck_replica = app[GATEWAY].replicas[0]
+    client = _client(gw.url)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+        # Round-robin sends one of these two to the stuck replica: both get answers.
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for _ in range(2):
+            out = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+            assert out.choices[0].message.content == "Fine"
+        assert state["stalled"] == 1 and loop.time() - started < 5
+        assert stuck_replica.healthy
+
+        state["stall"] = "stream"
+        texts, failure = [], None
+        for _ in range(2):  # one of the two streams reaches the stuck replica
+            stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True)
+            try:
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        texts.append(chunk.choices[0].delta.content)
+            except openai.APIError as exc:
+                failure = exc
+        assert state["stalled"] == 2
+        assert "Hello" in texts and "Fine" in texts
+        assert failure is not None and "sent nothing for 0.5 s" in str(failure)
+        assert stuck_replica.healthy  # a stuck request does not cut the replica's other streams
+        assert app[GATEWAY].router.inflight_requests == [0, 0]
+    finally:
+        await client.close()
+        await gw.stop()
+        await stuck.stop()
+        await good.stop()
+
+
 async def test_replicas_that_answer_after_the_gateway_started(tiny_model_dir, unused_tcp_port_factory):
     """Kubernetes starts the gateway and its engines together: a `kvgate engine`
     that comes up late still gets prefix matches (its block identity is the
