@@ -28,6 +28,7 @@ from engine.runner import ModelRunner
 from engine.sampling import SequenceSampler, sample_batch
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
+from engine.token_pieces import TokenPieces
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class AsyncEngine:
         self.loaded = loaded
         self.engine_cfg = engine_cfg
         self.chat_tokens = ChatTokenizer(loaded.tokenizer, tokenize_cache_tokens)
+        self.token_pieces = TokenPieces(loaded.tokenizer)  # logprobs' token texts, shared by every sampler
         config = loaded.model.config
         bs = engine_cfg.block_size
         shape = KVShape.from_model_config(config, bs, loaded.dtype)
@@ -293,7 +295,8 @@ class AsyncEngine:
         for index in range(request.sampling.n):
             seq = Sequence(self._next_seq_id, request, index, self.block_size, self.hash_salt)
             self._next_seq_id += 1
-            seq.sampler = SequenceSampler(request.sampling, self.tokenizer, request.prompt_token_ids, self.eos_ids, index)
+            seq.sampler = SequenceSampler(request.sampling, self.tokenizer, request.prompt_token_ids, self.eos_ids, index,
+                                          self.token_pieces)
             state.seqs.append(seq)
         first, *forks = state.seqs
         # Siblings wait until the first choice has computed (and published) the

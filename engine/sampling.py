@@ -8,6 +8,7 @@ from collections import Counter
 import torch
 
 from engine.request import SamplingParams, TokenLogprob
+from engine.token_pieces import TokenPieces
 
 # Prompt tokens the detokeniser starts from: tokenizers that merge a leading
 # space into the first piece decode a lone continuation token differently.
@@ -47,9 +48,11 @@ class SequenceSampler:
         prompt_ids: list[int],
         eos_ids: set[int],
         index: int = 0,
+        pieces: TokenPieces | None = None,
     ) -> None:
         self.params = params
         self.tokenizer = tokenizer
+        self.pieces = pieces or TokenPieces(tokenizer)
         self.eos_ids = set() if params.ignore_eos else eos_ids
         self.stop_ids = set(params.stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
@@ -114,11 +117,8 @@ class SequenceSampler:
         k = self.params.logprobs or 0
         if k > 0:
             values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
-            top = [(int(i), self._piece(int(i)), float(v)) for v, i in zip(values, ids)]
-        return TokenLogprob(token, self._piece(token), float(logprobs[token]), top)
-
-    def _piece(self, token: int) -> str:
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+            top = [(int(i), self.pieces.text(int(i)), float(v)) for v, i in zip(values, ids)]
+        return TokenLogprob(token, self.pieces.text(token), float(logprobs[token]), top)
 
     def accept(self, token: int, num_tokens: int, max_model_len: int) -> tuple[str, str | None]:
         """Record a sampled token; returns (text delta to emit, finish reason or None)."""

@@ -9,6 +9,7 @@ so the official SDKs parse them without complaint.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import time
@@ -18,6 +19,7 @@ from random import getrandbits as _random_bits
 from typing import Any
 
 from engine.request import SamplingParams, TokenLogprob, Usage
+from engine.token_pieces import token_bytes
 from gateway.config import LimitsConfig
 from gateway.errors import bad_request
 
@@ -464,8 +466,8 @@ def chat_logprobs(items: list[TokenLogprob] | None) -> dict | None:
             {
                 "token": lp.token,
                 "logprob": lp.logprob,
-                "bytes": list(lp.token.encode()),
-                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for _, t, v in lp.top],
+                "bytes": token_bytes(lp.token),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": token_bytes(t)} for _, t, v in lp.top],
             }
             for lp in items
         ],
@@ -473,12 +475,31 @@ def chat_logprobs(items: list[TokenLogprob] | None) -> dict | None:
     }
 
 
-def completion_logprobs(items: list[TokenLogprob] | None, text_offset: int, with_sampled: bool = True) -> dict | None:
-    """The legacy shape; ``with_sampled``: each top_logprobs entry also holds the
-    sampled token (up to logprobs + 1 entries), as OpenAI and vLLM return them."""
+class TokenOffsets:
+    """Where each logprobs token starts in its choice's text (the legacy
+    ``text_offset``), in characters.  A token that holds part of a character
+    (``bytes:\\x..``) adds nothing until the one that completes it adds the
+    character, so the offsets index the text the client reads."""
+
+    __slots__ = ("position", "_utf8")
+
+    def __init__(self) -> None:
+        self.position = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, token: str) -> int:
+        start = self.position
+        self.position += len(self._utf8.decode(bytes(token_bytes(token))))
+        return start
+
+
+def completion_logprobs(items: list[TokenLogprob] | None, offsets: TokenOffsets, with_sampled: bool = True) -> dict | None:
+    """The legacy shape; ``offsets`` carries the text position across a stream's
+    chunks.  ``with_sampled``: each top_logprobs entry also holds the sampled
+    token (up to logprobs + 1 entries), as OpenAI and vLLM return them."""
     if items is None:
         return None
-    tokens, values, tops, offsets = [], [], [], []
+    tokens, values, tops, starts = [], [], [], []
     for lp in items:
         tokens.append(lp.token)
         values.append(lp.logprob)
@@ -486,9 +507,8 @@ def completion_logprobs(items: list[TokenLogprob] | None, text_offset: int, with
         if with_sampled:
             top.setdefault(lp.token, lp.logprob)
         tops.append(top or None)
-        offsets.append(text_offset)
-        text_offset += len(lp.token)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+        starts.append(offsets.advance(lp.token))
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": starts}
 
 
 @dataclass(slots=True)
@@ -498,7 +518,7 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
-    text_len: int = 0
+    offsets: TokenOffsets | None = None  # streamed completions with logprobs
     started: bool = False
     # An external server's other message fields (tool_calls, reasoning_content).
     extra: dict | None = None
@@ -573,7 +593,7 @@ def text_completion(
             {
                 "index": i,
                 "text": "".join(c.text),
-                "logprobs": completion_logprobs(c.logprobs, 0, with_sampled),
+                "logprobs": completion_logprobs(c.logprobs, TokenOffsets(), with_sampled),
                 "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(choices)
@@ -640,7 +660,9 @@ class StreamFormatter:
         if self._chat:
             delta = {"content": text} if text or finish is None else {}
             return self._frame({"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish})
-        lp = completion_logprobs(logprobs, state.text_len, self.with_sampled)
+        if state.offsets is None:
+            state.offsets = TokenOffsets()
+        lp = completion_logprobs(logprobs, state.offsets, self.with_sampled)
         return self._frame({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
 
     def usage(self, usage: dict) -> bytes:

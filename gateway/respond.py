@@ -152,7 +152,6 @@ class Responder:
                             choices_left -= 1
                         if text or out.logprobs or out.finish_reason is not None or out.extra:
                             frames.append(fmt.delta(index, text, out.logprobs, state, out.finish_reason, out.extra))
-                        state.text_len += len(text)
                 except ApiError:
                     if frames:
                         await resp.write(b"".join(frames))  # what came before the failure

@@ -95,8 +95,9 @@ async def test_completions_models_and_logprobs(gw):
     assert resp.object == "text_completion" and [c.index for c in resp.choices] == [0, 1, 2, 3]
     assert resp.usage.completion_tokens == 8
     lp = resp.choices[0].logprobs
-    assert len(lp.tokens) == 2 and lp.text_offset == [0, len(lp.tokens[0])]
-    # (tokens may end in a partial UTF-8 character the text holds back: no equality)
+    assert len(lp.tokens) == 2 and lp.text_offset[0] == 0
+    if not lp.tokens[0].startswith("bytes:"):  # a whole character or more (else it adds none yet)
+        assert lp.text_offset[1] == len(lp.tokens[0])
     # The top 2 plus the sampled token when it is not among them (OpenAI: up to logprobs + 1).
     assert all(2 <= len(top) <= 3 and top[tok] == val for top, tok, val in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
     zero = await client.completions.create(model=MODEL, prompt="one", max_tokens=2, logprobs=0, extra_body=FIXED)
@@ -124,6 +125,19 @@ async def test_logit_bias_and_echo(gw):
     assert forced.choices[0].text == "aaa"
     banned = await client.completions.create(**base, logit_bias={str(token): -100}, logprobs=0)
     assert "a" not in banned.choices[0].logprobs.tokens
+
+    with_offsets = await client.completions.create(**base, logit_bias={str(token): 100}, logprobs=1)
+    assert with_offsets.choices[0].logprobs.text_offset == [0, 1, 2]
+
+    # A token holding part of a character: OpenAI's "bytes:\\x.." with its real bytes.
+    (partial,) = tokenizer.convert_tokens_to_ids([chr(0xE4)])  # byte 0xE4 in the byte-level alphabet
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1, temperature=0, logprobs=True,
+        top_logprobs=2, logit_bias={str(partial): 100}, extra_body=FIXED,
+    )
+    first = chat.choices[0].logprobs.content[0]
+    assert (first.token, first.bytes) == ("bytes:\\xe4", [0xE4])
+    assert all(bytes(t.bytes) == t.token.encode() for t in first.top_logprobs if not t.token.startswith("bytes:"))
 
     plain = await client.completions.create(**base)
     echoed = await client.completions.create(**base, echo=True)
