@@ -177,11 +177,20 @@ class BlockPool:
     def cache_block(self, block: int, key: int, ctx: RequestContext, offset: int, now: float) -> bool:
         """Publish a full in-use device block under ``key`` so later prompts match it.
 
-        Returns False (and leaves the block private) when another block
+        Returns False (and leaves the block private) when another device block
         already holds ``key``, e.g. two requests computed the same prefix at once.
+        A host-tier copy gives way instead: the prompt's cached run stopped
+        before it, so it was computed again here, and keeping the host copy
+        would leave this one unshared and the next prompt promoting the old one.
         """
-        if key in self.cached or self.block_key[block] is not None:
+        if self.block_key[block] is not None:
             return False
+        held = self.cached.get(key)
+        if held is not None:
+            if held < self.num_device:
+                return False
+            self._drop_host_copy(held, key)
+            self.free_host.append(held)
         self.block_key[block] = key
         self.block_ctx[block] = ctx
         self.block_offset[block] = offset
@@ -304,11 +313,10 @@ class BlockPool:
     def _promote(self, host_block: int, key: int, ctx: RequestContext, offset: int, now: float) -> int | None:
         if not self.free_device and self.device_policy.num_evictable() == 0:
             return None
-        # Leave the host tier first so the demotion this may cause cannot pick it.
-        self.host_policy.remove(key)
-        del self.cached[key]
-        self.block_key[host_block] = None
-        self._emit("removed", key, HOST)
+        # Leave the host tier first so the demotion this may cause cannot pick it,
+        # and free the host block only after: a demotion into it now would be
+        # copied before the promotion copies out of it.
+        self._drop_host_copy(host_block, key)
         block = self._take_device_block(now)
         if self.record_copies:
             self.copies.append((host_block, block))
@@ -318,6 +326,12 @@ class BlockPool:
         self.cache_block(block, key, ctx, offset, now)
         self.device_policy.hit(key, ctx, offset, now)
         return block
+
+    def _drop_host_copy(self, host_block: int, key: int) -> None:
+        self.host_policy.remove(key)
+        del self.cached[key]
+        self.block_key[host_block] = None
+        self._emit("removed", key, HOST)
 
     def _emit(self, kind: str, key: int, tier: str) -> None:
         if self.on_event is not None:

@@ -102,6 +102,30 @@ def test_demotion_then_promotion_with_copies_and_events():
     assert all(count == 0 for count in pool.ref_count)
 
 
+def test_recomputed_block_replaces_its_host_copy():
+    """A prompt whose cached run breaks before a block the host tier holds
+    computes that block again on the device: the device copy is published and
+    the host copy dropped, rather than the new block staying private."""
+    events = []
+    pool = BlockPool(6, 2, on_event=lambda kind, keys, tier: events.append((kind, keys[0], tier)))
+    a = fill(pool, [1, 2])
+    pool.release(list(reversed(a)), CTX, 1.0)
+    b = fill(pool, [3, 4, 5, 6], now=2.0)
+    pool.release(list(reversed(b)), CTX, 3.0)
+    spare = pool.allocate(1, 4.0)  # the device's least recent block, key 2, goes to the host
+    pool.release(spare, CTX, 4.0)
+    assert pool.match_prefix([2]) == PrefixMatch(0, 1)
+    # A prompt [7, 2]: its run breaks at once (7 was never cached), so both are computed.
+    fresh = pool.allocate(2, 5.0)
+    assert pool.cache_block(fresh[0], 7, CTX, 0, 5.0)
+    assert pool.cache_block(fresh[1], 2, CTX, 1, 5.0)
+    assert pool.cached[2] == fresh[1] and pool.match_prefix([7, 2]) == PrefixMatch(2, 0)
+    assert events[-2:] == [("removed", 2, "host"), ("stored", 2, "device")]
+    assert pool.match_prefix([1]) == PrefixMatch(0, 1) and len(pool.free_host) == 1
+    pool.release(list(reversed(fresh)), CTX, 6.0)
+    assert pool.match_prefix([7, 2]) == PrefixMatch(2, 0)
+
+
 def test_host_tier_evicts_its_own_victims():
     pool = BlockPool(1, 1)
     for t, key in enumerate([1, 2, 3]):
