@@ -257,6 +257,10 @@ def format_report(result: TuneResult, trace_name: str, requests: int, unique_blo
         h = result.holdout
         lines.append(f"# held-out tail (cold cache): lru {h['lru']:.4f}, starting {h['start']:.4f}, tuned {h['best']:.4f} "
                      f"({pts(h['best'], h['start'])} vs starting)")
+        if h["best"] < h["start"]:
+            # The search fitted the head of the trace, not its traffic: say so
+            # next to the snippet, which a reader would otherwise paste as is.
+            lines.append("# the tuned settings lose on the held-out tail: keep the starting ones")
     if result.skipped:
         lines.append(f"# not searched (not in this config): {', '.join(result.skipped)}")
     lines.append(config_snippet(result))

@@ -76,6 +76,7 @@ class Gateway:
         self.model_name = ""
         self.max_model_len = config.model.max_model_len
         self.passthrough = False
+        self.has_external = False
         self._identity_known = True
         self.created = now_s()
 
@@ -114,9 +115,11 @@ class Gateway:
             self.metrics.watch_chat_tokens(chat_tokens.stats)
         self.model_name = self.config.model.served_name or info.model
         self.max_model_len = info.max_model_len
-        # A fleet of external servers only: fields the kvgate engine cannot honour
-        # (tools, JSON output, echo, ...) are theirs to handle, passed through as sent.
+        # Fields the kvgate engine cannot honour (tools, JSON output, echo with
+        # logprobs, ...) are the external servers' to handle, passed through as
+        # sent; in a mixed fleet such requests go to those servers only.
         self.passthrough = all(r.kind == "openai" for r in self.replicas)
+        self.has_external = any(r.kind == "openai" for r in self.replicas)
         self.classifier = Classifier(self.config.classifier, self.hasher)
         self.router = Router(self.config.router, [r.name for r in self.replicas], self.hasher.block_size)
         self.dispatcher = Dispatcher(self.router, self.replicas, self.metrics, self.observer)
@@ -260,7 +263,7 @@ class Gateway:
             parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
             if parsed.model != self.model_name:
                 raise errors.model_not_found(parsed.model)
-            if parsed.engine_unsupported is not None and not self.passthrough:
+            if parsed.engine_unsupported is not None and not self.has_external:
                 raise bad_request(*parsed.engine_unsupported)
             subs, max_tokens = await self.prepare(request, parsed, principal)
             workload = subs[0].context.workload
@@ -299,7 +302,7 @@ class Gateway:
                               f"{self.hasher.vocab_size}.", "logit_bias")
         max_tokens = self.resolve_max_tokens(parsed, longest)
         parsed.sampling.max_tokens = max_tokens
-        if parsed.echo and not self.passthrough:
+        if parsed.echo and not self.passthrough and parsed.engine_unsupported is None:
             decode = self.hasher.tokenizer.decode
             parsed.echo_texts = [p if isinstance(p, str) else decode(p) for p in sources]
         override = self.engine_context(parsed.body) if self.engine_mode else None

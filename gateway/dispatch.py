@@ -81,11 +81,13 @@ class Dispatcher:
         workload = sub.context.workload
         arrival = time.monotonic()
         tried: list[int] = []
+        # A request only an external server can honour (tools, JSON output) goes to one.
+        external_only = parsed.engine_unsupported is not None
         while True:
             decision = router.choose(
                 sub.prompt.keys,
                 [r.index for r in self.replicas],
-                [r.healthy for r in self.replicas],
+                [r.healthy and (r.kind == "openai" or not external_only) for r in self.replicas],
                 sub.context.session,
                 tried,
             )

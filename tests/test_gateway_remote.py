@@ -367,6 +367,55 @@ async def test_external_server_features_pass_through(tiny_model_dir):
         await upstream.stop()
 
 
+async def test_mixed_fleet_sends_tool_requests_to_the_external_server(tiny_model_dir):
+    """A kvgate engine beside an external server: requests with tools or JSON output
+    go to the external server only (the engine would ignore them); the rest go
+    anywhere; with the external server out of routing they get a 503, not a
+    plain-text answer from the engine."""
+    state = {"healthy": True, "calls": 0}
+
+    async def chat(request):
+        await request.json()
+        state["calls"] += 1
+        delta = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                 "function": {"name": "add", "arguments": "{}"}}]}
+        chunks = [{"choices": [{"index": 0, "delta": delta, "finish_reason": "tool_calls"}]}]
+        body = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+        return web.Response(body=body, content_type="text/event-stream")
+
+    upstream = await _scripted_upstream(_models_while(state), chat)
+    replicas = [ReplicaConfig(kind="inprocess"), ReplicaConfig(kind="openai", url=upstream.url, name="vllm")]
+    router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=1, breaker_reset_s=60)
+    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Add one and two."}]
+    try:
+        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+        for _ in range(3):
+            out = await client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=5)
+            assert out.choices[0].message.tool_calls[0].function.name == "add"
+        assert state["calls"] == 3
+        # Plain requests still use the engine (round-robin alternates over both).
+        for _ in range(2):
+            await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        assert state["calls"] == 4
+
+        state["healthy"] = False
+        await wait_for(lambda: not app[GATEWAY].replicas[1].healthy, what="external server out")
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=5)
+        assert info.value.status_code == 503
+        plain = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                                     extra_body={"ignore_eos": True})
+        assert plain.choices[0].finish_reason == "length"
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
+
+
 async def test_engine_shutting_down_finishes_its_streams_and_leaves_routing(tiny_model_dir):
     """A rolling restart: the engine stops listening and drains.  Its streams
     through the gateway run to [DONE] (they are not cut as a dead replica's

@@ -9,7 +9,7 @@ from engine import synth
 from engine.config import CacheConfig
 from engine.replay import replay
 from engine.traces import load_trace
-from engine.tune import SEARCH_SPACE, config_snippet, tune, with_settings
+from engine.tune import SEARCH_SPACE, Evaluation, TuneResult, config_snippet, format_report, tune, with_settings
 from gateway.cli import main
 from gateway.config import KvgateConfig
 
@@ -69,3 +69,13 @@ def test_cli_prints_baselines_and_a_config_snippet(trace_path, capsys):
     snippet = out[out.index("cache:"):]
     assert KvgateConfig.model_validate(yaml.safe_load(snippet)).cache.policy == "wa"
     assert main(["tune", str(trace_path), "--holdout", "1.5"]) == 2
+
+
+def test_report_warns_when_the_held_out_tail_disagrees():
+    def report(best_on_tail: float) -> str:
+        result = TuneResult(100, 0, 0.20, Evaluation({}, 0.25), Evaluation({"weights.spatial": 0.5}, 0.27), 10, 1, 1.0,
+                            "converged", holdout={"lru": 0.15, "start": 0.19, "best": best_on_tail})
+        return format_report(result, "t.jsonl", 50, 1000)
+
+    assert "keep the starting ones" in report(0.18)
+    assert "keep the starting ones" not in report(0.20)
