@@ -144,6 +144,7 @@ class Dispatcher:
                     raise
                 raise bad_request(str(exc), "messages" if parsed.endpoint == CHAT else "prompt") from None
             except ReplicaUnavailable as exc:
+                self.metrics.replica_failures.labels(replica.name, "mid_stream" if produced else "before_first_token").inc()
                 if produced:
                     raise errors.upstream_error(str(exc)) from None
                 log.warning("replica %s unavailable, trying another: %s", replica.name, exc)

@@ -95,6 +95,11 @@ class GatewayMetrics:
             "kvgate_router_decisions", "Routing decisions, by chosen replica and reason.",
             ["replica", "reason"], registry=r,
         )
+        self.replica_failures = LoopCounter(
+            "kvgate_replica_failures", "Requests a replica failed (refused, cut, timed out, 5xx): before_first_token ones "
+            "were retried on another replica, mid_stream ones ended with an error event.",
+            ["replica", "stage"], registry=r,
+        )
         self.inflight = Gauge("kvgate_replica_inflight", "Requests in flight on a replica.", ["replica"], registry=r)
         self.healthy = Gauge("kvgate_replica_healthy", "1 if the replica takes traffic.", ["replica"], registry=r)
         self.index_blocks = Gauge(

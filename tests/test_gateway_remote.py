@@ -548,6 +548,11 @@ async def test_request_stuck_in_a_healthy_replica_times_out(tiny_model_dir):
         assert failure is not None and "sent nothing for 0.5 s" in str(failure)
         assert stuck_replica.healthy  # a stuck request does not cut the replica's other streams
         assert app[GATEWAY].router.inflight_requests == [0, 0]
+        async with aiohttp.ClientSession() as session:
+            async with session.get(gw.url + "/metrics") as resp:
+                scrape = await resp.text()
+        for stage in ("before_first_token", "mid_stream"):
+            assert f'kvgate_replica_failures_total{{replica="stuck",stage="{stage}"}} 1.0' in scrape
     finally:
         await client.close()
         await gw.stop()
