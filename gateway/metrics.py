@@ -122,6 +122,8 @@ class GatewayMetrics:
         self.inflight.labels(name).set_function(inflight)
         self.healthy.labels(name).set_function(healthy)
         self.index_blocks.labels(name).set_function(index_blocks)
+        for stage in ("before_first_token", "mid_stream"):
+            self.replica_failures.labels(name, stage)  # exported from zero, so rate() sees the first one
 
     def watch_state(
         self,

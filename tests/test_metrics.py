@@ -59,6 +59,7 @@ REQUIRED = {
     "kvgate_router_decisions_total": {"replica", "reason"},
     "kvgate_replica_inflight": {"replica"},
     "kvgate_replica_healthy": {"replica"},
+    "kvgate_replica_failures_total": {"replica", "stage"},
 }
 
 
