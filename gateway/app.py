@@ -199,9 +199,7 @@ class Gateway:
 
     async def models(self, request: web.Request) -> web.Response:
         self.authenticate(request)
-        data = []
-        if any(r.healthy for r in self.replicas):
-            data.append({"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvgate"})
+        data = [self.model_card()] if any(r.healthy for r in self.replicas) else []
         return web.json_response({"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:
@@ -209,7 +207,13 @@ class Gateway:
         name = request.match_info["model"]
         if name != self.model_name or not any(r.healthy for r in self.replicas):
             raise errors.model_not_found(name)
-        return web.json_response({"id": name, "object": "model", "created": self.created, "owned_by": "kvgate"})
+        return web.json_response(self.model_card())
+
+    def model_card(self) -> dict:
+        # max_model_len as vLLM gives it: clients (and a gateway in front of this
+        # one) size their requests by it.
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kvgate",
+                "max_model_len": self.max_model_len}
 
     # -- auth and body
 

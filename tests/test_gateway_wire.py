@@ -111,6 +111,9 @@ async def test_completions_models_and_logprobs(gw):
     assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 1
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    # vLLM's context length field, which the gateway itself reads from external servers.
+    assert models.data[0].model_extra["max_model_len"] == app[GATEWAY].max_model_len == 1024
+    assert (await client.models.retrieve(MODEL)).model_extra["max_model_len"] == 1024
     # Token-id prompts are passed through without re-tokenising.
     await client.completions.create(model=MODEL, prompt=[65, 66, 67], max_tokens=1)
     assert any(r.prompt_token_ids == [65, 66, 67] for s in seen for r in s)
