@@ -26,8 +26,10 @@ look-alikes from the statistics the paper publishes (DESIGN section 2):
 from a pilot run, as conversations near the end are cut).  The same seed gives the
 same records, and ``write_trace`` writes them byte for byte the same.
 
-``trace_statistics`` measures, on any loaded Bailian trace, what the paper
-reports, so a reader can put a synthetic (or real) trace beside it.
+``trace_statistics`` measures, on any loaded trace, what the paper reports, so
+a reader can put a synthetic (or real) trace beside it.  Times are the loaded
+trace's seconds whatever the file's unit (Mooncake files count milliseconds);
+a Mooncake trace carries no turns or types, so it reads as single-turn text.
 """
 
 from __future__ import annotations
@@ -501,6 +503,13 @@ def trace_statistics(trace: Trace) -> dict:
       *multi-turn requests* = share of requests with turn >= 2;
     * *single-turn hits* = hits by first-turn requests (no history of their own).
     """
+    # Timestamps a float range apart give infinite spans and gaps: reported as
+    # such (or as no rhythm), not as overflow warnings.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _measure(trace)
+
+
+def _measure(trace: Trace) -> dict:
     requests = trace.requests
     n = len(requests)
     times = np.array([r.timestamp for r in requests], dtype=np.float64)
@@ -512,11 +521,11 @@ def trace_statistics(trace: Trace) -> dict:
     type_codes = np.array([type_index[t] for t in types], dtype=np.int64)
     session_names: dict[object, int] = {}
     sessions = np.array(
-        [session_names.setdefault(r.context.session, len(session_names)) for r in requests], dtype=np.int64
+        [session_names.setdefault(_session_of(r), len(session_names)) for r in requests], dtype=np.int64
     )
     keys = np.fromiter((k for r in requests for k in r.keys), dtype=np.int64, count=int(lengths.sum()))
     owner = np.repeat(np.arange(n), lengths)  # request index of each access
-    stats: dict = {"requests": n, "accesses": int(keys.size)}
+    stats: dict = {"format": trace.format, "requests": n, "accesses": int(keys.size)}
     span = float(times[-1] - times[0]) if n else 0.0
     stats["duration_s"] = span
     stats["ideal_hit_ratio"] = trace.ideal_hit_ratio()
@@ -588,11 +597,46 @@ def trace_statistics(trace: Trace) -> dict:
     outputs = np.array([r.output_length for r in requests], dtype=np.float64)
     stats["input_tokens"] = _percentiles(inputs, (50, 90, 99))
     stats["output_tokens"] = _percentiles(outputs, (50, 90))
-    minutes = np.bincount(np.floor((times - times.min()) / 60.0).astype(np.int64)) if n else np.zeros(0)
-    stats["requests_per_minute_median"] = float(np.median(minutes)) if minutes.size else 0.0
-    hour_starts = minutes[::60]
-    stats["top_of_hour_minute_ratio"] = _ratio(hour_starts.mean(), np.median(minutes)) if minutes.size else 0.0
+    stats["requests_per_minute_median"], stats["top_of_hour_minute_ratio"] = _arrival_rhythm(times)
     return stats
+
+
+def _arrival_rhythm(times: np.ndarray) -> tuple[float, float]:
+    """Median requests per minute of the trace (empty minutes count) and the
+    mean of each hour's first minute over that median.
+
+    Counted from the busy minutes alone: a trace whose clock jumps by years
+    spans billions of minutes, and an array with one slot per minute would
+    not fit in memory.
+    """
+    if times.size == 0:
+        return 0.0, 0.0
+    minute = np.floor((times - times.min()) / 60.0)
+    if not np.isfinite(minute).all():  # a span beyond the float range: no rhythm to speak of
+        return 0.0, 0.0
+    busy, counts = np.unique(minute, return_counts=True)
+    minutes = int(busy[-1]) + 1
+    median = _median_with_zeros(np.sort(counts), minutes - busy.size)
+    hours = (minutes - 1) // 60 + 1
+    top_of_hour_mean = float(counts[busy % 60 == 0].sum()) / hours
+    return median, _ratio(top_of_hour_mean, median)
+
+
+def _median_with_zeros(sorted_counts: np.ndarray, zeros: int) -> float:
+    """The median of ``sorted_counts`` together with ``zeros`` zeros, without building that array."""
+    total = zeros + sorted_counts.size
+
+    def at(position: int) -> float:
+        return 0.0 if position < zeros else float(sorted_counts[position - zeros])
+
+    return (at((total - 1) // 2) + at(total // 2)) / 2
+
+
+def _session_of(request) -> object:
+    # Mooncake traces name no conversations: each request is its own, not one
+    # session shared by the whole trace (which would make every hit "own session").
+    ctx = request.context
+    return ctx.session if ctx.session is not None else ("request", ctx.chat_id)
 
 
 def _workload(mix: dict[str, float]) -> str:
@@ -614,6 +658,12 @@ def _percentiles(values: np.ndarray, points: tuple[int, ...] = (50, 80, 90)) -> 
     return {f"p{p}": float(v) for p, v in zip(points, np.percentile(values, points))}
 
 
+def _seconds(value: float) -> str:
+    if value >= 1e7:  # an absurd clock (years between requests) must not widen the whole table
+        return f"{value:.3g} s"
+    return f"{value:.1f} s" if value >= 1 or value == 0 else f"{value:.2f} s"
+
+
 def format_statistics(stats: dict) -> str:
     """A table of the measured statistics with the paper's figure beside each."""
     workload = stats.get("workload", "to-c")
@@ -627,8 +677,9 @@ def format_statistics(stats: dict) -> str:
         return fmt(values[0]) if values else ""
 
     pct = lambda v: f"{100 * v:.2f}%" if 0 < v < 0.01 else f"{100 * v:.1f}%"  # noqa: E731
-    secs = lambda v: f"{v:.1f} s" if v >= 1 or v == 0 else f"{v:.2f} s"  # noqa: E731
+    secs = _seconds
     rows: list[tuple[str, str, str]] = [
+        ("trace format", stats.get("format", "bailian"), ""),
         ("requests", f"{stats['requests']}", ""),
         ("duration", secs(stats["duration_s"]), ""),
         ("unique blocks / accesses", f"{stats['unique_blocks']} / {stats['accesses']}", ""),

@@ -11,9 +11,12 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
+from urllib.parse import urlsplit
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 
 
 class CliError(Exception):
@@ -25,12 +28,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return args.run(args) or 0
+        code = args.run(args) or 0
+        # Flush here, not at interpreter exit: a reader that left (`| head`)
+        # shows up as BrokenPipeError now, where it can be handled.
+        sys.stdout.flush()
+        return code
     except CliError as exc:
         print(f"kvgate: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null once its reader is gone.
+
+    Python flushes stdout again at exit; without this, the output still
+    buffered would fail a second time and print a BrokenPipeError traceback.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is no real file (captured, closed): nothing to flush later
+        pass
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -96,6 +119,8 @@ def _build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("-o", "--output", metavar="FILE", help="where to write the trace")
     synth.add_argument("--stats", metavar="FILE", help="print the paper's statistics for this trace instead")
+    synth.add_argument("--format", default=None, choices=["auto", "bailian", "mooncake"],
+                       help="format of the --stats trace (default auto)")
     synth.set_defaults(run=_run_synth)
     return parser
 
@@ -111,6 +136,8 @@ def _load_config(path: str | None):
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    for url in args.replica:
+        _check_replica_url(url)
     config = _load_config(args.config)
     if args.record_trace:
         config.server.record_trace = args.record_trace
@@ -144,6 +171,20 @@ def _startup_errors():
         raise CliError(str(exc)) from None
     except OSError as exc:  # the port in use, a recording path that cannot be made
         raise CliError(f"cannot start: {exc}") from None
+
+
+def _check_replica_url(url: str) -> None:
+    """Refuse a --replica that is no http(s) URL now, not at the first request
+    routed to it after the model has loaded."""
+    target = url[len("openai+"):] if url.startswith("openai+") else url
+    try:
+        parts = urlsplit(target)
+        parts.port  # noqa: B018 -- raises ValueError for a port that is no number or out of range
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname)
+    except ValueError:  # e.g. an unclosed [IPv6 bracket
+        usable = False
+    if not usable:
+        raise CliError(f"--replica {url!r}: give a URL like http://host:8001 (openai+http://... for an external server)")
 
 
 def _port(text: str) -> int:
@@ -186,14 +227,45 @@ def _parse_list(text: str, kind: type, name: str) -> list:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from engine.policies import policy_names
-    from engine.replay import future_accesses, replay
-    from engine.replay_report import format_table, trace_summary, write_json, write_plot
+    from engine.replay import future_accesses
+    from engine.replay_report import (
+        collect_until_interrupted, format_table, interrupted_note, trace_summary, write_json, write_plot,
+    )
     from engine.traces import TraceError, load_trace
 
     config = _load_config(args.config)
+    _check_replay_args(args)
+    policies = _replay_policies(args.policies)
+    try:
+        trace = load_trace(args.trace, args.format)
+    except TraceError as exc:
+        raise CliError(str(exc)) from None
+    unique = trace.unique_blocks()
+    capacities = _replay_capacities(args, unique)
+    summary = trace_summary(trace, unique, trace.ideal_hit_ratio())
+    if args.replicas > 1 or args.routing:
+        from gateway.routing_sim import run_from_cli
+
+        try:
+            interrupted = run_from_cli(args, trace, policies, capacities, config, summary, unique)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        return EXIT_INTERRUPTED if interrupted else 0
+    future = future_accesses(trace) if "belady" in policies else None
+    runs = _replays(args, trace, policies, capacities, config, unique, future)
+    results, interrupted = collect_until_interrupted(runs)
+    print(format_table(summary, results))
+    if args.json:
+        write_json(args.json, summary, results, {"interrupted": True} if interrupted else None)
+    if args.plot and results:
+        write_plot(args.plot, summary, results, partial=interrupted)
+    if interrupted:
+        print(interrupted_note(len(results), len(policies) * len(capacities)), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _check_replay_args(args: argparse.Namespace) -> None:
     _writable(args.json, "--json")
     _writable(args.plot, "--plot")
     if args.plot and os.path.splitext(args.plot)[1].lower() not in ("", ".png", ".pdf", ".svg", ".jpg", ".jpeg"):
@@ -202,48 +274,41 @@ def _run_replay(args: argparse.Namespace) -> int:
         raise CliError("--host-blocks: give a number >= 0")
     if args.replicas < 1:
         raise CliError("--replicas: give a positive number")
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+
+
+def _replay_policies(text: str) -> list[str]:
+    from engine.policies import policy_names
+
+    policies = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in policies if p not in policy_names()]
     if unknown or not policies:
         raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; "
                        f"choose from {', '.join(policy_names())}")
-    try:
-        trace = load_trace(args.trace, args.format)
-    except TraceError as exc:
-        raise CliError(str(exc)) from None
-    unique = trace.unique_blocks()
-    if args.capacity_blocks:
-        capacities = _parse_list(args.capacity_blocks, int, "--capacity-blocks")
-    else:
-        fractions = _parse_list(args.capacity or "0.01,0.02,0.05,0.1,0.2", float, "--capacity")
-        capacities = [max(1, round(f * unique)) for f in fractions]
-    if args.replicas > 1 or args.routing:
-        if args.replicas < 1:
-            raise CliError("--replicas: give a positive number")
-        from gateway.routing_sim import main_from_cli
+    return policies
 
-        try:
-            return main_from_cli(args, trace, policies, capacities, config,
-                                 trace_summary(trace, unique, trace.ideal_hit_ratio()), unique)
-        except ValueError as exc:
-            raise CliError(str(exc)) from None
-    future = future_accesses(trace) if "belady" in policies else None
-    summary = trace_summary(trace, unique, trace.ideal_hit_ratio())
-    results = []
+
+def _replay_capacities(args: argparse.Namespace, unique: int) -> list[int]:
+    if args.capacity_blocks:
+        return _parse_list(args.capacity_blocks, int, "--capacity-blocks")
+    fractions = _parse_list(args.capacity or "0.01,0.02,0.05,0.1,0.2", float, "--capacity")
+    return [max(1, round(f * unique)) for f in fractions]
+
+
+def _replays(args: argparse.Namespace, trace, policies: list[str], capacities: list[int], config, unique: int,
+             future) -> Iterator:
+    """One ReplayResult per policy and capacity, as each finishes, under a progress bar."""
+    from tqdm import tqdm
+
+    from engine.replay import replay
+
     total = len(trace.requests) * len(policies) * len(capacities)
     with tqdm(total=total, unit="req", file=sys.stderr, disable=True if args.no_progress else None,
               mininterval=0.5, leave=False) as bar:
         for policy in policies:
             for capacity in capacities:
                 bar.set_description(f"{policy}@{capacity}")
-                results.append(replay(trace, policy, capacity, config.cache, host_blocks=args.host_blocks,
-                                      unique_blocks=unique, progress=bar.update, future=future))
-    print(format_table(summary, results))
-    if args.json:
-        write_json(args.json, summary, results)
-    if args.plot:
-        write_plot(args.plot, summary, results)
-    return 0
+                yield replay(trace, policy, capacity, config.cache, host_blocks=args.host_blocks,
+                             unique_blocks=unique, progress=bar.update, future=future)
 
 
 @contextlib.contextmanager
@@ -312,12 +377,16 @@ def _run_synth(args: argparse.Namespace) -> int:
     from engine.traces import TraceError, load_trace
 
     if args.stats:
+        # Auto-detected like replay's: a Mooncake trace read as Bailian would
+        # have its millisecond timestamps taken for seconds.
         try:
-            trace = load_trace(args.stats, "bailian")
+            trace = load_trace(args.stats, args.format or "auto")
         except TraceError as exc:
             raise CliError(str(exc)) from None
         print(synth.format_statistics(synth.trace_statistics(trace)))
         return 0
+    if args.format:
+        raise CliError("synth: --format describes the --stats trace; generated traces are always Bailian")
     if not args.output:
         raise CliError("synth: give -o FILE for the trace (or --stats FILE to analyse one)")
     _writable(args.output, "-o")

@@ -33,14 +33,16 @@ from __future__ import annotations
 
 import heapq
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig
 from engine.replay import replay
+from engine.replay_report import collect_until_interrupted, interrupted_note, plot_title
 from engine.traces import Trace
 from gateway.config import RouterConfig
 from gateway.router import Router
@@ -170,8 +172,24 @@ def run_routing(
     host_blocks: int = 0,
     unique_blocks: int | None = None,
 ) -> list[RoutingResult]:
+    return list(iter_routing(trace, routings, replicas, policies, capacities, cache_config, router_config,
+                             host_blocks=host_blocks, unique_blocks=unique_blocks))
+
+
+def iter_routing(
+    trace: Trace,
+    routings: Sequence[str],
+    replicas: int,
+    policies: Sequence[str],
+    capacities: Sequence[int],
+    cache_config: CacheConfig | None = None,
+    router_config: RouterConfig | None = None,
+    *,
+    host_blocks: int = 0,
+    unique_blocks: int | None = None,
+) -> Iterator[RoutingResult]:
+    """``run_routing`` one result at a time, so an interrupted run keeps what finished."""
     unique = unique_blocks if unique_blocks is not None else trace.unique_blocks()
-    results = []
     for policy in policies:
         for capacity in capacities:
             pooled = replay(trace, policy, capacity * replicas, cache_config, host_blocks=host_blocks * replicas,
@@ -180,15 +198,14 @@ def run_routing(
                 out = simulate(
                     trace, routing, replicas, capacity, policy, cache_config, router_config, host_blocks=host_blocks
                 )
-                results.append(RoutingResult(
+                yield RoutingResult(
                     routing=routing, replicas=replicas, policy=policy, capacity_blocks=capacity,
                     capacity_fraction=capacity / unique if unique else 0.0, hit_ratio=out.hit_ratio,
                     accesses=out.accesses, load_imbalance=load_imbalance(out.per_replica_accesses),
                     per_replica_accesses=out.per_replica_accesses, pooled_hit_ratio=pooled,
                     share_of_pooled=out.hit_ratio / pooled if pooled else 0.0, mean_inflight=out.mean_inflight,
                     inflight_imbalance=out.inflight_imbalance, decisions=out.decisions,
-                ))
-    return results
+                )
 
 
 def format_routing_table(summary: dict, results: Sequence[RoutingResult]) -> str:
@@ -210,19 +227,79 @@ def format_routing_table(summary: dict, results: Sequence[RoutingResult]) -> str
     return "\n".join(lines)
 
 
-def write_routing_json(path: str | Path, summary: dict, results: Sequence[RoutingResult], load_model: dict) -> None:
+def write_routing_json(path: str | Path, summary: dict, results: Sequence[RoutingResult], load_model: dict,
+                       extra: dict | None = None) -> None:
     payload = {
         "trace": summary,
         "replicas": results[0].replicas if results else 0,
         "load_model": load_model,
         "results": [r.to_json() for r in results],
     }
+    payload.update(extra or {})
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def main_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequence[int], config, summary: dict,
-                  unique: int) -> int:
-    """The replay subcommand's routing mode (``--replicas N`` or ``--routing``)."""
+def write_routing_plot(path: str | Path, summary: dict, results: Sequence[RoutingResult],
+                       partial: bool = False) -> None:
+    """Hit ratio (left) and load imbalance (right) against per-replica capacity:
+    one line per routing and eviction policy, the routing as the colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (hits_ax, skew_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours = {routing: f"C{i}" for i, routing in enumerate(ROUTINGS)}
+    markers = "osD^vP*X"
+    policies = list(dict.fromkeys(r.policy for r in results))
+    for (routing, policy), rows in _routing_lines(results).items():
+        percent = [r.capacity_fraction * 100 for r in rows]
+        style = {"color": colours.get(routing), "marker": markers[policies.index(policy) % len(markers)],
+                 "label": f"{routing} / {policy}"}
+        hits_ax.plot(percent, [r.hit_ratio for r in rows], **style)
+        skew_ax.plot(percent, [r.load_imbalance for r in rows], **style)
+    _plot_pooled(hits_ax, results, policies, markers)
+    hits_ax.axhline(summary["ideal_hit_ratio"], color="black", linestyle="--", linewidth=1, label="ideal (infinite)")
+    hits_ax.set_ylim(0, 1)
+    hits_ax.set_ylabel("aggregate hit ratio (prefix blocks)")
+    skew_ax.axhline(1.0, color="black", linestyle=":", linewidth=1, label="perfect balance")
+    skew_ax.set_ylabel("load imbalance (max / mean block accesses)")
+    replicas = results[0].replicas if results else 0
+    for ax in (hits_ax, skew_ax):
+        ax.set_xlabel("capacity per replica (% of the trace's unique blocks)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(f"{plot_title(summary, partial)}: {replicas} replicas")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _routing_lines(results: Sequence[RoutingResult]) -> dict[tuple[str, str], list[RoutingResult]]:
+    lines: dict[tuple[str, str], list[RoutingResult]] = {}
+    for r in results:
+        lines.setdefault((r.routing, r.policy), []).append(r)
+    for rows in lines.values():
+        rows.sort(key=lambda r: r.capacity_fraction)
+    return lines
+
+
+def _plot_pooled(ax, results: Sequence[RoutingResult], policies: list[str], markers: str) -> None:
+    """The pooled cache per policy, grey: the ceiling routing is measured against."""
+    for policy in policies:
+        pooled = {r.capacity_fraction: r.pooled_hit_ratio for r in results if r.policy == policy}
+        fractions = sorted(pooled)
+        ax.plot([f * 100 for f in fractions], [pooled[f] for f in fractions], color="grey", linestyle="--",
+                marker=markers[policies.index(policy) % len(markers)], label=f"pooled / {policy}")
+
+
+def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequence[int], config, summary: dict,
+                 unique: int) -> bool:
+    """The replay subcommand's routing mode (``--replicas N`` or ``--routing``).
+
+    Returns whether Ctrl-C cut the run short; the results that finished are
+    reported (table, --json, --plot) either way.
+    """
     routings = [p.strip() for p in (args.routing or ",".join(ROUTINGS)).split(",") if p.strip()]
     bad = [r for r in routings if r not in ROUTINGS]
     if bad or not routings:
@@ -231,12 +308,18 @@ def main_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Seque
     if not policies:
         raise ValueError("--replicas: belady cannot be simulated across replicas; give another policy")
     start = time.perf_counter()
-    results = run_routing(trace, routings, args.replicas, policies, capacities, config.cache, config.router,
-                          host_blocks=args.host_blocks, unique_blocks=unique)
+    runs = iter_routing(trace, routings, args.replicas, policies, capacities, config.cache, config.router,
+                        host_blocks=args.host_blocks, unique_blocks=unique)
+    results, interrupted = collect_until_interrupted(runs)
     print(format_routing_table(summary, results))
     print(f"\n({time.perf_counter() - start:.1f} s; load model: prefill {PREFILL_S_PER_TOKEN * 1e3:g} ms/token, "
           f"decode {DECODE_S_PER_TOKEN * 1e3:g} ms/token, no queueing)")
     if args.json:
         write_routing_json(args.json, summary, results,
-                           {"prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN})
-    return 0
+                           {"prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN},
+                           {"interrupted": True} if interrupted else None)
+    if args.plot and results:
+        write_routing_plot(args.plot, summary, results, partial=interrupted)
+    if interrupted:
+        print(interrupted_note(len(results), len(policies) * len(capacities) * len(routings)), file=sys.stderr)
+    return interrupted

@@ -1,0 +1,110 @@
+"""`kvgate synth --stats` and `kvgate serve` argument checks, and output into a closed pipe."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import main
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def stats_rows(text):
+    """The --stats table as {statistic: measured}."""
+    rows = {}
+    for line in text.splitlines()[2:]:
+        name, _, rest = line.partition("  ")
+        rows[name.strip()] = rest.strip().split("  ")[0]
+    return rows
+
+
+def mooncake_trace(path):
+    """Two requests 5 s apart sharing a block, then one 2 minutes in; Mooncake counts milliseconds."""
+    return write_jsonl(path, [
+        {"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [1, 2]},
+        {"timestamp": 5000, "input_length": 1024, "output_length": 4, "hash_ids": [1, 3]},
+        {"timestamp": 120000, "input_length": 512, "output_length": 4, "hash_ids": [4]},
+    ])
+
+
+def test_synth_stats_reads_mooncake_timestamps_as_milliseconds(tmp_path, capsys):
+    path = mooncake_trace(tmp_path / "m.jsonl")
+    assert main(["synth", "--stats", str(path)]) == 0
+    rows = stats_rows(capsys.readouterr().out)
+    assert rows["trace format"] == "mooncake"
+    assert rows["duration"] == "120.0 s"
+    assert rows["reuses within 10 s"] == "100.0%"
+    assert main(["synth", "--stats", str(path), "--format", "mooncake"]) == 0
+    assert stats_rows(capsys.readouterr().out)["duration"] == "120.0 s"
+    # Forced, the same file reads as Bailian, seconds and all.
+    assert main(["synth", "--stats", str(path), "--format", "bailian"]) == 0
+    assert stats_rows(capsys.readouterr().out)["duration"] == "120000.0 s"
+
+
+def test_synth_format_applies_only_to_stats(tmp_path, capsys):
+    assert main(["synth", "-o", str(tmp_path / "t.jsonl"), "--format", "mooncake"]) == 2
+    assert capsys.readouterr().err.startswith("kvgate: synth: --format")
+
+
+@pytest.mark.parametrize("last", [1e15, 1e308])
+def test_synth_stats_survives_an_absurd_time_span(tmp_path, capsys, last):
+    """A per-minute histogram of this span would need petabytes."""
+    path = write_jsonl(tmp_path / "gap.jsonl", [
+        {"timestamp": 0, "input_length": 3, "hash_ids": [1], "type": "text"},
+        {"timestamp": 30, "input_length": 3, "hash_ids": [1], "type": "text"},
+        {"timestamp": last, "input_length": 3, "hash_ids": [1], "type": "text"},
+    ])
+    assert main(["synth", "--stats", str(path)]) == 0
+    captured = capsys.readouterr()
+    rows = stats_rows(captured.out)
+    assert rows["requests per minute (median)"] == "0"
+    assert rows["duration"] == f"{last:.3g} s"
+    assert captured.err == ""
+
+
+def test_output_into_a_closed_pipe_exits_quietly(tmp_path):
+    """`kvgate synth --stats FILE | head -1`: the reader leaves before the output is written."""
+    path = mooncake_trace(tmp_path / "m.jsonl")
+    kvgate = str(Path(sys.executable).with_name("kvgate"))
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([kvgate, "synth", "--stats", str(path)], stdout=write_end, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141
+    assert done.stderr == ""
+
+
+@pytest.mark.parametrize("url", ["notaurl", "localhost:8001", "ftp://host:8001", "http://", "openai+notaurl",
+                                 "http://host:99999", "http://host:port", "http://[::1"])
+def test_serve_refuses_a_replica_that_is_no_url_before_loading_anything(capsys, monkeypatch, url):
+    import gateway.server
+
+    def run_gateway(*args, **kwargs):  # fail now rather than serve (or load a model) until killed
+        raise AssertionError(f"the gateway started with --replica {url!r}")
+
+    monkeypatch.setattr(gateway.server, "run_gateway", run_gateway)
+    started = time.monotonic()
+    assert main(["serve", "--replica", url]) == 2
+    assert time.monotonic() - started < 5
+    err = capsys.readouterr().err
+    assert err == (f"kvgate: --replica {url!r}: give a URL like http://host:8001 "
+                   "(openai+http://... for an external server)\n")
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8001", "https://gpu-3.internal/v1", "openai+http://[::1]:9000",
+                                 "openai+https://api.example.com/v1"])
+def test_serve_accepts_replica_urls(url):
+    from gateway.cli import _check_replica_url
+
+    _check_replica_url(url)
