@@ -12,7 +12,6 @@ import logging
 import os
 import sys
 from typing import Iterator, Sequence
-from urllib.parse import urlsplit
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -176,14 +175,9 @@ def _startup_errors():
 def _check_replica_url(url: str) -> None:
     """Refuse a --replica that is no http(s) URL now, not at the first request
     routed to it after the model has loaded."""
-    target = url[len("openai+"):] if url.startswith("openai+") else url
-    try:
-        parts = urlsplit(target)
-        parts.port  # noqa: B018 -- raises ValueError for a port that is no number or out of range
-        usable = parts.scheme in ("http", "https") and bool(parts.hostname)
-    except ValueError:  # e.g. an unclosed [IPv6 bracket
-        usable = False
-    if not usable:
+    from gateway.config import is_http_url
+
+    if not is_http_url(url[len("openai+"):] if url.startswith("openai+") else url):
         raise CliError(f"--replica {url!r}: give a URL like http://host:8001 (openai+http://... for an external server)")
 
 

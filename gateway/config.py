@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -88,7 +89,19 @@ class ReplicaConfig(Section):
     def _url_for_remote(self) -> "ReplicaConfig":
         if self.kind != "inprocess" and not self.url:
             raise ValueError(f"url is required for a replica of kind {self.kind!r}")
+        if self.url is not None and not is_http_url(self.url):
+            raise ValueError(f"url {self.url!r} is no http(s) URL with a host, e.g. http://10.0.0.5:8001")
         return self
+
+
+def is_http_url(url: str) -> bool:
+    """http(s), a host and, if any, a valid port: what a replica can be reached at."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is no number or out of range
+    except ValueError:  # e.g. an unclosed [IPv6 bracket
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 class RouterConfig(Section):

@@ -66,3 +66,13 @@ def test_cli_reports_config_errors_without_traceback(tmp_path, capsys):
     assert main(["replay", str(trace), "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "engine.block_size" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("url", ["10.0.0.5:8001", "ftp://host:8001", "http://", "http://host:99999", "http://[::1"])
+def test_replica_url_must_be_http_with_a_host(tmp_path, url):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"replicas:\n  - kind: engine\n    url: '{url}'\n")
+    with pytest.raises(ConfigError, match="replicas.0.*no http"):
+        load_config(path)
+    path.write_text("replicas:\n  - kind: openai\n    url: https://vllm-0.vllm:8000/v1\n")
+    assert load_config(path).replicas[0].url == "https://vllm-0.vllm:8000/v1"
