@@ -314,6 +314,9 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
     print(format_routing_table(summary, results))
     print(f"\n({time.perf_counter() - start:.1f} s; load model: prefill {PREFILL_S_PER_TOKEN * 1e3:g} ms/token, "
           f"decode {DECODE_S_PER_TOKEN * 1e3:g} ms/token, no queueing)")
+    if "session" in routings and all(r.context.session is None for r in trace.requests):
+        print("(this trace names no sessions (Mooncake): session routing fell back to least-load "
+              "for every request)")
     if args.json:
         write_routing_json(args.json, summary, results,
                            {"prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN},

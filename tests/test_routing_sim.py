@@ -59,6 +59,18 @@ def test_cli_routing_json(tmp_path, capsys):
     assert [r["routing"] for r in data["results"]] == ["prefix-aware", "round-robin"]
     assert all(r["replicas"] == 3 and r["load_imbalance"] >= 1.0 for r in data["results"])
     assert main(["replay", str(trace_path), "--replicas", "2", "--routing", "nope", "--no-progress"]) == 2
+    assert "names no sessions" not in table
+
+
+def test_cli_says_when_session_routing_has_no_sessions(tmp_path, capsys):
+    trace_path = tmp_path / "m.jsonl"
+    trace_path.write_text("".join(
+        json.dumps({"timestamp": 1000 * i, "input_length": 1024, "output_length": 8, "hash_ids": [i % 3, i]}) + "\n"
+        for i in range(40)
+    ))
+    assert main(["replay", str(trace_path), "--replicas", "2", "--routing", "session,least-load", "--policies", "lru",
+                 "--capacity-blocks", "4", "--no-progress"]) == 0
+    assert "names no sessions (Mooncake): session routing fell back to least-load" in capsys.readouterr().out
 
 
 def test_backend_reported_load_steers_the_router():
