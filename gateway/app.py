@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -42,7 +42,7 @@ from gateway.observe import Observer
 from gateway.prefix import PrefixHasher, Prompt
 from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, now_s, parse_json, parse_request
 from gateway.replicas import InProcessReplica, Replica, build_replicas, default_model_name, load_tokenizer
-from gateway.respond import Responder
+from gateway.respond import Responder, uncancel
 from gateway.router import Router
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,14 @@ class Gateway:
         self.max_model_len = config.model.max_model_len
         self.passthrough = False
         self.has_external = False
+        # Stopping (gateway/server.py): draining -> /ready fails; refusing -> new
+        # requests get a 503; cutting -> the requests still in ``live`` are being
+        # cancelled, and end with an OpenAI error rather than a dropped connection.
+        self.draining = False
+        self.refusing = False
+        self.cutting = False
+        self.live: set[asyncio.Task] = set()
+        self.drain_hooks: list[Callable[[], None]] = []
         self._identity_known = True
         self.created = now_s()
 
@@ -179,8 +187,28 @@ class Gateway:
 
     async def ready(self, request: web.Request) -> web.Response:
         healthy = [r.name for r in self.replicas if r.healthy]
-        status = 200 if healthy else 503
-        return web.json_response({"ready": bool(healthy), "healthy_replicas": healthy}, status=status)
+        ready = bool(healthy) and not self.draining
+        body = {"ready": ready, "healthy_replicas": healthy}
+        if self.draining:
+            body["draining"] = True
+        return web.json_response(body, status=200 if ready else 503)
+
+    # -- stopping (driven by gateway/server.py)
+
+    def begin_drain(self) -> None:
+        """Out of load balancers' rotation: /ready fails from now on; requests are still served."""
+        if not self.draining:
+            self.draining = True
+            for hook in self.drain_hooks:
+                hook()
+
+    def cut_live(self) -> None:
+        """End the requests still in flight: each answers with an OpenAI error (an
+        error event for a stream under way) instead of a dropped connection."""
+        self.refusing = self.cutting = True
+        self.responder.cutting = True
+        for task in list(self.live):
+            task.cancel()
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         await self.observer.refresh()
@@ -261,7 +289,11 @@ class Gateway:
         start = time.perf_counter()
         workload = "unknown"
         status = "500"
+        task = asyncio.current_task()
+        self.live.add(task)
         try:
+            if self.refusing:
+                raise errors.shutting_down()
             principal = self.authenticate(request)
             body = await self.read_body(request)
             parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
@@ -281,10 +313,16 @@ class Gateway:
         except ApiError as exc:
             status = str(exc.status)
             raise
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionResetError) as exc:
+            if self.cutting and isinstance(exc, asyncio.CancelledError):
+                # Cancelled by cut_live(), not by the client leaving: answer.
+                uncancel(task)
+                status = "503"
+                raise errors.shutting_down() from None
             status = CLIENT_GONE
             raise
         finally:
+            self.live.discard(task)
             self.metrics.requests.labels(endpoint, workload, status).inc()
             if status == "200":
                 self.metrics.e2e.labels(workload).observe(time.perf_counter() - start)
@@ -508,6 +546,7 @@ def create_app(
     ]
     if engine_mode:
         extra = EngineEndpoints(gw)
+        gw.drain_hooks.append(extra.announce_draining)
         app.on_shutdown.append(extra.on_shutdown)
         routes += [
             ("GET", "/kv_events", extra.kv_events),

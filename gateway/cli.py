@@ -25,8 +25,8 @@ class CliError(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        _setup_logging(getattr(args, "log_level", None))
         code = args.run(args) or 0
         # Flush here, not at interpreter exit: a reader that left (`| head`)
         # shows up as BrokenPipeError now, where it can be handled.
@@ -40,6 +40,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _discard_stdout()
         return EXIT_BROKEN_PIPE
+
+
+def _setup_logging(level: str | None) -> None:
+    name = (level or os.environ.get("KVGATE_LOG_LEVEL") or "info").upper()
+    if name not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise CliError(f"log level {name.lower()!r}: choose debug, info, warning or error (--log-level, KVGATE_LOG_LEVEL)")
+    logging.basicConfig(level=name, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not sys.stderr.isatty():
+        # Progress bars (transformers' weight loading) are a screenful of
+        # carriage returns in a container's log.
+        # (Read by transformers when it is imported, which is later.)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _discard_stdout() -> None:
@@ -67,12 +79,14 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="a `kvgate engine` server to route to (openai+http://... for an external "
                             "OpenAI-compatible server); repeat for more")
     serve.add_argument("--record-trace", metavar="FILE", help="record served traffic as a Bailian trace")
+    serve.add_argument("--log-level", help="debug, info (default), warning or error; also KVGATE_LOG_LEVEL")
     serve.set_defaults(run=_run_serve)
 
     engine = sub.add_parser("engine", help="run one engine replica over HTTP")
     engine.add_argument("--config", help="config.yaml")
     engine.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     engine.add_argument("--port", type=_port, default=8001, help="listen port (default 8001)")
+    engine.add_argument("--log-level", help="debug, info (default), warning or error; also KVGATE_LOG_LEVEL")
     engine.set_defaults(run=_run_engine)
 
     replay = sub.add_parser("replay", help="replay a trace through the block cache")

@@ -56,6 +56,16 @@ class ServerConfig(Section):
     # Prompts with more characters than this are tokenised off the event loop
     # so one huge document cannot stall every other stream.
     offload_tokenize_chars: int = Field(32_768, ge=0)
+    # Stopping (SIGTERM, Ctrl-C): /ready answers 503 at once, so load balancers
+    # stop sending; requests are still taken for shutdown_delay_s (the time your
+    # load balancer needs to notice: a few seconds behind a Kubernetes Service),
+    # then the port closes and requests in flight get drain_timeout_s to finish.
+    # Streams still running then end with an OpenAI error event.  A second
+    # signal skips what is left of both waits.
+    shutdown_delay_s: float = Field(0.0, ge=0)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    # One log line per request (aiohttp's access log format) on logger aiohttp.access.
+    access_log: bool = False
 
 
 class ReplicaConfig(Section):

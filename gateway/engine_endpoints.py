@@ -86,6 +86,8 @@ class EngineEndpoints:
             await resp.prepare(request)
             snapshot = {"seq": replica.seq, "model": gw.model_name, "keys": replica.held_keys()}
             await resp.write(b"event: snapshot\ndata: " + json.dumps(snapshot).encode() + b"\n\n")
+            if gw.draining:  # a gateway that reconnects while this engine stops
+                queue.put_nowait(None)
             while not lagging:
                 item = await queue.get()
                 if item is None:
@@ -102,7 +104,13 @@ class EngineEndpoints:
             self._streams.discard(queue)
             detach()
 
-    async def on_shutdown(self, app: web.Application) -> None:
-        # Long-lived /kv_events streams would otherwise hold shutdown for its full timeout.
+    def announce_draining(self) -> None:
+        """Tell every gateway following /kv_events that this engine is stopping
+        (they stop routing to it; its streams run on) and end those streams,
+        which would otherwise hold the shutdown for its whole timeout."""
         for queue in list(self._streams):
             queue.put_nowait(None)
+        self._streams.clear()
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        self.announce_draining()

@@ -73,6 +73,13 @@ def no_replica(reason: str = "No healthy replica is available to serve this requ
     return ApiError(503, reason, "service_unavailable", None, "no_healthy_replica")
 
 
+def shutting_down() -> ApiError:
+    # 503: OpenAI's SDK retries it, and behind a load balancer the retry lands
+    # on an instance that is staying.
+    return ApiError(503, "The server is shutting down; retry the request.", "service_unavailable", None,
+                    "server_shutting_down")
+
+
 def upstream_error(message: str) -> ApiError:
     return ApiError(502, message, "api_error", None, "upstream_error")
 

@@ -8,6 +8,7 @@ stream with an OpenAI error event and [DONE] (the status is already sent).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -58,6 +59,8 @@ class Responder:
     def __init__(self, model_name: str, observer: Observer) -> None:
         self.model_name = model_name
         self.observer = observer
+        # Set when the server, stopping, cancels the streams still running.
+        self.cutting = False
 
     async def complete(
         self, gen: AsyncIterator, single: bool, parsed: ParsedRequest, subs: list[Sub], start: float
@@ -167,6 +170,15 @@ class Responder:
             tail = fmt.usage(usage.as_dict(subs)) + DONE if parsed.include_usage else DONE
             await resp.write_eof(tail_frames + tail)  # one send for the last frames, the tail and the end
             return resp
+        except asyncio.CancelledError:
+            if resp is None or not self.cutting:
+                raise  # the client left (or nothing was sent: the caller answers)
+            # The server is stopping and the stream outlived the drain: say so.
+            uncancel(asyncio.current_task())
+            with contextlib.suppress(ConnectionError):
+                await resp.write(tail_frames + sse_error(errors.shutting_down().body()) + DONE)
+                await resp.write_eof()
+            return resp
         except Exception as exc:
             if resp is None:
                 raise
@@ -183,6 +195,14 @@ class Responder:
             return resp
         finally:
             await aclose(gen)
+
+
+def uncancel(task: asyncio.Task | None) -> None:
+    """Take back a cancellation the gateway itself sent and has now handled
+    (Task.uncancel exists from Python 3.11; before it there is no count to undo)."""
+    undo = getattr(task, "uncancel", None)
+    if undo is not None:
+        undo()
 
 
 def _each_output(group, n: int):

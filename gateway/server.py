@@ -3,18 +3,28 @@
 Both run the app with ``handler_cancellation=True``: aiohttp then cancels a
 handler whose client disconnected, which is what lets a non-streaming request
 abort its engine work too (aiohttp's default since 3.7 is to let it run on).
+
+Both bind their port before the model loads and stop in stages on SIGTERM or
+Ctrl-C (ServerConfig: shutdown_delay_s, drain_timeout_s), the way a server
+behind a Kubernetes Service has to: out of rotation first, then no new
+connections, then the requests in flight finish or end with an OpenAI error.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import logging
+import signal
+import socket
+import time
 from typing import NamedTuple
 
 from aiohttp import web
 
-from gateway.app import create_app
-from gateway.config import KvgateConfig
+from gateway.app import GATEWAY, create_app
+from gateway.config import KvgateConfig, ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +51,21 @@ async def start_server(app: web.Application, host: str = "127.0.0.1", port: int 
 def run_gateway(
     config: KvgateConfig, host: str | None = None, port: int | None = None, replica_urls: list[str] | None = None
 ) -> None:
-    """`kvgate serve`: blocks until interrupted."""
+    """`kvgate serve`: blocks until stopped (SIGTERM, Ctrl-C), then drains."""
+    host = host or config.server.host
+    port = config.server.port if port is None else port
+    sockets = bind_sockets(host, port)  # before the model loads: a taken port fails at once
     app = create_app(config, replica_urls=list(replica_urls or ()))
-    _run(app, host or config.server.host, config.server.port if port is None else port, "gateway")
+    asyncio.run(_serve(app, sockets, config.server, "gateway"))
 
 
 def run_engine_server(config: KvgateConfig, host: str | None = None, port: int | None = None) -> None:
     """`kvgate engine`: one in-process engine behind the OpenAI surface plus /kv_events."""
+    host = host or config.server.host
+    port = config.server.port if port is None else port
+    sockets = bind_sockets(host, port)
     app = create_app(config, engine_mode=True)
-    _run(app, host or config.server.host, config.server.port if port is None else port, "engine")
+    asyncio.run(_serve(app, sockets, config.server, "engine"))
 
 
 async def freeze_startup_objects(app: web.Application) -> None:
@@ -66,9 +82,103 @@ async def freeze_startup_objects(app: web.Application) -> None:
     log.info("moved %d startup objects out of the garbage collector's scans", gc.get_freeze_count())
 
 
-def _run(app: web.Application, host: str, port: int, what: str) -> None:
-    # After the app's own startup (model loading): on_startup runs in order.
-    app.on_startup.append(freeze_startup_objects)
-    # run_app "prints" once the model is loaded and the socket is bound: log that moment.
-    ready = lambda *_: log.info("kvgate %s listening on http://%s:%d", what, host, port)  # noqa: E731
-    web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None, print=ready)
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for every address ``host`` resolves to, bound now.
+
+    Binding before the model loads turns a port in use or an unknown host into
+    an error within a second, not after minutes of loading (vLLM does the same).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise OSError(f"cannot resolve host {host!r}: {exc.strerror}") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "::" and "0.0.0.0" may both be asked
+            try:
+                sock.bind((address[0], port, *address[2:]))
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            if port == 0:  # one port for every address, the first one the kernel chose
+                port = sock.getsockname()[1]
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+async def _serve(app: web.Application, sockets: list[socket.socket], cfg: ServerConfig, what: str) -> None:
+    """Run ``app`` on the bound ``sockets`` until a signal, then stop as ServerConfig
+    describes: out of rotation, still serving for shutdown_delay_s, port closed,
+    drain_timeout_s for what is in flight, then the rest ended with an error."""
+    app.on_startup.append(freeze_startup_objects)  # after the app's own startup (model loading)
+    access_log = logging.getLogger("aiohttp.access") if cfg.access_log else None
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=access_log, handle_signals=False,
+                           shutdown_timeout=_CLEANUP_TIMEOUT_S)
+    await runner.setup()
+    try:
+        sites = [web.SockSite(runner, sock) for sock in sockets]
+        for site in sites:
+            await site.start()
+        host, port = sockets[0].getsockname()[:2]
+        log.info("kvgate %s listening on http://%s:%d", what, host if ":" not in host else f"[{host}]", port)
+        signals = _Signals()
+        await signals.first.wait()
+        gw = app[GATEWAY]
+        log.info("%s: stopping; /ready answers 503; %d requests in flight (drain up to %g s, a second signal "
+                 "ends them now)", signals.name, len(gw.live), cfg.shutdown_delay_s + cfg.drain_timeout_s)
+        gw.begin_drain()
+        await _wait(signals.second, cfg.shutdown_delay_s)
+        for site in sites:
+            await site.stop()  # no new connections
+        gw.refusing = True  # nor new requests on open keep-alive connections
+        deadline = time.monotonic() + cfg.drain_timeout_s
+        while gw.live and time.monotonic() < deadline and not signals.second.is_set():
+            await _wait(signals.second, min(0.1, deadline - time.monotonic()))
+        if gw.live:
+            log.warning("ending %d requests still in flight with an error", len(gw.live))
+            pending = list(gw.live)
+            gw.cut_live()
+            await asyncio.wait(pending, timeout=_CLEANUP_TIMEOUT_S)
+    finally:
+        await runner.cleanup()
+    log.info("kvgate %s stopped", what)
+
+
+# The last wait, for requests already told to end and for aiohttp's own cleanup.
+_CLEANUP_TIMEOUT_S = 5.0
+
+
+class _Signals:
+    """SIGTERM / SIGINT as two events: the first asks for a graceful stop, the
+    second for an immediate one (as uvicorn and vLLM treat a second Ctrl-C)."""
+
+    def __init__(self) -> None:
+        self.first = asyncio.Event()
+        self.second = asyncio.Event()
+        self.name = ""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._received, sig)
+
+    def _received(self, sig: signal.Signals) -> None:
+        if self.first.is_set():
+            if not self.second.is_set():
+                log.warning("%s again: stopping now", sig.name)
+            self.second.set()
+            return
+        self.name = sig.name
+        self.first.set()
+
+
+async def _wait(event: asyncio.Event, seconds: float) -> None:
+    """Up to ``seconds``, or until ``event`` is set."""
+    if seconds > 0 and not event.is_set():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), seconds)

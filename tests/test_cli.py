@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import engine.async_engine
 from gateway.cli import main
 
 
@@ -108,3 +110,29 @@ def test_serve_accepts_replica_urls(url):
     from gateway.cli import _check_replica_url
 
     _check_replica_url(url)
+
+
+def test_log_level_is_checked_before_anything_runs(capsys, monkeypatch):
+    assert main(["serve", "--log-level", "loud"]) == 2
+    assert "log level 'loud': choose debug, info, warning or error" in capsys.readouterr().err
+    monkeypatch.setenv("KVGATE_LOG_LEVEL", "chatty")
+    assert main(["engine"]) == 2
+    assert "log level 'chatty'" in capsys.readouterr().err
+
+
+def test_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(engine.async_engine, "load_model", no_loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err
+    assert time.monotonic() - started < 5
+    assert main(["serve", "--host", "no.such.host.invalid", "--port", "0"]) == 2
+    assert "cannot resolve host 'no.such.host.invalid'" in capsys.readouterr().err

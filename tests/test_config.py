@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from engine.config import ConfigError
 from gateway.cli import main
@@ -76,3 +77,16 @@ def test_replica_url_must_be_http_with_a_host(tmp_path, url):
         load_config(path)
     path.write_text("replicas:\n  - kind: openai\n    url: https://vllm-0.vllm:8000/v1\n")
     assert load_config(path).replicas[0].url == "https://vllm-0.vllm:8000/v1"
+
+
+def test_kubernetes_manifests_config_is_valid_and_the_grace_period_covers_the_drain():
+    docs = {}
+    for name in ("gateway.yaml", "engines.yaml"):
+        for doc in yaml.safe_load_all((ROOT / "deploy/kubernetes" / name).read_text()):
+            docs[(doc["kind"], doc["metadata"]["name"])] = doc
+    config = KvgateConfig.model_validate(yaml.safe_load(docs["ConfigMap", "kvgate-config"]["data"]["config.yaml"]))
+    drain = config.server.shutdown_delay_s + config.server.drain_timeout_s
+    for workload in (docs["Deployment", "kvgate-gateway"], docs["StatefulSet", "kvgate-engine"]):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] > drain
+        assert pod["volumes"][0]["configMap"]["name"] == "kvgate-config"

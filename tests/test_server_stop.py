@@ -1,0 +1,109 @@
+"""Stopping a server the way Kubernetes does: SIGTERM to a real `kvgate engine`
+process (the same loop runs `kvgate serve`; gateway/server.py).
+
+/ready fails at once while requests are still taken for shutdown_delay_s; then
+the port closes, requests in flight get drain_timeout_s, and streams still
+running after it end with an OpenAI error event and [DONE], not a reset.  A
+second signal ends them at once.  The process exits 0 without tracebacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from tests.engine_procs import MODEL, EngineProcess, tiny_config
+
+# ~3 s of generation for the tiny model on one thread: outlives every wait below.
+LONG = 900
+
+
+def _stream_body(max_tokens: int) -> dict:
+    return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+
+
+async def _events(resp: aiohttp.ClientResponse) -> list:
+    out = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            data = line[6:].strip()
+            out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+async def _exit_code(engine: EngineProcess, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while engine.proc.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert engine.proc.poll() is not None, f"still running {timeout} s after the signal: {engine.tail()}"
+    return engine.proc.returncode
+
+
+@pytest.fixture
+def engine_factory(tiny_model_dir, tmp_path):
+    started = []
+
+    def make(**server) -> EngineProcess:
+        engine = EngineProcess(tiny_config(tiny_model_dir, **server), str(tmp_path))
+        started.append(engine)
+        engine.start()
+        return engine
+
+    yield make
+    for engine in started:
+        engine.kill()
+
+
+async def test_sigterm_drains_then_ends_the_streams_left(engine_factory):
+    engine = engine_factory(shutdown_delay_s=1.0, drain_timeout_s=0.5)
+    await engine.wait_ready()
+    url = engine.url + "/v1/completions"
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=_stream_body(LONG)) as long_stream:
+            assert long_stream.status == 200
+            await long_stream.content.readline()  # under way
+            signalled = time.monotonic()
+            engine.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            # Out of rotation at once, still serving during the delay.
+            async with session.get(engine.url + "/ready") as ready:
+                assert ready.status == 503 and (await ready.json())["draining"] is True
+            async with session.post(url, json={**_stream_body(2), "stream": False}) as late:
+                assert late.status == 200 and (await late.json())["usage"]["completion_tokens"] == 2
+            events = await asyncio.wait_for(_events(long_stream), 10)
+        ended = time.monotonic() - signalled
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutting_down"
+    assert sum(len(e["choices"][0]["text"]) for e in events[:-2] if e.get("choices")) > 0
+    assert 1.4 <= ended < 5, ended  # the delay and the drain, not the stream's own end
+    assert await _exit_code(engine, 10) == 0
+    log = engine.tail()
+    assert "SIGTERM: stopping" in log and "ending 1 requests still in flight" in log and "stopped" in log
+    assert "Traceback" not in log
+    with pytest.raises(aiohttp.ClientConnectionError):
+        async with aiohttp.ClientSession() as session:
+            await session.get(engine.url + "/health")
+
+
+async def test_in_flight_requests_finish_and_a_second_signal_ends_the_rest(engine_factory):
+    engine = engine_factory(shutdown_delay_s=0.0, drain_timeout_s=30.0)
+    await engine.wait_ready()
+    url = engine.url + "/v1/completions"
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=_stream_body(40)) as short, session.post(url, json=_stream_body(LONG)) as long:
+            await long.content.readline()
+            engine.proc.send_signal(signal.SIGTERM)
+            short_events = await asyncio.wait_for(_events(short), 10)
+            assert short_events[-1] == "[DONE]" and all("error" not in e for e in short_events[:-1])
+            assert engine.proc.poll() is None  # the long stream is still being served
+            engine.proc.send_signal(signal.SIGTERM)
+            cut = time.monotonic()
+            long_events = await asyncio.wait_for(_events(long), 10)
+            assert time.monotonic() - cut < 3
+    assert long_events[-1] == "[DONE]" and long_events[-2]["error"]["code"] == "server_shutting_down"
+    assert await _exit_code(engine, 10) == 0
+    assert "SIGTERM again: stopping now" in engine.tail() and "Traceback" not in engine.tail()
