@@ -17,7 +17,8 @@ POLICY_NAMES = ("lru", "fifo", "s3fifo", "belady", "wa", "wa-paper")
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, not silently ignored."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: `true` is no number and "8" no integer; YAML already gives each its type.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class ModelConfig(Section):

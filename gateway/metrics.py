@@ -307,10 +307,13 @@ class _ScrapeCollector:
 
     def collect(self) -> Iterable[Metric]:
         families = self._families()
-        blocks, evictions, swap, active, fallbacks, alarm, spike, reuse, share = families
+        blocks, evictions, swap, active, fallbacks, alarm, spike, reuse, share, queue = families
         for name, stats in self._replica_stats():
             if not stats:
                 continue
+            for state in ("running", "waiting"):
+                if state in stats:
+                    queue.add_metric([name, state], stats[state])
             for tier, counts in (stats.get("blocks") or {}).items():
                 for state in ("free", "cached", "in_use"):
                     if state in counts:
@@ -354,4 +357,7 @@ class _ScrapeCollector:
                               labels=["workload", "type"]),
             GaugeMetricFamily("kvgate_user_hit_share", "Share of cache-hit tokens from the top fraction of users over a sliding window.",
                               labels=["top"]),
+            GaugeMetricFamily("kvgate_engine_requests", "Requests in a replica's engine: running (in the batch) or waiting "
+                              "(queued for blocks or a batch slot), as vLLM's num_requests_running/waiting.",
+                              labels=["replica", "state"]),
         ]

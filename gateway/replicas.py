@@ -265,6 +265,7 @@ class RemoteReplica(Replica):
         # A `kvgate engine` shutting down said so: out of routing, but its
         # streams run to their end rather than being cut.
         self.draining = False
+        self._was_healthy = False  # for the log: joining routing the first time, or coming back
         # Learnt from the replica itself (engine: /kvgate/info; external: /v1/models);
         # until then ``info`` holds the config's guess.  The gateway listens for changes.
         self.info_known = False
@@ -291,13 +292,16 @@ class RemoteReplica(Replica):
                     break
                 except Exception as exc:  # noqa: BLE001
                     if time.monotonic() >= deadline:
-                        log.warning("replica %s: no /kvgate/info (%s); using config defaults", self.name, exc)
+                        log.warning("replica %s (%s) is not answering (%s): out of routing until it does",
+                                    self.name, self.base, _plain_reason(exc))
                         break
                     await asyncio.sleep(0.25)
             self._tasks.append(asyncio.create_task(self._follow_kv_events(), name=f"kv-events:{self.name}"))
         else:
             with contextlib.suppress(Exception):
-                self.healthy = await self._probe()
+                self.healthy = self._was_healthy = await self._probe()
+            if not self.healthy:
+                log.warning("replica %s (%s) is not answering: out of routing until it does", self.name, self.base)
             with contextlib.suppress(Exception):
                 await self._fetch_models()
             if self.cfg.metrics_url:
@@ -376,8 +380,8 @@ class RemoteReplica(Replica):
         if time.monotonic() < self._open_until or (self.kind == "engine" and not self._following):
             return
         if not self.healthy:
-            log.info("replica %s is healthy: back in routing", self.name)
-        self.healthy = True
+            log.info("replica %s is healthy: %s routing", self.name, "back in" if self._was_healthy else "in")
+        self.healthy = self._was_healthy = True
 
     def _note_failure(self) -> None:
         self._failures += 1
@@ -563,7 +567,7 @@ class RemoteReplica(Replica):
             raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             self._note_failure()
-            raise ReplicaUnavailable(f"replica {self.name}: {exc}") from exc
+            raise ReplicaUnavailable(f"replica {self.name}: {_plain_reason(exc)}") from exc
         self._live.add(resp)
         produced = False
         try:
@@ -625,13 +629,14 @@ class RemoteReplica(Replica):
             raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, ReplicaUnavailable) as exc:
             # ValueError: a broken frame (JSONDecodeError) from a dying server.
+            reason = str(exc) if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc)
             if produced:
-                self._trip(f"failed mid-request: {exc}")
+                self._trip(f"failed mid-request: {reason}")
             else:
                 self._note_failure()
             if isinstance(exc, ReplicaUnavailable):
                 raise
-            raise ReplicaUnavailable(f"replica {self.name} failed mid-request: {exc}") from exc
+            raise ReplicaUnavailable(f"replica {self.name} failed mid-request: {reason}") from exc
         finally:
             self._live.discard(resp)
             # Closing the connection is what aborts the request upstream.
@@ -642,6 +647,25 @@ class RemoteReplica(Replica):
         if isinstance(exc, aiohttp.ConnectionTimeoutError):
             return f"no connection within {self.cfg.connect_timeout_s:g} s"
         return f"sent nothing for {self.cfg.read_timeout_s:g} s (read_timeout_s)"
+
+
+def _plain_reason(exc: BaseException) -> str:
+    """What went wrong with a replica, in words for an operator's log and a
+    client's error message: aiohttp's own texts quote internal states (e.g.
+    "TransferEncodingError: 400") that read like the client's fault."""
+    if isinstance(exc, asyncio.TimeoutError):  # aiohttp's timeouts are these too
+        return "it did not answer in time"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect ({exc.strerror or exc.os_error})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "it closed the connection"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the connection closed before the end of the response"
+    if isinstance(exc, (aiohttp.ClientConnectionError, ConnectionError)):
+        return f"the connection failed ({exc.__class__.__name__})"
+    if isinstance(exc, ValueError):
+        return "it sent a malformed response"
+    return str(exc) or exc.__class__.__name__
 
 
 # Delta fields the gateway writes itself; the rest of an external server's delta is relayed.

@@ -90,3 +90,14 @@ def test_kubernetes_manifests_config_is_valid_and_the_grace_period_covers_the_dr
         pod = workload["spec"]["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] > drain
         assert pod["volumes"][0]["configMap"]["name"] == "kvgate-config"
+
+
+@pytest.mark.parametrize("value", ["true", "'16'", "16.5"])
+def test_numbers_are_numbers(tmp_path, value):
+    # YAML gives each value its type: `true` for a count is a mistake, not 1.
+    path = tmp_path / "c.yaml"
+    path.write_text(f"engine:\n  max_num_seqs: {value}\n")
+    with pytest.raises(ConfigError, match="engine.max_num_seqs"):
+        load_config(path)
+    path.write_text("engine:\n  max_num_seqs: 16\ncache:\n  workload_aware:\n    life_s: 5\n")
+    assert load_config(path).engine.max_num_seqs == 16

@@ -60,6 +60,7 @@ REQUIRED = {
     "kvgate_replica_inflight": {"replica"},
     "kvgate_replica_healthy": {"replica"},
     "kvgate_replica_failures_total": {"replica", "stage"},
+    "kvgate_engine_requests": {"replica", "state"},
 }
 
 
@@ -375,6 +376,16 @@ async def test_metrics_exposes_every_issue_series_with_bounded_labels(live):
     assert value(found, "kvgate_router_decisions_total", replica="local") == 15
     assert value(found, "kvgate_replica_healthy", replica="local") == 1
     assert value(found, "kvgate_replica_inflight", replica="local") == 0
+    assert value(found, "kvgate_engine_requests", replica="local", state="running") == 0
+    assert value(found, "kvgate_engine_requests", replica="local", state="waiting") == 0
+    # A stream under way is a running engine request.
+    stream = await client.completions.create(model=MODEL, prompt="Count:", max_tokens=400, stream=True,
+                                             extra_body={"ignore_eos": True})
+    async for _ in stream:
+        during = samples(await scrape(server.url))
+        break
+    await stream.close()
+    assert value(during, "kvgate_engine_requests", replica="local", state="running") == 1
     itl = value(found, "kvgate_inter_token_latency_seconds_count", workload="to-c")
     assert itl >= 6 * 5  # at least the streamed chats' token gaps
     assert value(found, "kvgate_time_to_first_token_seconds_count", workload="to-c") == 12
