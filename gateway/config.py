@@ -66,6 +66,9 @@ class ServerConfig(Section):
     drain_timeout_s: float = Field(30.0, ge=0)
     # One log line per request (aiohttp's access log format) on logger aiohttp.access.
     access_log: bool = False
+    # A status line every this many seconds while busy (requests, token rates,
+    # cache hits, engine queues and KV use), as vLLM logs one.  0: none.
+    log_stats_interval_s: float = Field(10.0, ge=0)
 
 
 class ReplicaConfig(Section):

@@ -35,6 +35,7 @@ from gateway.prefix import Prompt
 from gateway.recorder import TraceRecorder, generated_keys
 from gateway.reuse_rate import MinuteReuse
 from gateway.stats import StatsHistory, replica_entry
+from gateway.status_log import StatusLog
 from gateway.user_share import UserHitShare
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class Observer:
         self.reuse = MinuteReuse()
         self.user_share = UserHitShare()
         self.recorder: TraceRecorder | None = None
+        self.status = StatusLog()
+        self._status_task: asyncio.Task | None = None
         self._replicas: list = []
         self._inflight = lambda i: 0
         self._remote: dict[str, tuple[float, dict | None]] = {}
@@ -88,12 +91,18 @@ class Observer:
         if server.record_trace:
             self.recorder = TraceRecorder(server.record_trace, server.record_max_bytes, block_tokens=block_size)
             log.info("recording served traffic to %s (block ids per %d tokens)", server.record_trace, block_size)
+        if server.log_stats_interval_s:
+            self._status_task = asyncio.get_running_loop().create_task(self._log_status(server.log_stats_interval_s))
 
     @property
     def recording(self) -> bool:
         return self.recorder is not None
 
     async def close(self) -> None:
+        if self._status_task is not None:
+            self._status_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._status_task
         if self.recorder is not None:
             self.recorder.close()
         if self._session is not None:
@@ -108,6 +117,7 @@ class Observer:
 
     def finished(self, done: Finished) -> None:
         ctx = done.ctx
+        self.status.record(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
         self.reuse.record(ctx.workload, ctx.type, done.prompt_tokens, done.cached_tokens, self.wall_clock())
         self.history.finished(ctx.workload, done.replica, done.prompt_tokens, done.cached_tokens, time.monotonic())
         user = user_identity(done.user, ctx.tenant)
@@ -126,6 +136,20 @@ class Observer:
                 log.exception("trace recording to %s failed; recording stopped", self.recorder.path)
                 self.recorder.close()
                 self.recorder = None
+
+    async def _log_status(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.refresh()
+                line = self.status.line(interval, (
+                    (r.name, int(self._inflight(i)), self._engine_stats(r)) for i, r in enumerate(self._replicas)
+                ))
+            except Exception:  # noqa: BLE001 - a status line must never stop the server
+                log.exception("status line failed")
+                continue
+            if line is not None:
+                log.info("%s", line)
 
     # -- state readers
 

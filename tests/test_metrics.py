@@ -30,6 +30,7 @@ from gateway.metrics import GatewayMetrics, policy_rows
 from gateway.observe import user_identity
 from gateway.reuse_rate import MinuteReuse
 from gateway.server import start_server
+from gateway.status_log import StatusLog
 from tests.gateway_helpers import serving
 from gateway.user_share import UserHitShare
 
@@ -463,3 +464,27 @@ def test_loop_series_export_what_prometheus_client_exports():
         ours_c.labels("200").inc(-1)
     with pytest.raises(ValueError):
         ours_h.labels("a", "b")
+
+
+def test_status_line_reports_the_interval_then_starts_over():
+    status = StatusLog()
+    assert status.line(10, [("r0", 0, {"running": 0, "waiting": 0})]) is None  # idle: no line
+    status.record(1000, 600, 50)
+    status.record(1000, 200, 50)
+    stats = {"running": 2, "waiting": 1, "blocks": {"device": {"total": 200, "in_use": 90}}}
+    line = status.line(10, [("r0", 3, stats), ("vllm", 4, None)])
+    assert line == ("last 10 s: 2 requests, prompt 200 tok/s (40% cached), generation 10 tok/s; "
+                    "r0: 2 running, 1 waiting, KV 45% in use; vllm: 4 in flight")
+    assert status.requests == 0 and status.line(10, [("r0", 0, {"running": 0})]) is None
+
+
+async def test_status_line_in_the_log_while_busy(tiny_model_dir, caplog):
+    config = _config(tiny_model_dir)
+    config.server.log_stats_interval_s = 0.3
+    caplog.set_level(logging.INFO, logger="gateway.observe")
+    async with serving(create_app(config)) as (app, server, client):
+        await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3)
+        await asyncio.sleep(0.7)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("last 0.3 s:")]
+    assert lines and "1 requests" in lines[0] and "local: 0 running, 0 waiting, KV" in lines[0]
+    assert sum("1 requests" in line for line in lines) == 1  # counted once, then quiet while idle
