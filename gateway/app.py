@@ -63,6 +63,7 @@ class Gateway:
         self.config = config
         self._tokenizer = tokenizer
         self.limits = config.server.limits
+        self.max_inflight = config.server.limits.max_inflight_requests
         self.replicas = replicas
         self.engine_mode = engine_mode
         self.metrics = GatewayMetrics()
@@ -294,6 +295,8 @@ class Gateway:
         try:
             if self.refusing:
                 raise errors.shutting_down()
+            if self.max_inflight is not None and len(self.live) > self.max_inflight:
+                raise errors.overloaded(self.max_inflight)
             principal = self.authenticate(request)
             body = await self.read_body(request)
             parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)

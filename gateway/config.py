@@ -40,6 +40,11 @@ class LimitsConfig(Section):
     max_messages: int = Field(1024, ge=1)
     # Upper bound on the number of prompts in one /v1/completions request.
     max_prompts: int = Field(64, ge=1)
+    # Completion requests this server holds at once (in flight or queued in its
+    # engines); more get 429 with Retry-After, which OpenAI's SDKs retry.  None
+    # queues without bound, as vLLM does; set it to shed load rather than let
+    # time to first token grow without limit.
+    max_inflight_requests: int | None = Field(None, ge=1)
 
 
 class ServerConfig(Section):

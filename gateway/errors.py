@@ -35,11 +35,14 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.Response(
+        resp = web.Response(
             status=self.status,
             body=json.dumps(self.body()).encode(),
             content_type="application/json",
         )
+        if self.status == 429:
+            resp.headers["Retry-After"] = "1"  # OpenAI's SDKs wait this long before their retry
+        return resp
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -71,6 +74,11 @@ def too_large(limit: int) -> ApiError:
 def no_replica(reason: str = "No healthy replica is available to serve this request.") -> ApiError:
     # 503 (not 429): the client did nothing wrong, retrying later may succeed.
     return ApiError(503, reason, "service_unavailable", None, "no_healthy_replica")
+
+
+def overloaded(limit: int) -> ApiError:
+    return ApiError(429, f"The server is at capacity ({limit} requests in flight); retry shortly.",
+                    "rate_limit_error", None, "server_overloaded")
 
 
 def shutting_down() -> ApiError:

@@ -17,6 +17,7 @@ from engine.config import EngineConfig, ModelConfig
 from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, KvgateConfig, ReplicaConfig, RouterConfig, ServerConfig
 from gateway.server import start_server
+from tests.engine_procs import wait_for
 from tests.gateway_helpers import serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -223,3 +224,22 @@ async def test_engine_server_behind_gateway_end_to_end(tiny_model_dir):
         await client.close()
         await gateway.stop()
         await engine_server.stop()
+
+
+async def test_requests_over_the_inflight_limit_get_429(tiny_model_dir):
+    """limits.max_inflight_requests sheds load: beyond it a 429 with Retry-After
+    (which OpenAI's SDKs wait for and retry), and the limit frees as requests end."""
+    config = _config(tiny_model_dir, replicas=1, limits={"max_inflight_requests": 2})
+    async with serving(create_app(config)) as (app, server, client):
+        body = dict(model=MODEL, prompt="Count:", max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+        streams = [await client.completions.create(**body) for _ in range(2)]
+        for stream in streams:
+            await stream.__anext__()  # both under way
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert info.value.code == "server_overloaded" and info.value.response.headers["Retry-After"] == "1"
+        for stream in streams:
+            await stream.close()
+        await wait_for(lambda: not app[GATEWAY].live, what="the streams' ends")
+        done = await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert done.usage.completion_tokens >= 1
