@@ -45,6 +45,7 @@ class Classifier:
         self._rules = list(cfg.rules)
         self._chat_ids = itertools.count(1)
         self._last_chat: OrderedDict[str, int] = OrderedDict()
+        self._decisions: dict[tuple, tuple[str, str]] = {}
 
     def classify(
         self,
@@ -61,21 +62,20 @@ class Classifier:
             if header_workload not in WORKLOADS:
                 # An unknown value is the caller's mistake, but not worth failing the request over.
                 header_workload = None
-        is_file = self._is_file(req, prompt_tokens)
-        workload, rtype = None, None
-        for rule in self._rules:
-            matched, implied = self._match(rule, req, principal, header_workload, is_file)
-            if matched:
-                workload = rule.workload or implied
-                rtype = rule.type
-                break
-        if workload is None:
-            workload = self.cfg.completions_workload if req.endpoint != CHAT else self.cfg.default_workload
         header_type = headers.get(TYPE_HEADER)
-        if header_type is not None and header_type.strip().lower() in _TYPES:
-            rtype = header_type.strip().lower()
-        if rtype is None:
-            rtype = self._implied_type(req, is_file)
+        if header_type is not None:
+            header_type = header_type.strip().lower()
+            if header_type not in _TYPES:
+                header_type = None
+        is_file = self._is_file(req, prompt_tokens)
+        # Everything the rules can look at; their outcome is remembered per
+        # combination (few: workloads, types and tenants are all bounded).
+        facts = (principal.workload, principal.tenant, header_workload, header_type, bool(req.images), is_file,
+                 req.user_turns > 1, req.endpoint)
+        decided = self._decisions.get(facts)
+        if decided is None:
+            decided = self._decisions[facts] = self._decide(req, principal, header_workload, header_type, is_file)
+        workload, rtype = decided
         session = self._session(req, principal)
         chat_id = next(self._chat_ids)
         parent = self._last_chat.pop(session, -1)
@@ -94,6 +94,26 @@ class Classifier:
             chat_id=chat_id,
             parent_chat_id=parent,
         )
+
+    def _decide(
+        self, req: ParsedRequest, principal: Principal, header_workload: str | None, header_type: str | None,
+        is_file: bool,
+    ) -> tuple[str, str]:
+        """(workload, type): the first rule that holds, then the defaults."""
+        workload, rtype = None, None
+        for rule in self._rules:
+            matched, implied = self._match(rule, req, principal, header_workload, is_file)
+            if matched:
+                workload = rule.workload or implied
+                rtype = rule.type
+                break
+        if workload is None:
+            workload = self.cfg.completions_workload if req.endpoint != CHAT else self.cfg.default_workload
+        if header_type is not None:
+            rtype = header_type
+        if rtype is None:
+            rtype = self._implied_type(req, is_file)
+        return workload, rtype
 
     def _match(
         self, rule: ClassifierRule, req: ParsedRequest, principal: Principal, header_workload: str | None, is_file: bool

@@ -171,6 +171,11 @@ def test_classification_rules_first_match_wins():
     assert ctx.workload == "to-b" and ctx.tenant == "acme"
     # Header next.
     assert clf.classify(plain, Principal(), {"X-KVGate-Workload": "to-b"}, 10, 2).workload == "to-b"
+    # Outcomes are remembered per combination of facts, never across them.
+    assert clf.classify(plain, Principal(), {}, 10, 2).workload == "to-c"
+    typed = clf.classify(plain, Principal(), {"X-KVGate-Type": " Search "}, 10, 2)
+    assert (typed.workload, typed.type) == ("to-c", "search")
+    assert clf.classify(plain, Principal(), {"X-KVGate-Type": "nonsense"}, 10, 2).type == "text"
     # Image parts.
     img = chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])
     ctx = clf.classify(img, Principal(), {}, 10, 2)
