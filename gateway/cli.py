@@ -239,15 +239,11 @@ def _run_replay(args: argparse.Namespace) -> int:
     from engine.replay_report import (
         collect_until_interrupted, format_table, interrupted_note, trace_summary, write_json, write_plot,
     )
-    from engine.traces import TraceError, load_trace
 
     config = _load_config(args.config)
     _check_replay_args(args)
     policies = _replay_policies(args.policies)
-    try:
-        trace = load_trace(args.trace, args.format)
-    except TraceError as exc:
-        raise CliError(str(exc)) from None
+    trace = _read_trace(args.trace, args.format)
     unique = trace.unique_blocks()
     capacities = _replay_capacities(args, unique)
     summary = trace_summary(trace, unique, trace.ideal_hit_ratio())
@@ -271,6 +267,16 @@ def _run_replay(args: argparse.Namespace) -> int:
         print(interrupted_note(len(results), len(policies) * len(capacities)), file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
+
+
+def _read_trace(path: str, fmt: str):
+    """The trace at ``path``; a file that is not one is a `FILE:LINE: why` error."""
+    from engine.traces import TraceError, load_trace
+
+    try:
+        return load_trace(path, fmt)
+    except TraceError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _check_replay_args(args: argparse.Namespace) -> None:
@@ -343,14 +349,10 @@ def _quietly(run):
 def _run_tune(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from engine.traces import TraceError, load_trace
     from engine.tune import format_report, tune
 
     config = _load_config(args.config)
-    try:
-        trace = load_trace(args.trace, args.format)
-    except TraceError as exc:
-        raise CliError(str(exc)) from None
+    trace = _read_trace(args.trace, args.format)
     unique = trace.unique_blocks()
     if args.capacity_blocks is not None:
         if args.capacity_blocks <= 0:
@@ -382,15 +384,11 @@ def _run_tune(args: argparse.Namespace) -> int:
 
 def _run_synth(args: argparse.Namespace) -> int:
     from engine import synth
-    from engine.traces import TraceError, load_trace
 
     if args.stats:
         # Auto-detected like replay's: a Mooncake trace read as Bailian would
         # have its millisecond timestamps taken for seconds.
-        try:
-            trace = load_trace(args.stats, args.format or "auto")
-        except TraceError as exc:
-            raise CliError(str(exc)) from None
+        trace = _read_trace(args.stats, args.format or "auto")
         print(synth.format_statistics(synth.trace_statistics(trace)))
         return 0
     if args.format:

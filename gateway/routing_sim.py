@@ -171,24 +171,9 @@ def run_routing(
     *,
     host_blocks: int = 0,
     unique_blocks: int | None = None,
-) -> list[RoutingResult]:
-    return list(iter_routing(trace, routings, replicas, policies, capacities, cache_config, router_config,
-                             host_blocks=host_blocks, unique_blocks=unique_blocks))
-
-
-def iter_routing(
-    trace: Trace,
-    routings: Sequence[str],
-    replicas: int,
-    policies: Sequence[str],
-    capacities: Sequence[int],
-    cache_config: CacheConfig | None = None,
-    router_config: RouterConfig | None = None,
-    *,
-    host_blocks: int = 0,
-    unique_blocks: int | None = None,
 ) -> Iterator[RoutingResult]:
-    """``run_routing`` one result at a time, so an interrupted run keeps what finished."""
+    """Per eviction policy and capacity: the pooled cache, then each routing over
+    ``replicas`` caches; one result at a time, so an interrupted run keeps what finished."""
     unique = unique_blocks if unique_blocks is not None else trace.unique_blocks()
     for policy in policies:
         for capacity in capacities:
@@ -308,7 +293,7 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
     if not policies:
         raise ValueError("--replicas: belady cannot be simulated across replicas; give another policy")
     start = time.perf_counter()
-    runs = iter_routing(trace, routings, args.replicas, policies, capacities, config.cache, config.router,
+    runs = run_routing(trace, routings, args.replicas, policies, capacities, config.cache, config.router,
                         host_blocks=args.host_blocks, unique_blocks=unique)
     results, interrupted = collect_until_interrupted(runs)
     print(format_routing_table(summary, results))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
+import aiohttp
 import openai
 from aiohttp import web
 
@@ -21,3 +23,14 @@ async def serving(app: web.Application) -> AsyncIterator[tuple[web.Application, 
     finally:
         await client.close()
         await server.stop()
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> list:
+    """Every ``data:`` event of a raw SSE response, parsed; ``"[DONE]"`` as is.
+    (For what the SDK hides: error events after the first byte, [DONE].)"""
+    out = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            data = line[6:].strip()
+            out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out

@@ -31,6 +31,7 @@ from tests.engine_procs import (
     tiny_config,
     wait_for,
 )
+from tests.gateway_helpers import sse_events
 
 
 async def _engine_server(model_dir, **kw):
@@ -257,20 +258,12 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
     replica = app[GATEWAY].replicas[0]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
 
-    async def events_of(resp):
-        out = []
-        async for line in resp.content:
-            if line.startswith(b"data: "):
-                data = line[6:].strip()
-                out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-        return out
-
     try:
         await wait_for(lambda: replica.healthy, what="healthy")
         async with aiohttp.ClientSession() as session:
             # Cut: error event then [DONE]; the replica leaves routing at once.
             async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
-                events = await asyncio.wait_for(events_of(resp), 10)
+                events = await asyncio.wait_for(sse_events(resp), 10)
             assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "upstream_error"
             # In words, not aiohttp's internals ("TransferEncodingError: 400" reads as the client's fault).
             message = events[-2]["error"]["message"]
@@ -286,7 +279,7 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
             async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
                 await resp.content.readline()
                 state["healthy"] = False
-                events = await asyncio.wait_for(events_of(resp), 10)
+                events = await asyncio.wait_for(sse_events(resp), 10)
             assert events[-1] == "[DONE]" and "error" in events[-2]
             assert not replica.healthy
             # Non-streaming through a cut upstream: a 502 OpenAI error.

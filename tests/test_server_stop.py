@@ -10,7 +10,6 @@ second signal ends them at once.  The process exits 0 without tracebacks.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 
@@ -18,6 +17,7 @@ import aiohttp
 import pytest
 
 from tests.engine_procs import MODEL, EngineProcess, tiny_config
+from tests.gateway_helpers import sse_events
 
 # ~3 s of generation for the tiny model on one thread: outlives every wait below.
 LONG = 900
@@ -25,15 +25,6 @@ LONG = 900
 
 def _stream_body(max_tokens: int) -> dict:
     return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
-
-
-async def _events(resp: aiohttp.ClientResponse) -> list:
-    out = []
-    async for line in resp.content:
-        if line.startswith(b"data: "):
-            data = line[6:].strip()
-            out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-    return out
 
 
 async def _exit_code(engine: EngineProcess, timeout: float) -> int:
@@ -75,7 +66,7 @@ async def test_sigterm_drains_then_ends_the_streams_left(engine_factory):
                 assert ready.status == 503 and (await ready.json())["draining"] is True
             async with session.post(url, json={**_stream_body(2), "stream": False}) as late:
                 assert late.status == 200 and (await late.json())["usage"]["completion_tokens"] == 2
-            events = await asyncio.wait_for(_events(long_stream), 10)
+            events = await asyncio.wait_for(sse_events(long_stream), 10)
         ended = time.monotonic() - signalled
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutting_down"
     assert sum(len(e["choices"][0]["text"]) for e in events[:-2] if e.get("choices")) > 0
@@ -97,12 +88,12 @@ async def test_in_flight_requests_finish_and_a_second_signal_ends_the_rest(engin
         async with session.post(url, json=_stream_body(40)) as short, session.post(url, json=_stream_body(LONG)) as long:
             await long.content.readline()
             engine.proc.send_signal(signal.SIGTERM)
-            short_events = await asyncio.wait_for(_events(short), 10)
+            short_events = await asyncio.wait_for(sse_events(short), 10)
             assert short_events[-1] == "[DONE]" and all("error" not in e for e in short_events[:-1])
             assert engine.proc.poll() is None  # the long stream is still being served
             engine.proc.send_signal(signal.SIGTERM)
             cut = time.monotonic()
-            long_events = await asyncio.wait_for(_events(long), 10)
+            long_events = await asyncio.wait_for(sse_events(long), 10)
             assert time.monotonic() - cut < 3
     assert long_events[-1] == "[DONE]" and long_events[-2]["error"]["code"] == "server_shutting_down"
     assert await _exit_code(engine, 10) == 0
