@@ -41,17 +41,25 @@ class TokenPieces:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._alphabet = byte_level_alphabet() if _decodes_byte_level(tokenizer) else None
+        decoders = _decoder_types(tokenizer)
+        self._alphabet = byte_level_alphabet() if "ByteLevel" in decoders else None
+        # SentencePiece's word mark; decoding a token alone strips it at the start
+        # of the text, but mid-text (where generated tokens are) it is a space.
+        self._word_mark = "▁" if decoders & {"Metaspace", "Replace"} else None
         self._texts: dict[int, str] = {}
 
     def text(self, token_id: int) -> str:
+        """The text the token adds to the text around it (so a choice's token texts
+        join into its text), or ``bytes:\\x..`` for part of a character."""
         text = self._texts.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if "\ufffd" in text:
-                raw = self.raw(token_id)
-                if raw is not None and not _is_utf8(raw):
-                    text = _BYTES_PREFIX + "".join(f"\\x{b:02x}" for b in raw)
+            raw = self.raw(token_id)
+            if raw is None:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            elif _is_utf8(raw):
+                text = raw.decode()
+            else:
+                text = _BYTES_PREFIX + "".join(f"\\x{b:02x}" for b in raw)
             self._texts[token_id] = text
         return text
 
@@ -69,6 +77,8 @@ class TokenPieces:
                 return bytes(self._alphabet[c] for c in piece)
             except KeyError:  # an added token, written as itself
                 return None
+        if self._word_mark is not None and self._word_mark in piece:
+            return piece.replace(self._word_mark, " ").encode()
         return None
 
 
@@ -91,19 +101,22 @@ def _is_utf8(raw: bytes) -> bool:
     return True
 
 
-def _decodes_byte_level(tokenizer) -> bool:
+def _decoder_types(tokenizer) -> set[str]:
+    """The types of the fast tokenizer's decoder steps (ByteLevel, Metaspace, Replace, ...)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return False
+        return set()
     try:
         decoder = json.loads(backend.to_str()).get("decoder")
     except (ValueError, AttributeError):
-        return False
+        return set()
+    found = set()
     stack = [decoder]
-    while stack:  # ByteLevel may sit inside a Sequence
+    while stack:  # steps may sit inside a Sequence
         node = stack.pop()
         if isinstance(node, dict):
-            if node.get("type") == "ByteLevel":
-                return True
+            if node.get("type") == "Replace" and (node.get("pattern") or {}).get("String") != "▁":
+                continue  # another replacement: not the word mark
+            found.add(node.get("type"))
             stack.extend(node.get("decoders") or [])
-    return False
+    return found

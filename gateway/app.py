@@ -293,11 +293,11 @@ class Gateway:
         task = asyncio.current_task()
         self.live.add(task)
         try:
+            principal = self.authenticate(request)
             if self.refusing:
                 raise errors.shutting_down()
             if self.max_inflight is not None and len(self.live) > self.max_inflight:
                 raise errors.overloaded(self.max_inflight)
-            principal = self.authenticate(request)
             body = await self.read_body(request)
             parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
             if parsed.model != self.model_name:
@@ -312,6 +312,10 @@ class Gateway:
             else:
                 resp = await self.responder.complete(gen, single, parsed, subs, start)
             status = str(resp.status)
+            if self.draining:
+                # A keep-alive client would keep coming back here; on a new
+                # connection the load balancer sends it to an instance that stays.
+                resp.force_close()
             return resp
         except ApiError as exc:
             status = str(exc.status)
@@ -483,7 +487,10 @@ def openai_errors(handler):
         try:
             return await handler(request)
         except ApiError as exc:
-            return exc.response()
+            response = exc.response()
+            if request.app[GATEWAY].draining:
+                response.force_close()  # see Gateway.serve
+            return response
         except web.HTTPRequestEntityTooLarge:
             return errors.too_large(request.app[GATEWAY].limits.max_body_bytes).response()
         except web.HTTPException as exc:

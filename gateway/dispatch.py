@@ -26,7 +26,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.observe import Finished, Observer
 from gateway.prefix import Prompt
 from gateway.protocol import CHAT, ParsedRequest, new_id
-from gateway.replicas import USAGE_ALL, Job, Replica, ReplicaUnavailable, UpstreamError
+from gateway.replicas import USAGE_ALL, Job, Replica, ReplicaBusy, ReplicaUnavailable, UpstreamError
 from gateway.router import Router
 from gateway.usage import UsageSum
 
@@ -81,6 +81,7 @@ class Dispatcher:
         workload = sub.context.workload
         arrival = time.monotonic()
         tried: list[int] = []
+        busy: ReplicaBusy | None = None
         # A request only an external server can honour (tools, JSON output) goes to one.
         external_only = parsed.engine_unsupported is not None
         while True:
@@ -92,6 +93,10 @@ class Dispatcher:
                 tried,
             )
             if decision is None:
+                if busy is not None:  # every replica that could take it refused: at capacity
+                    error = busy.body.get("error") if isinstance(busy.body.get("error"), dict) else {}
+                    raise ApiError(429, error.get("message") or "Every replica is at capacity; retry shortly.",
+                                   error.get("type") or "rate_limit_error", None, error.get("code") or "server_overloaded")
                 raise errors.no_replica()
             replica = self.replicas[decision.replica]
             ticket = router.acquire(decision.replica, load, sub.prompt.keys, decision.matched_blocks)
@@ -143,6 +148,9 @@ class Dispatcher:
                 if produced:
                     raise
                 raise bad_request(str(exc), "messages" if parsed.endpoint == CHAT else "prompt") from None
+            except ReplicaBusy as exc:
+                busy = exc  # at capacity (429) before any output: another replica may take it
+                tried.append(decision.replica)
             except ReplicaUnavailable as exc:
                 self.metrics.replica_failures.labels(replica.name, "mid_stream" if produced else "before_first_token").inc()
                 if produced:

@@ -84,7 +84,8 @@ class EngineEndpoints:
         try:
             resp = web.StreamResponse(headers=SSE_HEADERS)
             await resp.prepare(request)
-            snapshot = {"seq": replica.seq, "model": gw.model_name, "keys": replica.held_keys()}
+            # "draining": a gateway reconnecting while this engine stops must not rejoin it.
+            snapshot = {"seq": replica.seq, "model": gw.model_name, "keys": replica.held_keys(), "draining": gw.draining}
             await resp.write(b"event: snapshot\ndata: " + json.dumps(snapshot).encode() + b"\n\n")
             if gw.draining:  # a gateway that reconnects while this engine stops
                 queue.put_nowait(None)

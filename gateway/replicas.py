@@ -46,6 +46,16 @@ class ReplicaUnavailable(RuntimeError):
     """The replica could not start the request; another replica may."""
 
 
+class ReplicaBusy(ReplicaUnavailable):
+    """The replica refused the request with 429 (at capacity): another replica may
+    take it, and the replica is not failing.  ``body`` is its OpenAI error, for the
+    client when every replica refuses."""
+
+    def __init__(self, message: str, body: dict) -> None:
+        super().__init__(message)
+        self.body = body
+
+
 class UpstreamError(RuntimeError):
     """The replica answered with an OpenAI error; ``status`` and ``body`` pass through."""
 
@@ -439,6 +449,10 @@ class RemoteReplica(Replica):
                         if event == "snapshot":
                             self.index.reset(data["keys"])
                             last = data["seq"]
+                            if data.get("draining"):
+                                # Reconnected to an engine that is still stopping: it stays out.
+                                self.draining, self.healthy = True, False
+                                continue
                             self.draining = False  # a (re)started engine
                             if not self.info_known or self.info.model != data.get("model"):
                                 with contextlib.suppress(Exception):
@@ -464,11 +478,12 @@ class RemoteReplica(Replica):
                 if self.healthy:
                     self._trip(f"unreachable ({exc})")
             except Exception as exc:  # noqa: BLE001 - any other failure means: resync
-                log.info("replica %s: kv event stream lost (%s); resyncing", self.name, exc)
+                if not self.draining:  # a stopping engine ends the stream on purpose
+                    log.info("replica %s: kv event stream lost (%s); resyncing", self.name, exc)
             self._following = False
             self.index.reset({})
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            await asyncio.sleep(_KV_EVENTS_MAX_BACKOFF_S if self.draining else backoff)
+            backoff = min(backoff * 2, _KV_EVENTS_MAX_BACKOFF_S)
 
     async def _poll_metrics(self) -> None:
         """vLLM/SGLang Prometheus figures -> the router's load term (see Router.set_external_load)."""
@@ -563,7 +578,8 @@ class RemoteReplica(Replica):
         try:
             resp = post.result()
         except aiohttp.ServerTimeoutError as exc:
-            self._note_failure()
+            if isinstance(exc, aiohttp.ConnectionTimeoutError):
+                self._note_failure()  # no connection at all; a silent one is a deep queue's (see below)
             raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             self._note_failure()
@@ -576,6 +592,8 @@ class RemoteReplica(Replica):
                     err = await resp.json(content_type=None)
                 except Exception:  # noqa: BLE001
                     err = {}
+                if resp.status == 429:
+                    raise ReplicaBusy(f"replica {self.name} is at capacity", err if isinstance(err, dict) else {})
                 if resp.status >= 500 or not isinstance(err, dict) or "error" not in err:
                     raise ReplicaUnavailable(f"replica {self.name} answered {resp.status}")  # counted below
                 raise UpstreamError(resp.status, err)
@@ -622,11 +640,13 @@ class RemoteReplica(Replica):
                 # would look like a complete answer to the client.
                 raise ReplicaUnavailable(f"replica {self.name} closed the stream before [DONE]")
         except aiohttp.ServerTimeoutError as exc:
-            # One request stuck while the replica may be serving others: a failure
-            # to count, not a reason to cut every stream it has (a replica that is
-            # wholly hung fails its health checks, and those open the breaker).
-            self._note_failure()
+            # A request silent that long while the replica may be serving others
+            # (a deep queue delays several at once): not counted toward the breaker,
+            # whose trip would cut every stream it has.  A replica that is wholly
+            # hung fails its health checks, and those open the breaker.
             raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
+        except ReplicaBusy:
+            raise  # at capacity, not failing
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, ReplicaUnavailable) as exc:
             # ValueError: a broken frame (JSONDecodeError) from a dying server.
             reason = str(exc) if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc)
@@ -667,6 +687,9 @@ def _plain_reason(exc: BaseException) -> str:
         return "it sent a malformed response"
     return str(exc) or exc.__class__.__name__
 
+
+# Longest wait before reopening /kv_events; also the wait while the engine drains.
+_KV_EVENTS_MAX_BACKOFF_S = 2.0
 
 # Delta fields the gateway writes itself; the rest of an external server's delta is relayed.
 _DELTA_OWN = frozenset(("content", "role"))

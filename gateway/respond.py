@@ -175,10 +175,13 @@ class Responder:
                 raise  # the client left (or nothing was sent: the caller answers)
             # The server is stopping and the stream outlived the drain: say so.
             uncancel(asyncio.current_task())
-            with contextlib.suppress(ConnectionError):
-                await resp.write(tail_frames + sse_error(errors.shutting_down().body()) + DONE)
-                await resp.write_eof()
-            return resp
+            try:
+                with contextlib.suppress(ConnectionError):
+                    await resp.write(tail_frames + sse_error(errors.shutting_down().body()) + DONE)
+                    await resp.write_eof()
+            except asyncio.CancelledError:
+                pass  # cancelled again (a reader too slow for the last wait): the stream simply ends
+            return resp  # already under way: the caller must not answer a second time
         except Exception as exc:
             if resp is None:
                 raise

@@ -89,7 +89,8 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
     an error within a second, not after minutes of loading (vLLM does the same).
     """
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        # "" (like aiohttp's default) means every interface.
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise OSError(f"cannot resolve host {host!r}: {exc.strerror}") from None
     sockets: list[socket.socket] = []
@@ -169,9 +170,13 @@ class _Signals:
 
     def _received(self, sig: signal.Signals) -> None:
         if self.first.is_set():
-            if not self.second.is_set():
-                log.warning("%s again: stopping now", sig.name)
+            log.warning("%s again: stopping now", sig.name)
             self.second.set()
+            # A third signal gets Python's default (SIGINT: KeyboardInterrupt), should
+            # the last clean-up itself hang.
+            loop = asyncio.get_running_loop()
+            for other in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(other)
             return
         self.name = sig.name
         self.first.set()

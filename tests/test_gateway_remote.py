@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 import openai
@@ -363,6 +364,51 @@ async def test_external_server_features_pass_through(tiny_model_dir):
         await upstream.stop()
 
 
+async def test_a_replica_at_capacity_passes_the_request_on(tiny_model_dir):
+    """A 429 before any output (a replica shedding load) sends the request to
+    another replica, without counting against the first; when every replica
+    refuses, the client gets the 429."""
+    state = {"busy": 0}
+
+    async def refuse(request):
+        await request.read()
+        state["busy"] += 1
+        body = {"error": {"message": "at capacity", "type": "rate_limit_error", "param": None, "code": "server_overloaded"}}
+        return web.json_response(body, status=429)
+
+    async def answer(request):
+        await request.read()
+        chunk = {"choices": [{"index": 0, "delta": {"content": "Fine"}, "finish_reason": "stop"}]}
+        return web.Response(body=b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n",
+                            content_type="text/event-stream")
+
+    healthy = _models_while({"healthy": True})
+    busy, good = await _scripted_upstream(healthy, refuse), await _scripted_upstream(healthy, answer)
+    replicas = [ReplicaConfig(kind="openai", url=busy.url, name="busy"),
+                ReplicaConfig(kind="openai", url=good.url, name="good")]
+    router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=1)
+    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+        for _ in range(2):  # one of the two reaches the busy replica first
+            out = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+            assert out.choices[0].message.content == "Fine"
+        assert state["busy"] == 1 and all(r.healthy for r in app[GATEWAY].replicas)
+        await good.stop()
+        await wait_for(lambda: not app[GATEWAY].replicas[1].healthy, what="good replica out")
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+        assert info.value.code == "server_overloaded"
+    finally:
+        await client.close()
+        await gw.stop()
+        await busy.stop()
+        await good.stop()
+
+
 async def test_mixed_fleet_sends_tool_requests_to_the_external_server(tiny_model_dir):
     """A kvgate engine beside an external server: requests with tools or JSON output
     go to the external server only (the engine would ignore them); the rest go
@@ -444,6 +490,32 @@ async def test_engine_shutting_down_finishes_its_streams_and_leaves_routing(tiny
         await gw.stop()
 
 
+async def test_a_draining_engine_stays_out_of_routing_across_reconnects(tiny_model_dir, caplog):
+    """While an engine drains (SIGTERM's first stage: still serving its streams),
+    a gateway that reopens /kv_events gets a snapshot marked draining: the engine
+    stays out of routing, quietly, instead of rejoining and leaving again."""
+    caplog.set_level(logging.INFO, logger="gateway.replicas")
+    engine, server = await _engine_server(tiny_model_dir)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=server.url)],
+                         router=RouterConfig(health_interval_s=0.1))
+    app = create_app(config)
+    gw = await start_server(app)
+    replica = app[GATEWAY].replicas[0]
+    try:
+        await wait_for(lambda: replica.healthy, what="healthy")
+        server.runner.app[GATEWAY].begin_drain()
+        await wait_for(lambda: replica.draining and not replica.healthy, timeout=5, what="draining")
+        seen_healthy = False
+        for _ in range(150):  # 3 s: past the gateway's reconnect
+            seen_healthy |= replica.healthy
+            await asyncio.sleep(0.02)
+        assert not seen_healthy and replica.draining
+        assert not any("back in routing" in r.getMessage() or "resyncing" in r.getMessage() for r in caplog.records)
+    finally:
+        await gw.stop()
+        await server.stop()
+
+
 async def test_request_waiting_for_headers_gives_up_when_the_breaker_opens(tiny_model_dir):
     """A server that accepts the connection but never answers (a stopped process,
     a hung prefill): the request must not wait forever.  When the health probes
@@ -512,7 +584,9 @@ async def test_request_stuck_in_a_healthy_replica_times_out(tiny_model_dir):
     timeout = 0.5
     replicas = [ReplicaConfig(kind="openai", url=stuck.url, name="stuck", read_timeout_s=timeout),
                 ReplicaConfig(kind="openai", url=good.url, name="good", read_timeout_s=timeout)]
-    router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=5)
+    # One failure would open the breaker: a silent request must not count as one
+    # (several go quiet together behind a deep queue, and a trip cuts every stream).
+    router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=1)
     app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
     gw = await start_server(app)
     stuck_replica = app[GATEWAY].replicas[0]

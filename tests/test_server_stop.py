@@ -66,6 +66,8 @@ async def test_sigterm_drains_then_ends_the_streams_left(engine_factory):
                 assert ready.status == 503 and (await ready.json())["draining"] is True
             async with session.post(url, json={**_stream_body(2), "stream": False}) as late:
                 assert late.status == 200 and (await late.json())["usage"]["completion_tokens"] == 2
+                # Keep-alive clients are sent away, so the load balancer can route them elsewhere.
+                assert late.headers.get("Connection", "").lower() == "close"
             events = await asyncio.wait_for(sse_events(long_stream), 10)
         ended = time.monotonic() - signalled
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutting_down"

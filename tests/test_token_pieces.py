@@ -51,3 +51,16 @@ def test_chat_logprobs_give_real_bytes():
     entry = chat_logprobs(items)["content"][0]
     assert entry["bytes"] == [0xE4, 0xBD]
     assert [t["bytes"] for t in entry["top_logprobs"]] == [[0xE4, 0xBD], list("é".encode())]
+
+
+def test_sentencepiece_tokens_keep_their_word_mark_as_a_space():
+    # Decoded alone, "▁world" loses its space (the decoder strips the text's
+    # first one); mid-text, where generated tokens are, it adds " world".
+    tokenizer = FAMILIES["llama2"][0]()
+    pieces = TokenPieces(tokenizer)
+    ids = tokenizer.encode("ello world there", add_special_tokens=False)
+    texts = [pieces.text(i) for i in ids]
+    assert "".join(texts) == " " + tokenizer.decode(ids)
+    offsets = completion_logprobs([TokenLogprob(i, t, -1.0) for i, t in zip(ids, texts)], TokenOffsets())["text_offset"]
+    joined = "".join(texts)
+    assert all(joined.startswith(t, at) for t, at in zip(texts, offsets))
