@@ -54,6 +54,14 @@ async def _scripted_upstream(models, chat, port: int = 0):
     return await start_server(stub, port=port)
 
 
+async def _answer_fine(request):
+    """A scripted upstream's chat handler: one streamed "Fine" and [DONE]."""
+    await request.read()
+    chunk = {"choices": [{"index": 0, "delta": {"content": "Fine"}, "finish_reason": "stop"}]}
+    return web.Response(body=b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n",
+                        content_type="text/event-stream")
+
+
 def _models_while(state: dict):
     """A /v1/models handler that lists MODEL while ``state["healthy"]``, else fails."""
     async def models(request):
@@ -376,14 +384,8 @@ async def test_a_replica_at_capacity_passes_the_request_on(tiny_model_dir):
         body = {"error": {"message": "at capacity", "type": "rate_limit_error", "param": None, "code": "server_overloaded"}}
         return web.json_response(body, status=429)
 
-    async def answer(request):
-        await request.read()
-        chunk = {"choices": [{"index": 0, "delta": {"content": "Fine"}, "finish_reason": "stop"}]}
-        return web.Response(body=b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n",
-                            content_type="text/event-stream")
-
     healthy = _models_while({"healthy": True})
-    busy, good = await _scripted_upstream(healthy, refuse), await _scripted_upstream(healthy, answer)
+    busy, good = await _scripted_upstream(healthy, refuse), await _scripted_upstream(healthy, _answer_fine)
     replicas = [ReplicaConfig(kind="openai", url=busy.url, name="busy"),
                 ReplicaConfig(kind="openai", url=good.url, name="good")]
     router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=1)
@@ -572,15 +574,9 @@ async def test_request_stuck_in_a_healthy_replica_times_out(tiny_model_dir):
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    async def answer(request):
-        await request.read()
-        chunk = {"choices": [{"index": 0, "delta": {"content": "Fine"}, "finish_reason": "stop"}]}
-        return web.Response(body=b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n",
-                            content_type="text/event-stream")
-
     healthy = _models_while({"healthy": True})
     stuck = await _scripted_upstream(healthy, chat)
-    good = await _scripted_upstream(healthy, answer)
+    good = await _scripted_upstream(healthy, _answer_fine)
     timeout = 0.5
     replicas = [ReplicaConfig(kind="openai", url=stuck.url, name="stuck", read_timeout_s=timeout),
                 ReplicaConfig(kind="openai", url=good.url, name="good", read_timeout_s=timeout)]
