@@ -117,9 +117,9 @@ class Observer:
 
     def finished(self, done: Finished) -> None:
         ctx = done.ctx
-        self.status.record(done.prompt_tokens, done.cached_tokens, done.completion_tokens)
         self.reuse.record(ctx.workload, ctx.type, done.prompt_tokens, done.cached_tokens, self.wall_clock())
-        self.history.finished(ctx.workload, done.replica, done.prompt_tokens, done.cached_tokens, time.monotonic())
+        self.history.finished(ctx.workload, done.replica, done.prompt_tokens, done.cached_tokens,
+                              done.completion_tokens, time.monotonic())
         user = user_identity(done.user, ctx.tenant)
         if user is not None:
             self.user_share.record(user, done.cached_tokens, time.monotonic())
@@ -142,7 +142,7 @@ class Observer:
             await asyncio.sleep(interval)
             try:
                 await self.refresh()
-                line = self.status.line(interval, (
+                line = self.status.line(interval, self.history, (
                     (r.name, int(self._inflight(i)), self._engine_stats(r)) for i, r in enumerate(self._replicas)
                 ))
             except Exception:  # noqa: BLE001 - a status line must never stop the server

@@ -4,36 +4,40 @@ since the last line and what its engines hold now.
     last 10 s: 12 requests, prompt 310 tok/s (62% cached), generation 45 tok/s; inprocess-0: 3 running, 1 waiting, KV 45% in use
 
 Written only when something happened or is under way, so an idle server's
-log stays quiet.  Counts come from the observer's ``finished`` hook (engine
-requests that completed in the interval); queue and KV figures from each
-replica's engine stats (none for external servers: their own logs have them).
+log stays quiet.  Counts are the differences of the /stats history's running
+totals (engine requests that completed in the interval); queue and KV figures
+come from each replica's engine stats (none for external servers: their own
+logs have them).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Protocol
+
+
+class Totals(Protocol):
+    """Running totals since start (gateway.stats.StatsHistory has them)."""
+
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
 
 
 class StatusLog:
-    __slots__ = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
+    __slots__ = ("_seen",)
 
     def __init__(self) -> None:
-        self._reset()
+        self._seen = (0, 0, 0, 0)  # the totals at the last line
 
-    def _reset(self) -> None:
-        self.requests = self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
-
-    def record(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> None:
-        self.requests += 1
-        self.prompt_tokens += prompt_tokens
-        self.cached_tokens += cached_tokens
-        self.completion_tokens += completion_tokens
-
-    def line(self, seconds: float, replicas: Iterable[tuple[str, int, Mapping | None]]) -> str | None:
-        """The line for the last ``seconds`` and the replicas' (name, requests in
-        flight, engine stats), then start a new interval; None when idle."""
+    def line(self, seconds: float, totals: Totals, replicas: Iterable[tuple[str, int, Mapping | None]]) -> str | None:
+        """The line for the last ``seconds``: ``totals`` against the last line's, and
+        the replicas' (name, requests in flight, engine stats); None when idle."""
+        now = (totals.requests, totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens)
+        requests, prompt, cached, completion = (a - b for a, b in zip(now, self._seen))
+        self._seen = now
         parts = []
-        busy = self.requests > 0
+        busy = requests > 0
         for name, inflight, stats in replicas:
             if stats and "running" in stats:
                 running, waiting = int(stats["running"]), int(stats.get("waiting", 0))
@@ -48,8 +52,7 @@ class StatusLog:
             parts.append(part)
         if not busy:
             return None
-        cached = f" ({100 * self.cached_tokens / self.prompt_tokens:.0f}% cached)" if self.prompt_tokens else ""
-        head = (f"last {seconds:g} s: {self.requests} requests, prompt {self.prompt_tokens / seconds:.0f} tok/s{cached}, "
-                f"generation {self.completion_tokens / seconds:.0f} tok/s")
-        self._reset()
+        share = f" ({100 * cached / prompt:.0f}% cached)" if prompt else ""
+        head = (f"last {seconds:g} s: {requests} requests, prompt {prompt / seconds:.0f} tok/s{share}, "
+                f"generation {completion / seconds:.0f} tok/s")
         return "; ".join([head, *parts])

@@ -30,6 +30,7 @@ from gateway.metrics import GatewayMetrics, policy_rows
 from gateway.observe import user_identity
 from gateway.reuse_rate import MinuteReuse
 from gateway.server import start_server
+from gateway.stats import StatsHistory
 from gateway.status_log import StatusLog
 from tests.gateway_helpers import serving
 from gateway.user_share import UserHitShare
@@ -467,15 +468,17 @@ def test_loop_series_export_what_prometheus_client_exports():
 
 
 def test_status_line_reports_the_interval_then_starts_over():
-    status = StatusLog()
-    assert status.line(10, [("r0", 0, {"running": 0, "waiting": 0})]) is None  # idle: no line
-    status.record(1000, 600, 50)
-    status.record(1000, 200, 50)
+    history, status = StatsHistory(), StatusLog()
+    assert status.line(10, history, [("r0", 0, {"running": 0, "waiting": 0})]) is None  # idle: no line
+    history.finished("to-c", "r0", 1000, 600, 50, now=1.0)
+    history.finished("to-b", "r0", 1000, 200, 50, now=2.0)
     stats = {"running": 2, "waiting": 1, "blocks": {"device": {"total": 200, "in_use": 90}}}
-    line = status.line(10, [("r0", 3, stats), ("vllm", 4, None)])
+    line = status.line(10, history, [("r0", 3, stats), ("vllm", 4, None)])
     assert line == ("last 10 s: 2 requests, prompt 200 tok/s (40% cached), generation 10 tok/s; "
                     "r0: 2 running, 1 waiting, KV 45% in use; vllm: 4 in flight")
-    assert status.requests == 0 and status.line(10, [("r0", 0, {"running": 0})]) is None
+    assert status.line(10, history, [("r0", 0, {"running": 0})]) is None  # nothing new since
+    history.finished("to-c", "r0", 100, 0, 5, now=3.0)
+    assert status.line(10, history, [("r0", 0, {"running": 0})]).startswith("last 10 s: 1 requests, prompt 10 tok/s")
 
 
 async def test_status_line_in_the_log_while_busy(tiny_model_dir, caplog):
