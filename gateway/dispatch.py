@@ -51,6 +51,8 @@ class Dispatcher:
         self.replicas = replicas
         self.metrics = metrics
         self.observer = observer
+        # Each replica keeps one index object for its life (reset in place).
+        self._indexes = [r.index for r in replicas]
 
     def run(self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int) -> tuple[AsyncIterator, bool]:
         """The outputs of all ``subs`` and whether there is a single one.
@@ -85,13 +87,11 @@ class Dispatcher:
         # A request only an external server can honour (tools, JSON output) goes to one.
         external_only = parsed.engine_unsupported is not None
         while True:
-            decision = router.choose(
-                sub.prompt.keys,
-                [r.index for r in self.replicas],
-                [r.healthy and (r.kind == "openai" or not external_only) for r in self.replicas],
-                sub.context.session,
-                tried,
-            )
+            if external_only:
+                usable = [r.healthy and r.kind == "openai" for r in self.replicas]
+            else:
+                usable = [r.healthy for r in self.replicas]
+            decision = router.choose(sub.prompt.keys, self._indexes, usable, sub.context.session, tried)
             if decision is None:
                 if busy is not None:  # every replica that could take it refused: at capacity
                     error = busy.body.get("error") if isinstance(busy.body.get("error"), dict) else {}
