@@ -83,10 +83,14 @@ async def freeze_startup_objects(app: web.Application) -> None:
 
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:
-    """Listening sockets for every address ``host`` resolves to, bound now.
+    """Sockets for every address ``host`` resolves to, bound now; they listen once
+    the app has started.
 
     Binding before the model loads turns a port in use or an unknown host into
     an error within a second, not after minutes of loading (vLLM does the same).
+    One gap is left, as in vLLM: two servers starting at once on one port both
+    bind (SO_REUSEADDR, needed to rebind over TIME_WAIT after a restart), and
+    the second fails only when it starts listening.
     """
     try:
         # "" (like aiohttp's default) means every interface.
