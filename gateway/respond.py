@@ -105,7 +105,10 @@ class Responder:
         else:
             obj = text_completion(new_id("cmpl-"), now_s(), self.model_name, choices, usage.as_dict(subs),
                                   parsed.top_with_sampled)
-        return web.Response(body=json.dumps(obj).encode(), content_type="application/json")
+        # OpenAI's SDKs expose x-request-id (response._request_id) for logs and support;
+        # here it is the completion's own id, so one string finds both.
+        return web.Response(body=json.dumps(obj).encode(), content_type="application/json",
+                            headers={"x-request-id": obj["id"]})
 
     async def stream(
         self, request: web.Request, gen: AsyncIterator, single: bool, parsed: ParsedRequest, subs: list[Sub], start: float
@@ -139,6 +142,7 @@ class Responder:
                             # Headers go out with the first output so that failures before
                             # it (no replica, upstream 4xx) still get a proper status code.
                             resp = _SseResponse(headers=SSE_HEADERS)
+                            resp.headers["x-request-id"] = rid
                             await resp.prepare(request)
                             self.observer.first_token(workload, time.perf_counter() - start)
                         index = shift + out.index
@@ -166,6 +170,7 @@ class Responder:
             gen = None  # exhausted: nothing to close
             if resp is None:
                 resp = _SseResponse(headers=SSE_HEADERS)
+                resp.headers["x-request-id"] = rid
                 await resp.prepare(request)
             tail = fmt.usage(usage.as_dict(subs)) + DONE if parsed.include_usage else DONE
             await resp.write_eof(tail_frames + tail)  # one send for the last frames, the tail and the end

@@ -57,12 +57,14 @@ async def test_chat_plain_and_streamed(gw):
     assert resp.usage.completion_tokens == 3 and resp.usage.prompt_tokens > 0
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 3
     assert resp.usage.prompt_tokens_details.cached_tokens == 0
+    assert resp._request_id == resp.id  # the x-request-id header the SDK reads
 
     stream = await client.chat.completions.create(
         model=MODEL, messages=msgs, max_tokens=3, n=2, temperature=0, extra_body=FIXED,
         stream=True, stream_options={"include_usage": True},
     )
     chunks = [c async for c in stream]
+    assert stream.response.headers["x-request-id"] == chunks[0].id
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
     text = {0: "", 1: ""}
