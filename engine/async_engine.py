@@ -27,7 +27,7 @@ from engine.request import GenerationOutput, GenerationRequest, Usage, coalesce,
 from engine.runner import ModelRunner
 from engine.sampling import SequenceSampler, sample_batch
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, Status
 from engine.token_pieces import TokenPieces
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,10 @@ class AsyncEngine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping:
-            self._apply_pending()
+            try:
+                self._apply_pending()
+            except Exception:  # noqa: BLE001 - one request's bookkeeping must not stop the loop
+                log.exception("engine bookkeeping failed")
             if not self.scheduler.has_work():
                 self._flush_events()
                 self._idle.set()
@@ -321,9 +324,16 @@ class AsyncEngine:
                 state.queue.put_nowait(self._final(seq, GenerationOutput(request_id, seq.index, [], ""), "abort"))
 
     def _fail_all(self, exc: BaseException) -> None:
+        """Fail every request after a step raised; the loop serves on.  A
+        sequence the failed step left half-updated is dropped even if its blocks
+        cannot be given back (logged): a hung engine would be worse."""
         for request_id, state in list(self._requests.items()):
             for seq in state.seqs:
-                self.scheduler.finish(seq, "abort")
+                try:
+                    self.scheduler.finish(seq, "abort")
+                except Exception:  # noqa: BLE001
+                    log.exception("could not release the blocks of %s after the failed step", request_id)
+                    seq.status, seq.block_table = Status.FINISHED, []
             state.queue.put_nowait(RuntimeError(f"engine step failed: {exc}"))
             del self._requests[request_id]
 

@@ -166,7 +166,9 @@ class Scheduler:
         """Remove ``seq`` wherever it is and free its blocks at once."""
         if seq.status is Status.FINISHED:
             return
-        if seq.status is Status.RUNNING:
+        # After a step that failed half-way a sequence may be marked running
+        # without being in the list: finishing it must still work.
+        if seq.status is Status.RUNNING and seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)

@@ -199,3 +199,22 @@ def test_a_request_waiting_for_blocks_leaves_its_cached_prefix_untouched():
     step()
     # Admitted once blocks are free: now its prefix counts, once per block it reuses.
     assert waiting not in scheduler.waiting and len(hits) == waiting.cached_tokens // bs > 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo", "wa", "wa-paper"])
+def test_a_block_taken_again_after_release_is_in_use(policy):
+    """Another choice of the same request (same context, same offset) takes the
+    block its sibling just released: it must leave the evictable set, or a second
+    request could evict it and write into it while it is read."""
+    ctx = RequestContext(workload="to-c", type="text", session="s")
+    pool = BlockPool(2, policy=policy)
+    [block] = pool.allocate(1, 0.0)
+    assert pool.cache_block(block, 7, ctx, 0, 0.0)
+    pool.release([block], ctx, 1.0)
+    assert pool.acquire_prefix([7], ctx, 2.0) == [block]
+    assert pool.num_free_device() == 1  # the one free block, not the one in use
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(2, 3.0)
+    other = pool.allocate(1, 3.0)
+    assert other != [block] and pool.cached[7] == block
+    pool.release([block, *other], ctx, 4.0)

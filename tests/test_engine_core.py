@@ -367,3 +367,27 @@ async def test_mixed_traffic_under_pressure(engines):
     view = engine.cached_keys()
     assert sorted(view["device"]) == sorted(k for k, b in pool.cached.items() if pool.is_device(b))
     assert sorted(view["host"]) == sorted(k for k, b in pool.cached.items() if not pool.is_device(b))
+
+
+async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(engines):
+    """A step that raises half-way (here: a running sequence already taken off
+    the scheduler's list) fails the requests in flight with an error; the loop
+    keeps going and the next request is served, instead of every later request
+    hanging."""
+    engine = engines(device_blocks=32)
+    real_step = engine._step
+    calls = {"n": 0}
+
+    def failing_step():
+        calls["n"] += 1
+        if calls["n"] == 3:  # mid-generation
+            engine.scheduler.running.pop()
+            raise RuntimeError("injected")
+        return real_step()
+
+    engine._step = failing_step
+    with pytest.raises(RuntimeError, match="engine step failed: injected"):
+        await asyncio.wait_for(collect(engine, greedy("a", list(range(5, 40)), 20)), 30)
+    engine._step = real_step
+    out = await asyncio.wait_for(collect(engine, greedy("b", list(range(5, 40)), 4)), 30)
+    assert len(tokens(out[0])) == 4

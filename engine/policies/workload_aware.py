@@ -659,6 +659,12 @@ class WorkloadAwarePolicy(EvictionPolicy):
 
     def release(self, key: int, ctx: RequestContext, now: float) -> None:
         self.core.release(key)
+        if key == self._key:
+            # A later hit on this key (another choice of the request, or the
+            # request back after preemption) is a new use, not the second half of
+            # a promotion's insert-then-hit: _access must not skip it, or the
+            # block would stay evictable while in use.
+            self._key = None
         shadow = self._shadow_keys
         if shadow is not None:
             if key in shadow:
