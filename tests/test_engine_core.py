@@ -91,9 +91,10 @@ async def test_batch_of_mixed_lengths_equals_one_by_one(engines):
     assert [tokens(r[0]) for r in results] == alone
 
 
-async def test_preempt_and_resume_gives_same_tokens(engines, reference):
+@pytest.mark.parametrize("policy", ["lru", "wa"])
+async def test_preempt_and_resume_gives_same_tokens(engines, reference, policy):
     # 10 blocks of 16 tokens cannot hold four 40+40-token sequences (5 blocks each).
-    engine = engines(device_blocks=10, host_blocks_multiplier=0.0, max_num_seqs=4)
+    engine = engines(device_blocks=10, host_blocks_multiplier=0.0, max_num_seqs=4, policy=policy)
     prompts = [prompt_of(40, seed=20 + i) for i in range(4)]
     results = await asyncio.gather(*(collect(engine, greedy(f"p{i}", p, 40)) for i, p in enumerate(prompts)))
     assert engine.stats()["preemptions"] > 0
@@ -330,7 +331,9 @@ async def test_varlen_metadata_and_fallback(engines, reference, monkeypatch):
         assert tokens(result[0]) == hf_greedy(reference, prompt, 10)
 
 
-async def test_mixed_traffic_under_pressure(engines):
+# wa: the default policy, whose bookkeeping of re-taken blocks once left them evictable in use.
+@pytest.mark.parametrize("policy", ["lru", "wa"])
+async def test_mixed_traffic_under_pressure(engines, policy):
     """Shared prefixes, aborts, n=2, preemption, demotion and promotion at once: every
     surviving request gets the tokens it gets alone, and the cache view matches the pool."""
     rnd = random.Random(0)
@@ -341,7 +344,7 @@ async def test_mixed_traffic_under_pressure(engines):
     ]
     roomy = engines(device_blocks=200)
     alone = [tokens((await collect(roomy, greedy(f"r{i}", p, 20)))[0]) for i, p in enumerate(prompts)]
-    engine = engines(device_blocks=14, host_blocks_multiplier=2.0, max_num_seqs=6, max_batched_tokens=40)
+    engine = engines(device_blocks=14, host_blocks_multiplier=2.0, max_num_seqs=6, max_batched_tokens=40, policy=policy)
 
     async def one(i, prompt):
         await asyncio.sleep(rnd.random() * 0.05)
