@@ -21,7 +21,7 @@ from typing import AsyncIterator
 from engine.context import RequestContext
 from engine.request import GenerationOutput, GenerationRequest, coalesce
 from gateway import errors
-from gateway.errors import ApiError, bad_request
+from gateway.errors import bad_request
 from gateway.metrics import GatewayMetrics
 from gateway.observe import Finished, Observer
 from gateway.prefix import Prompt
@@ -94,9 +94,8 @@ class Dispatcher:
             decision = router.choose(sub.prompt.keys, self._indexes, usable, sub.context.session, tried)
             if decision is None:
                 if busy is not None:  # every replica that could take it refused: at capacity
-                    error = busy.body.get("error") if isinstance(busy.body.get("error"), dict) else {}
-                    raise ApiError(429, error.get("message") or "Every replica is at capacity; retry shortly.",
-                                   error.get("type") or "rate_limit_error", None, error.get("code") or "server_overloaded")
+                    raise errors.relayed(429, busy.body, "Every replica is at capacity; retry shortly.",
+                                         "rate_limit_error", "server_overloaded")
                 raise errors.no_replica()
             replica = self.replicas[decision.replica]
             ticket = router.acquire(decision.replica, load, sub.prompt.keys, decision.matched_blocks)
@@ -158,14 +157,8 @@ class Dispatcher:
                 log.warning("replica %s unavailable, trying another: %s", replica.name, exc)
                 tried.append(decision.replica)
             except UpstreamError as exc:
-                body = exc.body.get("error") if isinstance(exc.body.get("error"), dict) else {}
-                raise ApiError(
-                    exc.status if 400 <= exc.status < 600 else 502,
-                    body.get("message") or str(exc),
-                    body.get("type") or "api_error",
-                    body.get("param"),
-                    body.get("code"),
-                ) from None
+                status = exc.status if 400 <= exc.status < 600 else 502
+                raise errors.relayed(status, exc.body, str(exc), "api_error") from None
             finally:
                 if not exhausted:
                     await aclose(gen)

@@ -88,6 +88,14 @@ def shutting_down() -> ApiError:
                     "server_shutting_down")
 
 
+def relayed(status: int, body: dict, message: str, type: str, code: str | None = None) -> ApiError:
+    """An upstream server's OpenAI error body passed on; its own fields win
+    over the defaults given here."""
+    error = body.get("error") if isinstance(body.get("error"), dict) else {}
+    return ApiError(status, error.get("message") or message, error.get("type") or type, error.get("param"),
+                    error.get("code") or code)
+
+
 def upstream_error(message: str) -> ApiError:
     return ApiError(502, message, "api_error", None, "upstream_error")
 
