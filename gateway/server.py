@@ -83,30 +83,35 @@ async def freeze_startup_objects(app: web.Application) -> None:
 
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:
-    """Sockets for every address ``host`` resolves to, bound now; they listen once
-    the app has started.
+    """Sockets for every address ``host`` resolves to, bound and listening now;
+    connections wait in the backlog until the app has started.
 
-    Binding before the model loads turns a port in use or an unknown host into
-    an error within a second, not after minutes of loading (vLLM does the same).
-    One gap is left, as in vLLM: two servers starting at once on one port both
-    bind (SO_REUSEADDR, needed to rebind over TIME_WAIT after a restart), and
-    the second fails only when it starts listening.
+    Taking the port before the model loads turns a port in use or an unknown
+    host into an error within a second, not after minutes of loading.  Listening
+    at once (not only binding) also stops a second server started at the same
+    moment: SO_REUSEADDR, needed to rebind over TIME_WAIT after a restart, lets
+    two sockets bind one port as long as neither listens.
     """
     try:
         # "" (like aiohttp's default) means every interface.
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise OSError(f"cannot resolve host {host!r}: {exc.strerror}") from None
+    infos = list(dict.fromkeys(infos))
+    # Several addresses ("" gives 0.0.0.0 and ::) each take their own family; "::"
+    # alone also takes IPv4 clients, as uvicorn's (and so vLLM's) --host :: does.
+    v6only = len({info[0] for info in infos}) > 1
     sockets: list[socket.socket] = []
     try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):
+        for family, kind, proto, _, address in infos:
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "::" and "0.0.0.0" may both be asked
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v6only))
             try:
                 sock.bind((address[0], port, *address[2:]))
+                sock.listen(_BACKLOG)
             except OSError as exc:
                 raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
             if port == 0:  # one port for every address, the first one the kernel chose
@@ -116,6 +121,10 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
             sock.close()
         raise
     return sockets
+
+
+# aiohttp's own default backlog for a site.
+_BACKLOG = 128
 
 
 async def _serve(app: web.Application, sockets: list[socket.socket], cfg: ServerConfig, what: str) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 import engine.async_engine
 from gateway.cli import main
+from gateway.server import bind_sockets
 
 
 def write_jsonl(path, records):
@@ -136,3 +137,27 @@ def test_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
     assert time.monotonic() - started < 5
     assert main(["serve", "--host", "no.such.host.invalid", "--port", "0"]) == 2
     assert "cannot resolve host 'no.such.host.invalid'" in capsys.readouterr().err
+
+
+def test_a_second_server_starting_at_the_same_moment_is_refused_the_port():
+    # Both still loading their models: the first has its port, the second must not get it too.
+    first = bind_sockets("127.0.0.1", 0)
+    try:
+        port = first[0].getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            bind_sockets("127.0.0.1", port)
+    finally:
+        for sock in first:
+            sock.close()
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="this machine has no IPv6 stack")
+def test_host_ipv6_wildcard_also_takes_ipv4_clients():
+    sockets = bind_sockets("::", 0)
+    try:
+        port = sockets[0].getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # accepted by the listening backlog
+    finally:
+        for sock in sockets:
+            sock.close()
