@@ -311,7 +311,8 @@ class Gateway:
                 resp = await self.responder.stream(request, gen, single, parsed, subs, start)
             else:
                 resp = await self.responder.complete(gen, single, parsed, subs, start)
-            status = str(resp.status)
+            # A stream that failed after its first byte counts under its error's status.
+            status = str(getattr(resp, "failed_status", None) or resp.status)
             if self.draining:
                 # A keep-alive client would keep coming back here; on a new
                 # connection the load balancer sends it to an instance that stays.

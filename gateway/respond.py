@@ -46,6 +46,9 @@ class _SseResponse(web.StreamResponse):
     # Headers ride with the first frames (one send, not two); aiohttp's own
     # web.Response does the same.
     _send_headers_immediately = False
+    # The status of the error event that ended the stream, if one did: the HTTP
+    # status went out as 200, but the request failed, and the metrics say so.
+    failed_status: int | None = None
 
 
 class Responder:
@@ -122,7 +125,7 @@ class Responder:
         states = [ChoiceState() for _ in range(n * len(subs))]
         usage = UsageSum(len(subs))
         workload = subs[0].context.workload
-        resp: web.StreamResponse | None = None
+        resp: _SseResponse | None = None
         choices_left = len(states)
         tail_frames = b""
         try:
@@ -180,9 +183,11 @@ class Responder:
                 raise  # the client left (or nothing was sent: the caller answers)
             # The server is stopping and the stream outlived the drain: say so.
             uncancel(asyncio.current_task())
+            exc = errors.shutting_down()
+            resp.failed_status = exc.status
             try:
                 with contextlib.suppress(ConnectionError):
-                    await resp.write(tail_frames + sse_error(errors.shutting_down().body()) + DONE)
+                    await resp.write(tail_frames + sse_error(exc.body()) + DONE)
                     await resp.write_eof()
             except asyncio.CancelledError:
                 pass  # cancelled again (a reader too slow for the last wait): the stream simply ends
@@ -197,6 +202,7 @@ class Responder:
                 exc = errors.internal_error()
             # Mid-stream: the status is already sent; OpenAI clients raise on an error
             # event, and [DONE] still ends the stream for clients that wait for it.
+            resp.failed_status = exc.status
             with contextlib.suppress(ConnectionError):
                 await resp.write(tail_frames + sse_error(exc.body()) + DONE)
                 await resp.write_eof()

@@ -18,6 +18,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import GATEWAY, create_app
 from gateway.config import ReplicaConfig, RouterConfig
@@ -236,6 +237,15 @@ async def test_external_openai_replica_process_with_approximate_index_and_metric
         proc.stop()
 
 
+def _requests_by_status(metrics_text: str) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "kvgate_requests_total" and sample.value:
+                counts[sample.labels["status"]] = counts.get(sample.labels["status"], 0) + sample.value
+    return counts
+
+
 async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoins(tiny_model_dir):
     """An upstream that drops a stream (no [DONE]) or hangs after its first token.
 
@@ -297,6 +307,10 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
             async with session.post(gw.url + "/v1/chat/completions", json={**body, "stream": False}) as resp:
                 assert resp.status == 502
                 assert set((await resp.json())["error"]) == {"message", "type", "param", "code"}
+            # The two streams went out as HTTP 200 but failed: the metrics count them as failures.
+            async with session.get(gw.url + "/metrics") as resp:
+                counts = _requests_by_status(await resp.text())
+            assert counts == {"502": 3, "503": 1}, counts
         assert app[GATEWAY].router.inflight_requests == [0]
     finally:
         await gw.stop()
