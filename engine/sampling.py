@@ -37,6 +37,16 @@ class IncrementalDetokenizer:
             return full[len(prefix) :]
         return ""
 
+    def flush(self) -> str:
+        """The text still held back when the sequence ends: a character cut off
+        by the end arrives as U+FFFD, as a whole-sequence decode gives it."""
+        if self.read_offset >= len(self.ids):
+            return ""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix) :]
+
 
 class SequenceSampler:
     """Sampling state of one choice: generator, penalties, stop checks, emitted text."""
@@ -125,8 +135,9 @@ class SequenceSampler:
         self.num_generated += 1
         self.counts[token] += 1
         finish = None
-        if token in self.eos_ids or token in self.stop_ids:
+        if self.is_end_token(token):
             finish = "stop"
+            self.text += self.detok.flush()
         else:
             start = len(self.text)
             self.text += self.detok.add(token)
@@ -134,7 +145,12 @@ class SequenceSampler:
                 finish = self._cut_stop(start)
         if finish is None and (self.num_generated >= self.params.max_tokens or num_tokens >= max_model_len):
             finish = "length"
+            self.text += self.detok.flush()
         return self._emit(finish is not None), finish
+
+    def is_end_token(self, token: int) -> bool:
+        """EOS or a stop token id: it ends the sequence and is not part of its text."""
+        return token in self.eos_ids or token in self.stop_ids
 
     def _cut_stop(self, new_from: int) -> str | None:
         # A stop string may begin in text emitted earlier only within the held-back tail.

@@ -94,6 +94,27 @@ def test_detokenizer_never_emits_broken_utf8():
     assert "".join(deltas) == data.decode()
 
 
+@pytest.mark.parametrize("end", ["length", "eos"])
+def test_a_character_cut_off_by_the_end_still_reaches_the_text(end):
+    # "a 東" cut after the first two of 東's three bytes, by max_tokens or by EOS.
+    data = b"a " + "東".encode()[:2]
+    eos = 300
+    params = SamplingParams(max_tokens=len(data) + (1 if end == "eos" else 0))
+    sampler = SequenceSampler(params, _Tok(), [], {eos})
+    text = ""
+    for b in data:
+        delta, finish = sampler.accept(b, 0, 100)
+        text += delta
+    if end == "eos":
+        assert finish is None
+        delta, finish = sampler.accept(eos, 0, 100)
+        text += delta
+        assert finish == "stop"
+    else:
+        assert finish == "length"
+    assert text == data.decode("utf-8", errors="replace") == "a \ufffd"
+
+
 def test_stop_string_spanning_tokens_is_held_back():
     params = SamplingParams(max_tokens=50, stop=["END"])
     sampler = SequenceSampler(params, _Tok(), [], set())
