@@ -501,8 +501,10 @@ def openai_errors(handler):
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
-            log.exception("unhandled error on %s %s", request.method, request.path)
-            return errors.internal_error().response()
+            response = errors.internal_error().response()
+            log.exception("unhandled error on %s %s (x-request-id %s)", request.method, request.path,
+                          response.headers["x-request-id"])
+            return response
 
     guarded.__name__ = getattr(handler, "__name__", "handler")
     return guarded
@@ -548,7 +550,7 @@ def create_app(
         ("POST", "/v1/chat/completions", functools.partial(gw.serve, endpoint=CHAT)),
         ("POST", "/v1/completions", functools.partial(gw.serve, endpoint=COMPLETIONS)),
         ("GET", "/v1/models", gw.models),
-        ("GET", "/v1/models/{model}", gw.model),
+        ("GET", "/v1/models/{model:.+}", gw.model),
         ("GET", "/health", gw.health),
         ("GET", "/ready", gw.ready),
         ("GET", "/metrics", gw.metrics_endpoint),

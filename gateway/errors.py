@@ -9,6 +9,7 @@ Nothing else ever reaches the wire: no tracebacks, no aiohttp HTML pages.
 from __future__ import annotations
 
 import json
+from random import getrandbits
 
 from aiohttp import web
 
@@ -42,6 +43,8 @@ class ApiError(Exception):
         )
         if self.status == 429:
             resp.headers["Retry-After"] = "1"  # OpenAI's SDKs wait this long before their retry
+        # As on every OpenAI response (the SDK's error.request_id); a completion's is its own id.
+        resp.headers["x-request-id"] = f"req-{getrandbits(96):024x}"
         return resp
 
 

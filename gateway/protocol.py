@@ -86,7 +86,26 @@ def parse_json(raw: bytes) -> dict:
         ) from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
+    # json.loads turns an escaped lone surrogate ("\\ud800") into a str no encoder or
+    # tokenizer takes; only a body holding such an escape is searched.
+    if ("\\ud" in raw or "\\uD" in raw) and _holds_lone_surrogate(body):
+        raise bad_request("The request body holds invalid Unicode: an escaped lone surrogate (such as \\ud800) "
+                          "is not a character.")
     return body
+
+
+def _holds_lone_surrogate(value) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_lone_surrogate(v) for v in value)
+    return False
 
 
 def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: bool = False) -> ParsedRequest:
@@ -113,7 +132,7 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
     _parse_sampling(req, body, limits, _MAX_TOP_LOGPROBS_CHAT if engine_mode else _MAX_LOGPROBS_COMPLETIONS)
     if endpoint == CHAT:
         _parse_messages(req, body, limits)
-        if "tools" in body or "tool_choice" in body or "response_format" in body:
+        if "tools" in body or "tool_choice" in body or "response_format" in body or "functions" in body:
             _parse_chat_extras(req, body)
     else:
         _parse_prompt(req, body, limits)
@@ -145,6 +164,13 @@ def _parse_chat_extras(req: ParsedRequest, body: dict) -> None:
         req.engine_unsupported = ("Tool calling is not supported by the kvgate engine; send 'tools' to a gateway in "
                                   "front of a server that parses tool calls (e.g. vLLM), or set tool_choice to 'none'.",
                                   "tools")
+    # The deprecated form of tools, refused (or passed on) alike.
+    functions = body.get("functions")
+    if functions is not None and not (isinstance(functions, list) and all(isinstance(f, dict) for f in functions)):
+        raise bad_request(_type_msg("functions", "an array of objects", functions), "functions")
+    if functions and body.get("function_call") != "none" and req.engine_unsupported is None:
+        req.engine_unsupported = ("Function calling is not supported by the kvgate engine; send 'functions' to a "
+                                  "gateway in front of a server that parses tool calls (e.g. vLLM).", "functions")
     fmt = body.get("response_format")
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -176,6 +202,9 @@ def _parse_completion_extras(req: ParsedRequest, body: dict) -> None:
     elif suffix:
         req.engine_unsupported = ("suffix is not supported by the kvgate engine.", "suffix")
     elif best_of is not None and best_of > n:
+        if req.stream:
+            # Ranking needs every sample finished first (OpenAI: "Results cannot be streamed").
+            raise bad_request("best_of greater than n cannot be used with stream.", "best_of")
         req.engine_unsupported = ("best_of greater than n is not supported by the kvgate engine.", "best_of")
 
 
@@ -318,6 +347,12 @@ def _content_text(req: ParsedRequest, content: Any, where: str, role: str) -> st
             if not isinstance(text, str):
                 raise bad_request(_type_msg(f"{pwhere}.text", "a string", text), f"{pwhere}.text")
             pieces.append(text)
+        elif kind == "refusal" and role == "assistant":
+            # An earlier answer that declined, as the SDK hands it back in the history.
+            refusal = part.get("refusal")
+            if not isinstance(refusal, str):
+                raise bad_request(_type_msg(f"{pwhere}.refusal", "a string", refusal), f"{pwhere}.refusal")
+            pieces.append(refusal)
         elif kind == "image_url":
             image = part.get("image_url")
             url = image.get("url") if isinstance(image, dict) else image

@@ -69,8 +69,11 @@ class Responder:
         self, gen: AsyncIterator, single: bool, parsed: ParsedRequest, subs: list[Sub], start: float
     ) -> web.Response:
         """The whole response as one JSON object, once every choice has finished."""
+        created = now_s()  # when the completion began, as a stream's chunks carry it
         n = parsed.sampling.n
-        choices = [ChoiceState() for _ in range(n * len(subs))]
+        # Asked for logprobs: a choice whose only token ended it still has them (empty).
+        lp = [] if parsed.sampling.logprobs is not None else None
+        choices = [ChoiceState(logprobs=lp) for _ in range(n * len(subs))]
         usage = UsageSum(len(subs))
         workload = subs[0].context.workload
         first = True
@@ -93,7 +96,7 @@ class Responder:
                             choice.extra = {}
                         merge_delta_extra(choice.extra, out.extra)
                     if out.logprobs is not None:
-                        choice.logprobs = (choice.logprobs or []) + out.logprobs
+                        choice.logprobs = (choice.logprobs or []) + out.logprobs  # a new list: lp is shared
                     if out.finish_reason is not None:
                         _check_finish(out.finish_reason)
                         choice.finish_reason = out.finish_reason
@@ -104,9 +107,9 @@ class Responder:
             for i, choice in enumerate(choices):
                 choice.text.insert(0, parsed.echo_texts[i // n])
         if parsed.endpoint == CHAT:
-            obj = chat_completion(new_id("chatcmpl-"), now_s(), self.model_name, choices, usage.as_dict(subs))
+            obj = chat_completion(new_id("chatcmpl-"), created, self.model_name, choices, usage.as_dict(subs))
         else:
-            obj = text_completion(new_id("cmpl-"), now_s(), self.model_name, choices, usage.as_dict(subs),
+            obj = text_completion(new_id("cmpl-"), created, self.model_name, choices, usage.as_dict(subs),
                                   parsed.top_with_sampled)
         # OpenAI's SDKs expose x-request-id (response._request_id) for logs and support;
         # here it is the completion's own id, so one string finds both.
@@ -160,8 +163,11 @@ class Responder:
                         if out.finish_reason is not None:
                             _check_finish(out.finish_reason)
                             choices_left -= 1
-                        if text or out.logprobs or out.finish_reason is not None or out.extra:
-                            frames.append(fmt.delta(index, text, out.logprobs, state, out.finish_reason, out.extra))
+                        if text or out.logprobs or out.extra:
+                            frames.append(fmt.delta(index, text, out.logprobs, state, None, out.extra))
+                        if out.finish_reason is not None:
+                            # As OpenAI ends a choice: a chunk of its own, an empty delta and the reason.
+                            frames.append(fmt.delta(index, "", None, state, out.finish_reason))
                 except ApiError:
                     if frames:
                         await resp.write(b"".join(frames))  # what came before the failure

@@ -75,6 +75,8 @@ async def test_chat_plain_and_streamed(gw):
     assert text == {0: resp.choices[0].message.content, 1: resp.choices[0].message.content}
     finishes = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
     assert finishes == ["length", "length"]
+    # As OpenAI ends a choice: its own chunk, with an empty delta.
+    assert all(ch.delta.content is None for c in chunks for ch in c.choices if ch.finish_reason)
 
 
 async def test_raw_sse_framing(gw):
@@ -142,6 +144,15 @@ async def test_logit_bias_and_echo(gw):
     )
     first = chat.choices[0].logprobs.content[0]
     assert (first.token, first.bytes) == ("bytes:\\xe4", [0xE4])
+    # The character that byte starts was cut off by max_tokens: it still shows, as a decode shows it.
+    assert chat.choices[0].message.content == "\ufffd"
+    # The end token stops the choice but is not part of its text, nor of its logprobs.
+    ended = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True,
+        logit_bias={str(tokenizer.eos_token_id): 100},
+    )
+    assert ended.choices[0].finish_reason == "stop" and ended.choices[0].message.content == ""
+    assert ended.choices[0].logprobs.content == [] and ended.usage.completion_tokens == 1
     assert all(bytes(t.bytes) == t.token.encode() for t in first.top_logprobs if not t.token.startswith("bytes:"))
 
     plain = await client.completions.create(**base)
@@ -164,6 +175,8 @@ async def test_logit_bias_and_echo(gw):
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "nonsense"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"functions": "f"}, "functions"),
 ])
 async def test_chat_fields_the_engine_cannot_honour_are_refused(gw, fields, param):
     """Tools and JSON output need a tool-call parser and guided decoding, which the
@@ -190,6 +203,9 @@ async def test_completion_fields_the_engine_cannot_honour_are_refused(gw, fields
     with pytest.raises(openai.BadRequestError) as err:
         await client.completions.create(model=MODEL, prompt="x", max_tokens=2, **fields)
     assert err.value.body["param"] == param
+    # Ranking extra samples needs them all finished: never streamed, whatever the server.
+    with pytest.raises(openai.BadRequestError, match="cannot be used with stream"):
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=2, best_of=3, stream=True)
 
 
 async def test_errors_are_sdk_exceptions_and_server_survives(gw):
@@ -197,6 +213,7 @@ async def test_errors_are_sdk_exceptions_and_server_survives(gw):
     with pytest.raises(openai.NotFoundError) as info:
         await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert info.value.code == "model_not_found"
+    assert info.value.request_id.startswith("req-")  # errors carry x-request-id too, as OpenAI's do
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=5)
     assert info.value.param == "temperature"
@@ -209,6 +226,9 @@ async def test_errors_are_sdk_exceptions_and_server_survives(gw):
             (b"\xff\xfe", 400),
             (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 2000}).encode(), 400),
             (b"x" * (9 * 1024 * 1024), 413),
+            # Escaped lone surrogates: valid JSON, but no text; a 400, not a crash in a tokenizer or hash.
+            (b'{"model": "%s", "messages": [{"role": "user", "content": "x"}], "user": "\\ud800"}' % MODEL.encode(), 400),
+            (b'{"model": "%s", "messages": [{"role": "user", "content": "a\\udc00"}]}' % MODEL.encode(), 400),
         ):
             async with s.post(server.url + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}) as r:
                 assert r.status == status
@@ -227,6 +247,11 @@ async def test_errors_are_sdk_exceptions_and_server_survives(gw):
             assert r.status == 200
     resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "still here"}],
                                                 max_tokens=1)
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    # A history holding an earlier refusal, as the SDK hands it back.
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+               {"role": "user", "content": "y"}]
+    resp = await client.chat.completions.create(model=MODEL, messages=history, max_tokens=1)
     assert resp.choices[0].finish_reason in ("stop", "length")
 
 
