@@ -20,6 +20,10 @@ import torch
 # most CPU_KV_CAP_BYTES, so a laptop or a shared CI box is not pushed into swap.
 CPU_KV_FRACTION = 0.15
 CPU_KV_CAP_BYTES = 2 << 30
+# With a GPU the host tier is pinned RAM, which the kernel can neither swap nor
+# reclaim: at most this share of what is available, however large the device
+# tier (3x a 125 GB H200 tier would ask for 375 GB).
+HOST_KV_FRACTION = 0.25
 
 
 @dataclass(slots=True)
@@ -59,6 +63,16 @@ def size_device_blocks(
     budget = min(_available_ram() * CPU_KV_FRACTION * fraction, CPU_KV_CAP_BYTES)
     blocks = int(budget // (per_block * (1 + host_multiplier)))
     return max(1, min(blocks, max_blocks) if max_blocks else blocks)
+
+
+def size_host_blocks(shape: KVShape, device: torch.device, device_blocks: int, host_multiplier: float) -> tuple[int, bool]:
+    """Host-tier blocks: ``host_multiplier`` times the device tier; with a GPU at
+    most HOST_KV_FRACTION of available RAM.  Also whether that cap applied."""
+    wanted = int(device_blocks * host_multiplier)
+    if device.type != "cuda":
+        return wanted, False  # size_device_blocks' budget already covers both tiers
+    cap = int(_available_ram() * HOST_KV_FRACTION) // shape.bytes_per_block
+    return min(wanted, cap), wanted > cap
 
 
 class KVCache:

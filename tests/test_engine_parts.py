@@ -11,7 +11,7 @@ import torch
 from engine.block_pool import BlockPool
 from engine.config import ModelConfig
 from engine.context import RequestContext
-from engine.kv_cache import KVCache, KVShape, size_device_blocks
+from engine.kv_cache import KVCache, KVShape, size_device_blocks, size_host_blocks
 from engine.model_loader import ModelLoadError, load_model, resolve_dtype
 from engine.request import SamplingParams
 from engine.sampling import IncrementalDetokenizer, SequenceSampler
@@ -77,6 +77,23 @@ def test_cpu_sizing_respects_the_cap():
     shape = KVShape(30, 3, 64, 16, torch.float32)
     blocks = size_device_blocks(shape, torch.device("cpu"), 0.9, 3.0)
     assert 1 <= blocks * shape.bytes_per_block * 4 <= 2 << 30
+
+
+def test_gpu_host_tier_is_capped_by_available_ram(monkeypatch):
+    # The bundled model's KV shape on an H200's free memory, with 64 GiB of RAM available.
+    import engine.kv_cache as kv_cache
+
+    shape = KVShape(30, 3, 64, 16, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (139 * 10**9, 141 * 10**9))
+    monkeypatch.setattr(kv_cache, "_available_ram", lambda: 64 << 30)
+    gpu = torch.device("cuda")
+    device_blocks = size_device_blocks(shape, gpu, 0.9, 3.0)
+    assert device_blocks * shape.bytes_per_block > 120 * 10**9
+    host_blocks, capped = size_host_blocks(shape, gpu, device_blocks, 3.0)
+    assert capped and host_blocks * shape.bytes_per_block <= 16 << 30 < 3 * device_blocks * shape.bytes_per_block
+    # Room enough: the multiplier as configured; on CPU the device budget already covers both tiers.
+    assert size_host_blocks(shape, gpu, 1000, 3.0) == (3000, False)
+    assert size_host_blocks(shape, torch.device("cpu"), 10**9, 3.0) == (3 * 10**9, False)
 
 
 class _Tok:
