@@ -166,6 +166,8 @@ class Observer:
                 log.exception("stats of replica %s failed", replica.name)
                 return None
             return stats if isinstance(stats, Mapping) else None
+        if not replica.healthy:
+            return None  # a replica out of routing has no figures, rather than its last ones forever
         cached = self._remote.get(replica.name)
         return cached[1] if cached else None
 
@@ -186,8 +188,7 @@ class Observer:
     async def _fetch(self, replica, now: float) -> None:
         api_key = getattr(getattr(replica, "cfg", None), "api_key", None)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        previous = self._remote.get(replica.name, (0.0, None))[1]
-        stats = previous
+        stats = None  # unreachable: no figures (stale ones would show load that is gone)
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             async with self._session.get(replica.base + "/kvgate/stats", headers=headers) as resp:
                 if resp.status == 200:

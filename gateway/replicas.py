@@ -702,14 +702,15 @@ _KV_USAGE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "s
 def parse_backend_metrics(text: str, model: str | None = None) -> tuple[float, float | None]:
     """(waiting requests, KV cache usage 0..1 or None) from a Prometheus text page.
 
-    A server may serve several models (one series each, label model_name);
-    when ``model`` names one of them only its series count, else all are
-    summed (waiting) or the highest taken (usage).
+    A server may serve several models (label model_name) and run several
+    engines (vLLM's data parallelism: label engine), one series each.  When
+    ``model`` names one of the models only its series count; waiting requests
+    are summed over engines (and models), usage is the fullest engine's.
     """
     from prometheus_client.parser import text_string_to_metric_families
 
-    waiting: dict[str, float] = {}
-    usage: dict[str, float] = {}
+    waiting: dict[str, list[float]] = {}
+    usage: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in _WAITING_METRICS:
@@ -718,15 +719,15 @@ def parse_backend_metrics(text: str, model: str | None = None) -> tuple[float, f
                 target = usage
             else:
                 continue
-            target[sample.labels.get("model_name", "")] = sample.value
+            target.setdefault(sample.labels.get("model_name", ""), []).append(sample.value)
     if model is not None and model in waiting:
         waiting = {model: waiting[model]}
     if model is not None and model in usage:
         usage = {model: usage[model]}
-    kv = max(usage.values()) if usage else None
+    kv = max(v for values in usage.values() for v in values) if usage else None
     if kv is not None and kv > 1.0:
         kv /= 100.0  # a percentage, whatever the name says
-    return float(sum(waiting.values())), kv
+    return float(sum(v for values in waiting.values() for v in values)), kv
 
 
 def _chat_logprobs(lp: dict | None) -> list[TokenLogprob] | None:

@@ -154,6 +154,7 @@ async def test_dead_replica_is_retried_before_first_byte_and_leaves_routing(tiny
     try:
         replicas = app[GATEWAY].replicas
         await wait_for(lambda: all(r.healthy for r in replicas), what="replicas healthy")
+        assert set(await _engine_series(gw.url)) == {replicas[0].name, replicas[1].name}
         await s2.stop()
         for i in range(6):
             resp = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}],
@@ -161,6 +162,8 @@ async def test_dead_replica_is_retried_before_first_byte_and_leaves_routing(tiny
             assert resp.choices[0].finish_reason in ("stop", "length")
         await wait_for(lambda: not replicas[1].healthy, what="dead replica out")
         assert len(seen) == 6
+        # Its engine figures go with it, not stay at their last values (autoscalers read them).
+        assert set(await _engine_series(gw.url)) == {replicas[0].name}
         assert app[GATEWAY].router.inflight_requests == [0, 0]
         assert [m.id for m in (await client.models.list()).data] == [MODEL]  # one replica is enough
     finally:
@@ -183,6 +186,12 @@ vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.95
 def test_parse_backend_metrics():
     assert parse_backend_metrics(VLLM_METRICS, "tiny") == (3.0, 0.95)
     assert parse_backend_metrics(VLLM_METRICS, None) == (10.0, 0.95)
+    # Data parallelism: one series per engine; queues add up, the fullest engine's KV counts.
+    dp = ('vllm:num_requests_waiting{engine="0",model_name="tiny"} 7.0\n'
+          'vllm:num_requests_waiting{engine="1",model_name="tiny"} 5.0\n'
+          'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.95\n'
+          'vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.10\n')
+    assert parse_backend_metrics(dp, "tiny") == (12.0, 0.95)
     old = "vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.5\n"
     assert parse_backend_metrics(old) == (0.0, 0.5)
     assert parse_backend_metrics("# nothing here\n") == (0.0, None)
@@ -235,6 +244,15 @@ async def test_external_openai_replica_process_with_approximate_index_and_metric
             await gw.stop()
         await metrics_server.stop()
         proc.stop()
+
+
+async def _engine_series(url: str) -> set[str]:
+    """The replicas that kvgate_engine_requests has series for."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/metrics") as resp:
+            text = await resp.text()
+    return {sample.labels["replica"] for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == "kvgate_engine_requests"}
 
 
 def _requests_by_status(metrics_text: str) -> dict[str, float]:
