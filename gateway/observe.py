@@ -108,6 +108,7 @@ class Observer:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        self.user_share.clear()
 
     # -- request hooks
 

@@ -49,6 +49,12 @@ class UserHitShare:
         self.tops = tops
         self._buckets: deque[_Bucket] = deque()
 
+    def clear(self) -> None:
+        """Drop every bucket.  The sketches are C++ objects (nanobind): one still
+        alive when the interpreter exits, as the app's reference cycles keep it,
+        makes nanobind print hundreds of lines of leak warnings."""
+        self._buckets.clear()
+
     def record(self, user: str, hit_tokens: int, now: float) -> None:
         """One finished request of ``user`` that hit ``hit_tokens`` cached tokens."""
         digest = xxhash.xxh3_64_hexdigest(user.encode("utf-8", "surrogatepass"))
