@@ -461,6 +461,8 @@ def test_loop_series_export_what_prometheus_client_exports():
 
     assert samples(ours_reg) == samples(theirs_reg)
     assert ("req_total", (("status", "200"),), 3.5) in samples(ours_reg)
+    # Less than theirs: no `_created` series beside every counter and histogram.
+    assert "_created" not in generate_latest(ours_reg).decode()
     with pytest.raises(ValueError):
         ours_c.labels("200").inc(-1)
     with pytest.raises(ValueError):
