@@ -257,11 +257,14 @@ def format_report(result: TuneResult, trace_name: str, requests: int, unique_blo
         h = result.holdout
         lines.append(f"# held-out tail (cold cache): lru {h['lru']:.4f}, starting {h['start']:.4f}, tuned {h['best']:.4f} "
                      f"({pts(h['best'], h['start'])} vs starting)")
-        if h["best"] < h["start"]:
-            # The search fitted the head of the trace, not its traffic: say so
-            # next to the snippet, which a reader would otherwise paste as is.
-            lines.append("# the tuned settings lose on the held-out tail: keep the starting ones")
     if result.skipped:
         lines.append(f"# not searched (not in this config): {', '.join(result.skipped)}")
-    lines.append(config_snippet(result))
+    if result.holdout is not None and result.holdout["best"] < result.holdout["start"]:
+        # The search fitted the head of the trace, not its traffic.  What is not
+        # commented out is what a reader pastes (or a script keeps): the starting settings.
+        lines.append("# the tuned settings lose on the held-out tail; for reference only:")
+        lines.extend("#   " + line for line in config_snippet(result).splitlines())
+        lines.append("cache:\n  policy: wa\n  workload_aware:\n    {}  # keep the starting settings")
+    else:
+        lines.append(config_snippet(result))
     return "\n".join(lines)

@@ -365,6 +365,10 @@ def _run_tune(args: argparse.Namespace) -> int:
         capacity = max(1, round(fraction * unique))
     if not 0 <= args.holdout < 1:
         raise CliError("--holdout: give a fraction in [0, 1)")
+    if not args.time_limit > 0:
+        raise CliError("--time-limit: give a positive number of seconds")
+    if args.max_evals is not None and args.max_evals < 1:
+        raise CliError("--max-evals: give at least 1 replay")
     if args.host_blocks < 0:
         raise CliError("--host-blocks: give a number >= 0")
     with tqdm(total=1, unit="replay", file=sys.stderr, disable=True if args.no_progress else None, leave=False) as bar:

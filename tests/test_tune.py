@@ -66,9 +66,10 @@ def test_cli_prints_baselines_and_a_config_snippet(trace_path, capsys):
     out = capsys.readouterr().out
     assert "lru                   hit ratio" in out and "wa, starting settings hit ratio" in out
     assert "wa, tuned" in out and "held-out tail" in out and "stopped: evaluation limit" in out
-    snippet = out[out.index("cache:"):]
-    assert KvgateConfig.model_validate(yaml.safe_load(snippet)).cache.policy == "wa"
+    assert KvgateConfig.model_validate(yaml.safe_load(out)).cache.policy == "wa"  # the report is YAML as it is
     assert main(["tune", str(trace_path), "--holdout", "1.5"]) == 2
+    assert main(["tune", str(trace_path), "--max-evals", "0"]) == 2
+    assert main(["tune", str(trace_path), "--time-limit", "-1"]) == 2
 
 
 def test_report_warns_when_the_held_out_tail_disagrees():
@@ -77,5 +78,10 @@ def test_report_warns_when_the_held_out_tail_disagrees():
                             "converged", holdout={"lru": 0.15, "start": 0.19, "best": best_on_tail})
         return format_report(result, "t.jsonl", 50, 1000)
 
-    assert "keep the starting ones" in report(0.18)
-    assert "keep the starting ones" not in report(0.20)
+    # What is not commented out (what a reader pastes, or yaml.safe_load reads) is
+    # the starting settings when the tuned ones lose on the tail, else the tuned ones.
+    losing, winning = report(0.18), report(0.20)
+    assert "lose on the held-out tail" in losing and "#         spatial: 0.5" in losing
+    assert yaml.safe_load(losing) == {"cache": {"policy": "wa", "workload_aware": {}}}
+    assert "lose on the held-out tail" not in winning
+    assert yaml.safe_load(winning) == {"cache": {"policy": "wa", "workload_aware": {"weights": {"spatial": 0.5}}}}
