@@ -76,12 +76,17 @@ class Classifier:
         if decided is None:
             decided = self._decisions[facts] = self._decide(req, principal, header_workload, header_type, is_file)
         workload, rtype = decided
-        session = self._session(req, principal)
+        session, conversation = self._session(req, principal)
         chat_id = next(self._chat_ids)
-        parent = self._last_chat.pop(session, -1)
-        self._last_chat[session] = chat_id
-        if len(self._last_chat) > _MAX_SESSIONS:
-            self._last_chat.popitem(last=False)
+        # parent_chat_id as in Alibaba's traces: the previous turn of the same
+        # conversation, -1 for a first turn (a user's new chat is not a next turn).
+        parent = -1
+        if conversation is not None:
+            if req.user_turns > 1:
+                parent = self._last_chat.pop(conversation, -1)
+            self._last_chat[conversation] = chat_id
+            if len(self._last_chat) > _MAX_SESSIONS:
+                self._last_chat.popitem(last=False)
         return RequestContext(
             workload=workload,
             type=rtype,
@@ -158,26 +163,29 @@ class Classifier:
             return "api"
         return "text"
 
-    def _session(self, req: ParsedRequest, principal: Principal) -> str:
-        """The `user` field when given; else a hash of the conversation's opening.
-
-        Later turns of one chat repeat its first messages, so they share the hash.
+    def _session(self, req: ParsedRequest, principal: Principal) -> tuple[str, str | None]:
+        """(session, conversation): the session is the `user` field when given,
+        else the conversation; a chat's conversation is a hash of its opening
+        (within the tenant and user), which every later turn repeats.  Completions
+        have sessions (a template's calls) but no conversation.
         """
         parts = [principal.tenant.encode() + b"\x00"] if principal.tenant else []
         if req.user:
             parts.append(b"u:" + req.user.encode())
-            return "u" + xxhash.xxh3_64_hexdigest(b"".join(parts))
+        user_session = "u" + xxhash.xxh3_64_hexdigest(b"".join(parts)) if req.user else None
         if req.messages:
             # The system prompt(s) and the first user message: every later turn repeats them.
             for msg in req.messages:
-                parts.append(f"{msg['role']}\x00{msg['content']}\x01".encode("utf-8", "surrogatepass"))
+                parts.append(f"{msg['role']}\x00{msg['content']}\x01".encode())
                 if msg["role"] == "user":
                     break
-        elif req.prompts:
+            # One call over the joined bytes: the same digest as feeding the parts one by one.
+            conversation = "h" + xxhash.xxh3_64_hexdigest(b"".join(parts))
+            return user_session or conversation, conversation
+        if user_session is None and req.prompts:
             first = req.prompts[0]
-            parts.append(first.encode("utf-8", "surrogatepass")[:256] if isinstance(first, str) else repr(first[:64]).encode())
-        # One call over the joined bytes: the same digest as feeding the parts one by one.
-        return "h" + xxhash.xxh3_64_hexdigest(b"".join(parts))
+            parts.append(first.encode()[:256] if isinstance(first, str) else repr(first[:64]).encode())
+        return user_session or "h" + xxhash.xxh3_64_hexdigest(b"".join(parts)), None
 
     def _signature(self, req: ParsedRequest, first_tokens: list[int] | None) -> int | None:
         n = self.cfg.signature_tokens

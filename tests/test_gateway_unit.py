@@ -206,6 +206,18 @@ def test_tenant_rule_and_sessions():
     b = clf.classify(chat(messages=[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "r"}, {"role": "user", "content": "q2"}]), Principal(), {}, 5, 1)
     assert a.session == b.session and b.parent_chat_id == a.chat_id
     assert clf.classify(chat(user="alice"), Principal(), {}, 5, 1).session != a.session
+    # A user's sessions span their chats, but a new chat is a first turn, not the
+    # next turn of the last one (parent_chat_id as in Alibaba's traces).
+    turn1 = chat(user="bob", messages=[{"role": "user", "content": "q1"}])
+    turn2 = chat(user="bob", messages=[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "r"},
+                                       {"role": "user", "content": "q2"}])
+    other = chat(user="bob", messages=[{"role": "user", "content": "another chat"}])
+    first, new_chat, second = (clf.classify(r, Principal(), {}, 5, 1) for r in (turn1, other, turn2))
+    assert first.session == new_chat.session == second.session
+    assert (first.parent_chat_id, new_chat.parent_chat_id, second.parent_chat_id) == (-1, -1, first.chat_id)
+    # Completions are single calls: no parent, whatever template they share.
+    comp = parse_request(COMPLETIONS, {"model": "m", "prompt": "template x"}, LIMITS)
+    assert [clf.classify(comp, Principal(), {}, 5, 1).parent_chat_id for _ in range(2)] == [-1, -1]
 
 
 def test_config_rule_errors_name_the_key():
