@@ -47,6 +47,8 @@ def _setup_logging(level: str | None) -> None:
     if name not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise CliError(f"log level {name.lower()!r}: choose debug, info, warning or error (--log-level, KVGATE_LOG_LEVEL)")
     logging.basicConfig(level=name, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # matplotlib announces building its font cache (the first --plot) at INFO.
+    logging.getLogger("matplotlib").setLevel(max(logging.WARNING, logging.getLogger().level))
     if not sys.stderr.isatty():
         # Progress bars (transformers' weight loading) are a screenful of
         # carriage returns in a container's log.
