@@ -100,8 +100,8 @@ def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
                 raise TraceError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
             if not isinstance(record, dict):
                 raise TraceError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            if fmt == "auto":
-                fmt = "bailian" if "chat_id" in record or "type" in record else "mooncake"
+            if not requests:
+                fmt = _check_format(record, fmt, where)
             if fmt == "bailian":
                 requests.append(_bailian_request(record, where, chain, len(requests)))
             else:
@@ -119,6 +119,20 @@ def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
             ctx.session = str(sessions.setdefault(ctx.chat_id, sessions.get(ctx.parent_chat_id, ctx.chat_id)))
     block_tokens = BAILIAN_BLOCK_TOKENS if fmt == "bailian" else MOONCAKE_BLOCK_TOKENS
     return Trace(source, fmt, block_tokens, requests)
+
+
+_BAILIAN_FIELDS = ("chat_id", "parent_chat_id", "type", "turn")
+
+
+def _check_format(first: dict, fmt: str, where: str) -> str:
+    """The format to read with, from the first record: auto-detected, or the one
+    asked for when the record fits it.  Read as the other format, a trace's
+    timestamps would be off by 1000x (Mooncake's are milliseconds)."""
+    looks = "bailian" if any(name in first for name in _BAILIAN_FIELDS) else "mooncake"
+    if fmt not in ("auto", looks):
+        why = "it has Bailian's chat fields" if looks == "bailian" else f"it has none of Bailian's {', '.join(_BAILIAN_FIELDS)}"
+        raise TraceError(f"{where}: this looks like a {looks} trace ({why}), not {fmt}: give --format {looks} or auto")
+    return looks
 
 
 def _field(record: dict, name: str, kind: type | tuple, where: str, default=None):

@@ -47,9 +47,13 @@ def test_synth_stats_reads_mooncake_timestamps_as_milliseconds(tmp_path, capsys)
     assert rows["reuses within 10 s"] == "100.0%"
     assert main(["synth", "--stats", str(path), "--format", "mooncake"]) == 0
     assert stats_rows(capsys.readouterr().out)["duration"] == "120.0 s"
-    # Forced, the same file reads as Bailian, seconds and all.
-    assert main(["synth", "--stats", str(path), "--format", "bailian"]) == 0
-    assert stats_rows(capsys.readouterr().out)["duration"] == "120000.0 s"
+    # Read as Bailian its timestamps would be seconds: refused, with the fix.
+    assert main(["synth", "--stats", str(path), "--format", "bailian"]) == 2
+    assert "m.jsonl:1: this looks like a mooncake trace" in capsys.readouterr().err
+    bailian = write_jsonl(tmp_path / "b.jsonl", [{"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.5, "input_length": 16,
+                                                   "output_length": 1, "type": "text", "turn": 1, "hash_ids": [1]}])
+    assert main(["replay", str(bailian), "--format", "mooncake", "--capacity-blocks", "4"]) == 2
+    assert "give --format bailian or auto" in capsys.readouterr().err
 
 
 def test_synth_format_applies_only_to_stats(tmp_path, capsys):
