@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 USAGE_ALL = -1
 
 
+# A `kvgate engine`'s streams carry the seconds their request queued before its
+# first step, which the gateway cannot see from outside (gateway/respond.py).
+QUEUE_TIME_HEADER = "x-kvgate-queue-time"
+
+
 class ReplicaUnavailable(RuntimeError):
     """The replica could not start the request; another replica may."""
 
@@ -602,6 +607,7 @@ class RemoteReplica(Replica):
                 # Only a prompt the server accepted can be in its cache.
                 self.index.record(job.keys)
             ended = False
+            queue_time = _seconds(resp.headers.get(QUEUE_TIME_HEADER)) if self.kind == "engine" else None
             async for _event, chunk in _sse_events(resp.content):
                 if chunk is DONE_EVENT:
                     ended = True
@@ -633,6 +639,8 @@ class RemoteReplica(Replica):
                         Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), details.get("cached_tokens") or 0),
                     ))
                 if batch:
+                    if not produced and queue_time is not None:
+                        batch[0].queue_time_s = queue_time
                     produced = True
                     yield batch
             if not ended:
@@ -751,6 +759,14 @@ def _completion_logprobs(lp: dict | None) -> list[TokenLogprob] | None:
 
 # What _sse_events yields for ``data: [DONE]`` (then it stops).
 DONE_EVENT: Any = object()
+
+
+def _seconds(header: str | None) -> float | None:
+    try:
+        value = float(header) if header is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and 0 <= value < float("inf") else None
 
 
 async def _sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[str, Any]]:

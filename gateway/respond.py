@@ -34,7 +34,7 @@ from gateway.protocol import (
     sse_error,
     text_completion,
 )
-from gateway.replicas import USAGE_ALL
+from gateway.replicas import QUEUE_TIME_HEADER, USAGE_ALL
 from gateway.usage import UsageSum
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,12 @@ class Responder:
     shapers close ``gen`` on every exit, which aborts the engine work.
     """
 
-    def __init__(self, model_name: str, observer: Observer) -> None:
+    def __init__(self, model_name: str, observer: Observer, engine_mode: bool = False) -> None:
         self.model_name = model_name
         self.observer = observer
+        # `kvgate engine`: streams tell the calling gateway how long the request
+        # queued before its first step (QUEUE_TIME_HEADER), for its queue-time series.
+        self.engine_mode = engine_mode
         # Set when the server, stopping, cancels the streams still running.
         self.cutting = False
 
@@ -149,6 +152,8 @@ class Responder:
                             # it (no replica, upstream 4xx) still get a proper status code.
                             resp = _SseResponse(headers=SSE_HEADERS)
                             resp.headers["x-request-id"] = rid
+                            if self.engine_mode and out.queue_time_s is not None:
+                                resp.headers[QUEUE_TIME_HEADER] = f"{out.queue_time_s:.6f}"
                             await resp.prepare(request)
                             self.observer.first_token(workload, time.perf_counter() - start)
                         index = shift + out.index

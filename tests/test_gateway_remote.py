@@ -164,6 +164,12 @@ async def test_dead_replica_is_retried_before_first_byte_and_leaves_routing(tiny
         assert len(seen) == 6
         # Its engine figures go with it, not stay at their last values (autoscalers read them).
         assert set(await _engine_series(gw.url)) == {replicas[0].name}
+        # The engines said how long each request queued (their streams' header): one per request.
+        async with aiohttp.ClientSession() as session:
+            async with session.get(gw.url + "/metrics") as resp:
+                text = await resp.text()
+        assert sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == "kvgate_queue_time_seconds_count") == 6
         assert app[GATEWAY].router.inflight_requests == [0, 0]
         assert [m.id for m in (await client.models.list()).data] == [MODEL]  # one replica is enough
     finally:
