@@ -148,6 +148,9 @@ class RouterConfig(Section):
     approx_ttl_s: float = Field(300.0, gt=0)
     approx_capacity_blocks: int = Field(100_000, ge=1)
     health_interval_s: float = Field(2.0, gt=0)
+    # How long a probe waits for an answer.  A hung replica (accepting, never
+    # answering) leaves routing after about breaker_failures x (interval + timeout).
+    health_timeout_s: float = Field(5.0, gt=0)
     breaker_failures: int = Field(3, ge=1)
     breaker_reset_s: float = Field(10.0, gt=0)
 

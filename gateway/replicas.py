@@ -372,7 +372,8 @@ class RemoteReplica(Replica):
     async def _probe(self) -> bool:
         path = "/health" if self.kind == "engine" else "/v1/models"
         try:
-            async with self._session.get(self.base + path, headers=self._auth(), timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            timeout = aiohttp.ClientTimeout(total=self.router_cfg.health_timeout_s)
+            async with self._session.get(self.base + path, headers=self._auth(), timeout=timeout) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False

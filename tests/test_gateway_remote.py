@@ -590,6 +590,33 @@ async def test_request_waiting_for_headers_gives_up_when_the_breaker_opens(tiny_
         await upstream.stop()
 
 
+async def test_a_replica_that_stops_answering_probes_leaves_after_their_timeouts(tiny_model_dir):
+    """A hung replica's probes time out (health_timeout_s) rather than fail: with
+    short timeouts it leaves routing within a second, not after 3 x 5 s."""
+    state = {"hung": False}
+
+    async def models(request):
+        if state["hung"]:
+            await asyncio.sleep(30)  # bounded: the probes give up well before
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    upstream = await _scripted_upstream(models, _answer_fine)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                         router=RouterConfig(health_interval_s=0.1, health_timeout_s=0.2, breaker_failures=2))
+    app = create_app(config)
+    gw = await start_server(app)
+    replica = app[GATEWAY].replicas[0]
+    try:
+        await wait_for(lambda: replica.healthy, what="healthy")
+        state["hung"] = True
+        hung_at = asyncio.get_running_loop().time()
+        await wait_for(lambda: not replica.healthy, timeout=5, what="out of routing")
+        assert asyncio.get_running_loop().time() - hung_at < 2
+    finally:
+        await gw.stop()
+        await upstream.stop()
+
+
 async def test_request_stuck_in_a_healthy_replica_times_out(tiny_model_dir):
     """A replica that passes its health checks but leaves one request without an
     answer (read_timeout_s): before the first token the request goes to another
