@@ -21,7 +21,7 @@ import torch
 from engine.block_pool import DEVICE, HOST, BlockPool
 from engine.chat_tokens import ChatTokenizer
 from engine.config import CacheConfig, EngineConfig, ModelConfig
-from engine.kv_cache import HOST_KV_FRACTION, KVCache, KVShape, size_device_blocks, size_host_blocks
+from engine.kv_cache import HOST_KV_FRACTION, HOST_KV_FRACTION_OF_LIMIT, KVCache, KVShape, size_device_blocks, size_host_blocks
 from engine.model_loader import LoadedModel, load_model
 from engine.request import GenerationOutput, GenerationRequest, Usage, coalesce, one_at_a_time
 from engine.runner import ModelRunner
@@ -70,10 +70,10 @@ class AsyncEngine:
         )
         host_blocks, capped = size_host_blocks(shape, loaded.device, device_blocks, engine_cfg.host_blocks_multiplier)
         if capped:
-            log.info("host KV tier capped at %d blocks (%.1f GiB of pinned RAM, %d%% of what is available) instead of "
-                     "%gx the device tier's %d; engine.host_blocks_multiplier sets it lower", host_blocks,
+            log.info("host KV tier capped at %d blocks (%.1f GiB of pinned RAM: a power of two within %d%% of the RAM "
+                     "available, %d%% of a container limit's room) instead of %gx the device tier's %d", host_blocks,
                      host_blocks * shape.bytes_per_block / 2**30, HOST_KV_FRACTION * 100,
-                     engine_cfg.host_blocks_multiplier, device_blocks)
+                     HOST_KV_FRACTION_OF_LIMIT * 100, engine_cfg.host_blocks_multiplier, device_blocks)
         self._events: list[tuple[str, list[int], str]] = []
         self.pool = BlockPool(
             device_blocks, host_blocks, cache_cfg.policy, cache_cfg, record_copies=True, on_event=self._on_pool_event

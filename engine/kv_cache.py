@@ -22,8 +22,10 @@ CPU_KV_FRACTION = 0.15
 CPU_KV_CAP_BYTES = 2 << 30
 # With a GPU the host tier is pinned RAM, which the kernel can neither swap nor
 # reclaim: at most this share of what is available, however large the device
-# tier (3x a 125 GB H200 tier would ask for 375 GB).
+# tier (3x a 125 GB H200 tier would ask for 375 GB).  Inside a container with a
+# memory limit, which was set for this process, a larger share of its room.
 HOST_KV_FRACTION = 0.25
+HOST_KV_FRACTION_OF_LIMIT = 0.75
 
 
 @dataclass(slots=True)
@@ -71,7 +73,14 @@ def size_host_blocks(shape: KVShape, device: torch.device, device_blocks: int, h
     wanted = int(device_blocks * host_multiplier)
     if device.type != "cuda":
         return wanted, False  # size_device_blocks' budget already covers both tiers
-    cap = int(_available_ram() * HOST_KV_FRACTION) // shape.bytes_per_block
+    # torch's pinned-memory allocator rounds each allocation up to a power of two:
+    # the tier must stay within the largest power of two under the cap to stay under it.
+    room = _cgroup_room()
+    if room is None:
+        cap_bytes = int(_available_ram() * HOST_KV_FRACTION)
+    else:
+        cap_bytes = int(min(_available_ram(), room) * HOST_KV_FRACTION_OF_LIMIT)
+    cap = (1 << (cap_bytes.bit_length() - 1)) // shape.bytes_per_block if cap_bytes > 0 else 0
     return min(wanted, cap), wanted > cap
 
 
@@ -125,12 +134,37 @@ class KVCache:
 
 
 def _available_ram() -> int:
+    """RAM this process may still take: the machine's available memory, or less
+    inside a container whose cgroup limit is lower (a pod's memory limit)."""
     try:  # psutil is optional at run time (a test extra); it knows page cache is reclaimable
         import psutil
 
-        return psutil.virtual_memory().available
+        available = psutil.virtual_memory().available
     except ImportError:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    room = _cgroup_room()
+    return min(available, room) if room is not None else available
+
+
+# cgroup v2, then v1: (limit file, usage file).
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def _cgroup_room(files=_CGROUP_FILES) -> int | None:
+    """The memory cgroup's limit minus its usage; None without a limit."""
+    for limit_file, usage_file in files:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
+            return None
+        return max(0, int(limit) - usage)
+    return None
 
 
 def _with_blocks(dims: tuple[int, ...], blocks: int) -> tuple[int, ...]:

@@ -86,14 +86,38 @@ def test_gpu_host_tier_is_capped_by_available_ram(monkeypatch):
     shape = KVShape(30, 3, 64, 16, torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (139 * 10**9, 141 * 10**9))
     monkeypatch.setattr(kv_cache, "_available_ram", lambda: 64 << 30)
+    monkeypatch.setattr(kv_cache, "_cgroup_room", lambda: None)  # no container limit
     gpu = torch.device("cuda")
     device_blocks = size_device_blocks(shape, gpu, 0.9, 3.0)
     assert device_blocks * shape.bytes_per_block > 120 * 10**9
     host_blocks, capped = size_host_blocks(shape, gpu, device_blocks, 3.0)
     assert capped and host_blocks * shape.bytes_per_block <= 16 << 30 < 3 * device_blocks * shape.bytes_per_block
+    # torch pins a power of two bytes at least as large: with 100 GiB available that is
+    # 16 GiB of blocks (pinned as 16 GiB), not 25 GiB (pinned as 32 GiB).
+    monkeypatch.setattr(kv_cache, "_available_ram", lambda: 100 << 30)
+    host_blocks, _ = size_host_blocks(shape, gpu, device_blocks, 3.0)
+    assert 15 << 30 < host_blocks * shape.bytes_per_block <= 16 << 30
+    # In a pod whose memory limit leaves 45 GiB of room: 3/4 of it, 32 GiB as a power of two.
+    monkeypatch.setattr(kv_cache, "_cgroup_room", lambda: 45 << 30)
+    host_blocks, _ = size_host_blocks(shape, gpu, device_blocks, 3.0)
+    assert 31 << 30 < host_blocks * shape.bytes_per_block <= 32 << 30
     # Room enough: the multiplier as configured; on CPU the device budget already covers both tiers.
     assert size_host_blocks(shape, gpu, 1000, 3.0) == (3000, False)
     assert size_host_blocks(shape, torch.device("cpu"), 10**9, 3.0) == (3 * 10**9, False)
+
+
+def test_available_ram_respects_a_container_memory_limit(tmp_path):
+    from engine.kv_cache import _cgroup_room
+
+    def cgroup(limit: str, usage: str):
+        (tmp_path / "max").write_text(limit + "\n")
+        (tmp_path / "current").write_text(usage + "\n")
+        return ((str(tmp_path / "max"), str(tmp_path / "current")),)
+
+    assert _cgroup_room(cgroup(str(8 << 30), str(3 << 30))) == 5 << 30
+    assert _cgroup_room(cgroup("max", "123")) is None  # v2 without a limit
+    assert _cgroup_room(cgroup(str(1 << 62), "123")) is None  # v1 without a limit
+    assert _cgroup_room(((str(tmp_path / "nothing"), str(tmp_path / "here")),)) is None
 
 
 class _Tok:
