@@ -27,6 +27,15 @@ The instant engine has every token ready at once, so each choice reaches the
 gateway as one output (as AsyncEngine hands over a backlog the gateway has not
 taken yet) and leaves as one SSE delta: this measures the per-request cost.
 With an engine pacing its tokens each token is its own frame.
+
+On loopback a server's send also runs the receiving side's TCP work and, when
+the client sleeps in epoll, its wake-up (an inter-processor interrupt, dear in
+a VM), all charged to the server's CPU.  A client waiting on a slower server
+sleeps more, so the slower contender pays more of this than it would with
+clients on other machines: perf put 12% of the gateway phase in that wake-up
+and next to none of the bare phase (bench/RESULTS.md).  ``--client-poll``
+keeps the client's loop polling so that no send has to wake it, for both
+contenders alike; the default keeps an ordinary sleeping client.
 """
 
 from __future__ import annotations
@@ -87,7 +96,15 @@ async def _worker(host: str, port: int, raw: bytes, stop_at: float, budget: list
         writer.close()
 
 
-async def _client(url: str, concurrency: int, requests: int, seconds: float) -> dict:
+async def _keep_polling() -> None:
+    """Keeps this client's event loop from sleeping (its selector polls with no
+    timeout while this runs), see --client-poll."""
+    while True:
+        await asyncio.sleep(0)
+
+
+async def _client(url: str, concurrency: int, requests: int, seconds: float, poll: bool = False) -> dict:
+    poller = asyncio.ensure_future(_keep_polling()) if poll else None
     host, port = url.split("//")[1].split(":")
     body = json.dumps(REQUEST).encode()
     raw = (
@@ -101,6 +118,8 @@ async def _client(url: str, concurrency: int, requests: int, seconds: float) -> 
     start = time.perf_counter()
     await asyncio.gather(*(_worker(host, int(port), raw, start + seconds, budget, lat) for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
+    if poller is not None:
+        poller.cancel()
     lat.sort()
     return {
         "requests": len(lat),
@@ -157,10 +176,11 @@ async def _servers():
 PIN = hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2
 
 
-async def _run_client(url: str, concurrency: int, requests: int, seconds: float) -> dict:
+async def _run_client(url: str, concurrency: int, requests: int, seconds: float, poll: bool = False) -> dict:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, os.path.abspath(__file__), "--client", url, "--concurrency", str(concurrency),
-        "--requests", str(requests), "--seconds", str(seconds), stdout=asyncio.subprocess.PIPE,
+        "--requests", str(requests), "--seconds", str(seconds), *(["--client-poll"] if poll else []),
+        stdout=asyncio.subprocess.PIPE,
     )
     if PIN:
         os.sched_setaffinity(proc.pid, {1})
@@ -188,16 +208,16 @@ def profiled(path: str | None, interval: float = 0.001):
             f.write(profiler.output_text(unicode=False, color=False, show_all=False))
 
 
-async def _phase(url: str, served, c: int, requests: int, seconds: float) -> dict:
+async def _phase(url: str, served, c: int, requests: int, seconds: float, poll: bool) -> dict:
     """One client run against one server, with that server's CPU per request: this
     process's CPU time over every request it served (warm-up included)."""
     cpu0, n0 = time.process_time(), served()
-    result = await _run_client(url, c, requests, seconds)
+    result = await _run_client(url, c, requests, seconds, poll)
     result["server_cpu_us"] = (time.process_time() - cpu0) / (served() - n0) * 1e6
     return result
 
 
-async def _bench(levels: list[int], requests: int, seconds: float, profile: str | None, repeat: int) -> dict:
+async def _bench(levels: list[int], requests: int, seconds: float, profile: str | None, repeat: int, poll: bool) -> dict:
     if PIN:
         os.sched_setaffinity(0, {0})
     gateway, bare_server, engines, bare_served = await _servers()
@@ -209,10 +229,10 @@ async def _bench(levels: list[int], requests: int, seconds: float, profile: str 
             for attempt in range(repeat):
                 # Alternating bare and gateway phases, so that drifting load on the
                 # machine touches both alike; the medians are reported.
-                bare = await _phase(bare_server.url, lambda: bare_served[0], c, requests, seconds)
+                bare = await _phase(bare_server.url, lambda: bare_served[0], c, requests, seconds, poll)
                 last = c == levels[-1] and attempt == repeat - 1
                 with profiled(profile if last else None):
-                    gw = await _phase(gateway.url, gateway_served, c, requests, seconds)
+                    gw = await _phase(gateway.url, gateway_served, c, requests, seconds, poll)
                 runs.append({"gateway": gw, "bare": bare})
                 print(f"c={c:>3}: gateway {gw['rps']:8.0f} rps p50 {gw['p50_ms']:.2f} ms p99 {gw['p99_ms']:.2f} ms | "
                       f"bare {bare['rps']:8.0f} rps p50 {bare['p50_ms']:.2f} ms p99 {bare['p99_ms']:.2f} ms | "
@@ -254,19 +274,22 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=6.0, help="most seconds per phase")
     parser.add_argument("--profile", metavar="OUT.txt", help="pyinstrument profile of the last gateway phase")
     parser.add_argument("--repeat", type=int, default=1, help="runs per concurrency (medians are reported)")
+    parser.add_argument("--client-poll", action="store_true",
+                        help="the client polls instead of sleeping between responses (see the module notes)")
     parser.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
-        print(json.dumps(asyncio.run(_client(args.client, int(args.concurrency), args.requests, args.seconds))))
+        print(json.dumps(asyncio.run(_client(args.client, int(args.concurrency), args.requests, args.seconds, args.client_poll))))
         return 0
     import logging
 
     logging.basicConfig(level=logging.WARNING)
     levels = [int(x) for x in args.concurrency.split(",")]
-    results = asyncio.run(_bench(levels, args.requests, args.seconds, args.profile, max(1, args.repeat)))
+    results = asyncio.run(_bench(levels, args.requests, args.seconds, args.profile, max(1, args.repeat), args.client_poll))
     payload = {
         "what": "full gateway vs bare aiohttp handler, same SSE bytes, InstantBenchEngine, loopback",
-        "client": "separate process, raw HTTP/1.1 keep-alive over asyncio streams",
+        "client": "separate process, raw HTTP/1.1 keep-alive over asyncio streams"
+                  + (", polling (never sleeps)" if args.client_poll else ""),
         "cpus": os.cpu_count(),
         "pinned": "servers on CPU 0, client on CPU 1" if PIN else "no",
         "python": sys.version.split()[0],
