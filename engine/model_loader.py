@@ -146,6 +146,9 @@ def convert_gguf(gguf_file: str, target: str) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        # mkdtemp makes the folder private (0700); the model is no secret, and
+        # another user (a container's runAsUser) may have to read it.
+        os.chmod(tmp, 0o755)
         if os.path.exists(target):
             shutil.rmtree(target)
         os.replace(tmp, target)

@@ -35,6 +35,20 @@ def test_missing_gguf(tmp_path):
         load_model(ModelConfig(path=str(tmp_path / "m.gguf"), device="cpu"))
 
 
+def test_a_converted_model_is_readable_by_other_users(tiny_model_dir, tmp_path, monkeypatch):
+    # As a container's other runAsUser needs it; the conversion (here of the tiny
+    # model, standing in for the GGUF) is written through a private temporary folder.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import engine.model_loader as model_loader
+
+    loaded = (AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir))
+    monkeypatch.setattr(model_loader, "load_gguf", lambda gguf_file: loaded)
+    target = tmp_path / "cache" / "model"
+    model_loader.convert_gguf("tiny.gguf", str(target))
+    assert target.stat().st_mode & 0o755 == 0o755 and (target / "config.json").exists()
+
+
 def test_tiny_model_dir_loads(tiny_model_dir):
     cfg = ModelConfig(path=tiny_model_dir, device="cpu")
     loaded = load_model(cfg)
