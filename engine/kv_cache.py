@@ -146,14 +146,21 @@ def _available_ram() -> int:
     return min(available, room) if room is not None else available
 
 
-# cgroup v2, then v1: (limit file, usage file).
-_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+# cgroup v2, then v1: (limit file, usage file, stat file, its inactive page cache line).
+_CGROUP_FILES = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat", "inactive_file"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+     "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"),
+)
 
 
 def _cgroup_room(files=_CGROUP_FILES) -> int | None:
-    """The memory cgroup's limit minus its usage; None without a limit."""
-    for limit_file, usage_file in files:
+    """The memory cgroup's limit minus its working set; None without a limit.
+
+    Usage counts the page cache too (the weights just read, a conversion just
+    written); its inactive part is reclaimed before the limit bites, so it is
+    room (the kubelet's working set leaves it out the same way)."""
+    for limit_file, usage_file, stat_file, inactive_key in files:
         try:
             with open(limit_file) as f:
                 limit = f.read().strip()
@@ -163,7 +170,17 @@ def _cgroup_room(files=_CGROUP_FILES) -> int | None:
             continue
         if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
             return None
-        return max(0, int(limit) - usage)
+        inactive = 0
+        try:
+            with open(stat_file) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == inactive_key:
+                        inactive = int(value)
+                        break
+        except (OSError, ValueError):
+            pass
+        return max(0, int(limit) - max(0, usage - inactive))
     return None
 
 

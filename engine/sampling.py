@@ -135,17 +135,18 @@ class SequenceSampler:
         self.num_generated += 1
         self.counts[token] += 1
         finish = None
+        start = len(self.text)
         if self.is_end_token(token):
             finish = "stop"
             self.text += self.detok.flush()
         else:
-            start = len(self.text)
             self.text += self.detok.add(token)
-            if self.params.stop and len(self.text) > start:
-                finish = self._cut_stop(start)
         if finish is None and (self.num_generated >= self.params.max_tokens or num_tokens >= max_model_len):
             finish = "length"
             self.text += self.detok.flush()
+        # Text that came with this token, flushed at the end included, may complete a stop string.
+        if self.params.stop and len(self.text) > start and self._cut_stop(start):
+            finish = "stop"
         return self._emit(finish is not None), finish
 
     def is_end_token(self, token: int) -> bool:

@@ -8,6 +8,7 @@ count a hit as the leading run of cached keys.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,9 @@ from engine.context import WORKLOADS, RequestContext
 
 BAILIAN_BLOCK_TOKENS = 16
 MOONCAKE_BLOCK_TOKENS = 512
+
+log = logging.getLogger(__name__)
+
 FORMATS = ("auto", "bailian", "mooncake")
 
 
@@ -126,13 +130,18 @@ _BAILIAN_FIELDS = ("chat_id", "parent_chat_id", "type", "turn")
 
 def _check_format(first: dict, fmt: str, where: str) -> str:
     """The format to read with, from the first record: auto-detected, or the one
-    asked for when the record fits it.  Read as the other format, a trace's
-    timestamps would be off by 1000x (Mooncake's are milliseconds)."""
+    asked for.  Read as the other format, a trace's timestamps would be off by
+    1000x (Mooncake's are milliseconds): a record with Bailian's chat fields is
+    not read as Mooncake; one without them is read as Bailian only when asked,
+    with a warning (Bailian's chat fields have defaults)."""
     looks = "bailian" if any(name in first for name in _BAILIAN_FIELDS) else "mooncake"
-    if fmt not in ("auto", looks):
-        why = "it has Bailian's chat fields" if looks == "bailian" else f"it has none of Bailian's {', '.join(_BAILIAN_FIELDS)}"
-        raise TraceError(f"{where}: this looks like a {looks} trace ({why}), not {fmt}: give --format {looks} or auto")
-    return looks
+    if fmt == "mooncake" and looks == "bailian":
+        raise TraceError(f"{where}: this looks like a bailian trace (it has Bailian's chat fields), not mooncake: "
+                         "give --format bailian or auto")
+    if fmt == "bailian" and looks == "mooncake":
+        log.warning("%s: none of Bailian's %s: reading it as Bailian as asked, timestamps in seconds (a Mooncake "
+                    "trace's are milliseconds)", where, ", ".join(_BAILIAN_FIELDS))
+    return looks if fmt == "auto" else fmt
 
 
 def _field(record: dict, name: str, kind: type | tuple, where: str, default=None):

@@ -85,6 +85,7 @@ class Classifier:
             if req.user_turns > 1:
                 parent = self._last_chat.pop(conversation, -1)
             self._last_chat[conversation] = chat_id
+            self._last_chat.move_to_end(conversation)  # a first turn sent again: still recent
             if len(self._last_chat) > _MAX_SESSIONS:
                 self._last_chat.popitem(last=False)
         return RequestContext(

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 # Remote engine stats: refetched at most this often, waited for at most this long.
 _REMOTE_MIN_AGE_S = 1.0
 _REMOTE_TIMEOUT_S = 2.0
+# Last good figures outlive failed fetches this long (the health checks take a
+# dead engine out of routing sooner, and its figures with it).
+_REMOTE_KEEP_S = 15.0
 
 
 @dataclass(slots=True)
@@ -73,6 +76,7 @@ class Observer:
         self._replicas: list = []
         self._inflight = lambda i: 0
         self._remote: dict[str, tuple[float, dict | None]] = {}
+        self._remote_ok: dict[str, float] = {}  # when each replica's stats last came
         self._session: aiohttp.ClientSession | None = None
         # Minute boundaries of the reuse ratio are wall-clock minutes (tests move this clock).
         self.wall_clock = time.time
@@ -189,11 +193,17 @@ class Observer:
     async def _fetch(self, replica, now: float) -> None:
         api_key = getattr(getattr(replica, "cfg", None), "api_key", None)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        stats = None  # unreachable: no figures (stale ones would show load that is gone)
+        stats = None
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             async with self._session.get(replica.base + "/kvgate/stats", headers=headers) as resp:
                 if resp.status == 200:
                     stats = await resp.json()
+        if stats is not None:
+            self._remote_ok[replica.name] = now
+        elif now - self._remote_ok.get(replica.name, -1e9) < _REMOTE_KEEP_S:
+            # One slow answer (a busy engine) keeps the last figures a little, rather
+            # than a gap in the series exactly under load; an unreachable engine's go.
+            stats = self._remote.get(replica.name, (0.0, None))[1]
         self._remote[replica.name] = (now, stats)
 
     def stats_json(self) -> dict:

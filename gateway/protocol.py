@@ -94,17 +94,22 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _holds_lone_surrogate(value) -> bool:
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_holds_lone_surrogate(v) for v in value)
+def _holds_lone_surrogate(body: dict) -> bool:
+    # A stack, not recursion: json.loads takes nesting deeper than Python's
+    # recursion limit allows a recursive walk.
+    stack: list = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(value, dict):
+            stack.extend(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
     return False
 
 
@@ -169,8 +174,9 @@ def _parse_chat_extras(req: ParsedRequest, body: dict) -> None:
     if functions is not None and not (isinstance(functions, list) and all(isinstance(f, dict) for f in functions)):
         raise bad_request(_type_msg("functions", "an array of objects", functions), "functions")
     if functions and body.get("function_call") != "none" and req.engine_unsupported is None:
-        req.engine_unsupported = ("Function calling is not supported by the kvgate engine; send 'functions' to a "
-                                  "gateway in front of a server that parses tool calls (e.g. vLLM).", "functions")
+        req.engine_unsupported = ("Function calling is not supported by the kvgate engine; use 'tools' (which "
+                                  "replaced 'functions') through a gateway in front of a server that parses tool "
+                                  "calls (e.g. vLLM).", "functions")
     fmt = body.get("response_format")
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -581,6 +587,11 @@ def merge_delta_extra(acc: dict, delta: dict) -> None:
                 function = fragment.get("function") or {}
                 call["function"]["name"] += function.get("name") or ""
                 call["function"]["arguments"] += function.get("arguments") or ""
+        elif key == "function_call" and isinstance(value, dict):
+            # The deprecated single call: name once, arguments in fragments.
+            call = acc.setdefault("function_call", {"name": "", "arguments": ""})
+            call["name"] += value.get("name") or ""
+            call["arguments"] += value.get("arguments") or ""
         elif isinstance(value, str) and isinstance(acc.get(key), str):
             acc[key] += value
         else:

@@ -123,15 +123,19 @@ def test_gpu_host_tier_is_capped_by_available_ram(monkeypatch):
 def test_available_ram_respects_a_container_memory_limit(tmp_path):
     from engine.kv_cache import _cgroup_room
 
-    def cgroup(limit: str, usage: str):
+    def cgroup(limit: str, usage: str, inactive_file: int | None = None):
         (tmp_path / "max").write_text(limit + "\n")
         (tmp_path / "current").write_text(usage + "\n")
-        return ((str(tmp_path / "max"), str(tmp_path / "current")),)
+        if inactive_file is not None:
+            (tmp_path / "stat").write_text(f"anon 1\nfile 2\nactive_file 3\ninactive_file {inactive_file}\n")
+        return ((str(tmp_path / "max"), str(tmp_path / "current"), str(tmp_path / "stat"), "inactive_file"),)
 
     assert _cgroup_room(cgroup(str(8 << 30), str(3 << 30))) == 5 << 30
+    # Inactive page cache (weights just read) is reclaimable: room, not use.
+    assert _cgroup_room(cgroup(str(8 << 30), str(3 << 30), inactive_file=2 << 30)) == 7 << 30
     assert _cgroup_room(cgroup("max", "123")) is None  # v2 without a limit
     assert _cgroup_room(cgroup(str(1 << 62), "123")) is None  # v1 without a limit
-    assert _cgroup_room(((str(tmp_path / "nothing"), str(tmp_path / "here")),)) is None
+    assert _cgroup_room(((str(tmp_path / "nothing"), str(tmp_path / "here"), str(tmp_path / "x"), "inactive_file"),)) is None
 
 
 class _Tok:
@@ -168,6 +172,19 @@ def test_a_character_cut_off_by_the_end_still_reaches_the_text(end):
     else:
         assert finish == "length"
     assert text == data.decode("utf-8", errors="replace") == "a \ufffd"
+
+
+def test_a_stop_string_in_text_flushed_at_the_end_still_stops():
+    class Pieces(_Tok):
+        table = {1: b"ok ", 2: b"END\xe6"}  # the last token ends in part of a character
+
+        def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+            return b"".join(self.table[i] for i in ids).decode("utf-8", errors="replace")
+
+    sampler = SequenceSampler(SamplingParams(max_tokens=2, stop=["END"]), Pieces(), [], set())
+    text = sampler.accept(1, 0, 100)[0]
+    delta, finish = sampler.accept(2, 0, 100)
+    assert (text + delta, finish) == ("ok ", "stop")
 
 
 def test_stop_string_spanning_tokens_is_held_back():

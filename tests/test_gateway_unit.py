@@ -11,7 +11,7 @@ from gateway.classify import Classifier, Principal
 from gateway.config import ClassifierConfig, ClassifierRule, KvgateConfig, LimitsConfig, RouterConfig
 from gateway.errors import ApiError
 from gateway.prefix import PrefixHasher
-from gateway.protocol import CHAT, COMPLETIONS, StreamFormatter, parse_json, parse_request
+from gateway.protocol import CHAT, COMPLETIONS, StreamFormatter, merge_delta_extra, parse_json, parse_request
 from gateway.router import ApproxIndex, ExactIndex, Router
 from bench.instant_engine import ByteTokenizer  # a byte-per-token stub is all hashing tests need
 
@@ -79,6 +79,25 @@ def test_valid_chat_fields_are_honoured_and_unknown_ignored():
     assert "<image>" in req.messages[1]["content"]
 
 
+def test_streamed_call_fragments_add_up_to_the_whole_message():
+    # As the OpenAI SDK accumulates a stream: ids and names once, arguments appended.
+    message: dict = {}
+    for delta in (
+        {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "add", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1, '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"b": 2}'}}]},
+        {"function_call": {"name": "legacy", "arguments": '{"x"'}},
+        {"function_call": {"arguments": ": 3}"}},
+        {"reasoning_content": "think"}, {"reasoning_content": "ing"},
+    ):
+        merge_delta_extra(message, delta)
+    assert message == {
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}],
+        "function_call": {"name": "legacy", "arguments": '{"x": 3}'},
+        "reasoning_content": "thinking",
+    }
+
+
 def test_limits():
     with pytest.raises(ApiError) as info:
         parse_request(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}] * 5}, LimitsConfig(max_messages=4))
@@ -93,6 +112,12 @@ def test_limits():
     assert parse_json(b'\xef\xbb\xbf{"model": "m\xc3\xa9"}') == {"model": "m\u00e9"}
     with pytest.raises(ApiError):
         parse_json('{"model": "m"}'.encode("utf-16"))
+    # Escaped characters (json.dumps' default for an emoji) are searched for lone
+    # surrogates, however deep the body nests.
+    deep = b'{"content": "\\ud83d\\ude00", "x": ' + b"[" * 900 + b'"\\udc00"' + b"]" * 900 + b"}"
+    with pytest.raises(ApiError, match="lone surrogate"):
+        parse_json(deep)
+    assert parse_json(deep.replace(b'"\\udc00"', b"1"))["content"] == "\U0001f600"
 
 
 def test_completions_prompt_forms():
