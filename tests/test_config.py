@@ -142,6 +142,18 @@ def test_engine_memory_limit_holds_its_pinned_host_kv_tier(monkeypatch):
     assert 2 ** math.ceil(math.log2(host_gib)) + 4 <= limit and host_gib >= 16
 
 
+def test_engines_take_traffic_from_the_gateways_only():
+    docs = kubernetes_manifests()
+    policy = docs["NetworkPolicy", "kvgate-engine-from-gateways"]["spec"]
+    engine = docs["StatefulSet", "kvgate-engine"]["spec"]["template"]
+    gateway = docs["Deployment", "kvgate-gateway"]["spec"]["template"]
+    assert policy["podSelector"]["matchLabels"] == engine["metadata"]["labels"]
+    (rule,) = policy["ingress"]
+    assert [source["podSelector"]["matchLabels"] for source in rule["from"]] == [gateway["metadata"]["labels"]]
+    (container,) = engine["spec"]["containers"]
+    assert [p["port"] for p in rule["ports"]] == [port["containerPort"] for port in container["ports"]]
+
+
 def test_engines_are_not_scraped_directly():
     # The gateway exports every engine's figures per replica; an engine's own
     # /metrics repeats them as replica="engine" and would double every count.
