@@ -261,6 +261,47 @@ async def _engine_series(url: str) -> set[str]:
             if sample.name == "kvgate_engine_requests"}
 
 
+async def test_engine_figures_outlive_one_failed_fetch_but_not_an_outage(monkeypatch):
+    """A `kvgate engine`'s /kvgate/stats answering 500 once (a busy moment) keeps its
+    last figures a little; failing for longer, or leaving routing, drops them."""
+    import types
+
+    import gateway.observe as observe
+    from gateway.config import KvgateConfig
+    from gateway.metrics import GatewayMetrics
+
+    state = {"ok": True}
+
+    async def stats(request):
+        if not state["ok"]:
+            return web.json_response({"error": "busy"}, status=500)
+        return web.json_response({"running": 3, "waiting": 1})
+
+    stub = web.Application()
+    stub.router.add_get("/kvgate/stats", stats)
+    server = await start_server(stub)
+    observer = observe.Observer(KvgateConfig(), GatewayMetrics())
+    replica = types.SimpleNamespace(name="e0", kind="engine", base=server.url, healthy=True, cfg=None)
+    observer.start([replica], lambda i: 0, 16)
+    monkeypatch.setattr(observe, "_REMOTE_MIN_AGE_S", 0.0)  # every refresh fetches
+    try:
+        await observer.refresh()
+        assert dict(observer.replica_stats()) == {"e0": {"running": 3, "waiting": 1}}
+        state["ok"] = False
+        await observer.refresh()
+        assert dict(observer.replica_stats())["e0"] == {"running": 3, "waiting": 1}
+        monkeypatch.setattr(observe, "_REMOTE_KEEP_S", 0.0)  # failing past the grace
+        await observer.refresh()
+        assert dict(observer.replica_stats())["e0"] is None
+        state["ok"] = True
+        await observer.refresh()
+        replica.healthy = False  # out of routing: no figures, whatever was fetched
+        assert dict(observer.replica_stats())["e0"] is None
+    finally:
+        await observer.close()
+        await server.stop()
+
+
 def _requests_by_status(metrics_text: str) -> dict[str, float]:
     counts: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
