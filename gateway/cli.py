@@ -47,8 +47,10 @@ def _setup_logging(level: str | None) -> None:
     if name not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise CliError(f"log level {name.lower()!r}: choose debug, info, warning or error (--log-level, KVGATE_LOG_LEVEL)")
     logging.basicConfig(level=name, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # matplotlib announces building its font cache (the first --plot) at INFO.
-    logging.getLogger("matplotlib").setLevel(max(logging.WARNING, logging.getLogger().level))
+    # Libraries' INFO lines are not the user's business: matplotlib announces building
+    # its font cache (the first --plot), torch dumps cache statistics at exit.
+    for library in ("matplotlib", "torch"):
+        logging.getLogger(library).setLevel(max(logging.WARNING, logging.getLogger().level))
     if not sys.stderr.isatty():
         # Progress bars (transformers' weight loading) are a screenful of
         # carriage returns in a container's log.
