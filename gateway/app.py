@@ -44,6 +44,7 @@ from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, now_s, parse_json
 from gateway.replicas import InProcessReplica, Replica, build_replicas, default_model_name, load_tokenizer
 from gateway.respond import Responder, uncancel
 from gateway.router import Router
+from gateway.startup_thread import in_daemon_thread
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,8 @@ class Gateway:
             self.hasher = PrefixHasher(eng.tokenizer, eng.block_size, eng.hash_salt, eng.apply_chat_template, encoder)
             info = local.info
         else:
-            tokenizer = self._tokenizer or await asyncio.to_thread(load_tokenizer, self.config)
-            chat_tokens = await asyncio.to_thread(ChatTokenizer, tokenizer, self.config.model.tokenize_cache_tokens)
+            tokenizer = self._tokenizer or await in_daemon_thread(load_tokenizer, self.config)
+            chat_tokens = await in_daemon_thread(ChatTokenizer, tokenizer, self.config.model.tokenize_cache_tokens)
             # Engines know their block identity exactly; external servers only their name.
             engines = [r for r in self.replicas if r.kind == "engine"]
             known = next((r for r in engines if r.info_known), None)

@@ -34,6 +34,7 @@ from engine.request import GenerationOutput, GenerationRequest, TokenLogprob, Us
 from gateway.config import KvgateConfig, ReplicaConfig, RouterConfig
 from gateway.protocol import CHAT, ParsedRequest
 from gateway.router import ApproxIndex, ExactIndex
+from gateway.startup_thread import in_daemon_thread
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +157,9 @@ class InProcessReplica(Replica):
                 with _MODEL_LOAD_LOCK:
                     return AsyncEngine.from_config(cfg.model, cfg.engine, cfg.cache)
 
-            # Loading a model takes seconds; keep the loop responsive meanwhile.
-            self.engine = await asyncio.to_thread(load)
+            # Loading a model takes seconds to minutes; keep the loop responsive
+            # meanwhile, and let a Ctrl-C exit without waiting for it.
+            self.engine = await in_daemon_thread(load, name="kvgate-model-load")
         started = self.engine.start()
         if inspect.isawaitable(started):
             await started

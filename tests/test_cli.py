@@ -3,9 +3,11 @@
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -145,6 +147,26 @@ def test_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
     assert time.monotonic() - started < 5
     assert main(["serve", "--host", "no.such.host.invalid", "--port", "0"]) == 2
     assert "cannot resolve host 'no.such.host.invalid'" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_a_slow_model_load_exits_at_once(monkeypatch):
+    # A large model loads for minutes; Ctrl-C must not wait for the load to end.
+    loading = threading.Event()
+
+    def slow_load(*args, **kwargs):
+        loading.set()
+        time.sleep(60)  # abandoned with its daemon thread; never returns within the test
+
+    monkeypatch.setattr(engine.async_engine.AsyncEngine, "from_config", staticmethod(slow_load))
+
+    def interrupt() -> None:
+        if loading.wait(30):
+            os.kill(os.getpid(), signal.SIGINT)  # what the terminal sends on Ctrl-C
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    started = time.monotonic()
+    assert main(["serve", "--port", "0"]) == 130
+    assert loading.is_set() and time.monotonic() - started < 15
 
 
 def test_a_second_server_starting_at_the_same_moment_is_refused_the_port():
