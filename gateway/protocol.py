@@ -318,6 +318,9 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
                 "'user', 'assistant', 'tool'.",
                 f"{where}.role",
             )
+        if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
+            # A tool's answer names the call it answers; OpenAI refuses one that does not.
+            raise bad_request(f"Missing required parameter: '{where}.tool_call_id'.", f"{where}.tool_call_id")
         text = _content_text(req, msg.get("content"), where, mapped)
         if mapped == "user":
             req.user_turns += 1

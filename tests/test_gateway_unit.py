@@ -77,6 +77,13 @@ def test_valid_chat_fields_are_honoured_and_unknown_ignored():
     assert req.messages[0]["role"] == "system"
     assert req.images == [b"AAAA"] and req.user_turns == 2
     assert "<image>" in req.messages[1]["content"]
+    # A tool's answer names the call it answers, as OpenAI requires.
+    history = [{"role": "user", "content": "add"}, {"role": "assistant", "content": None}]
+    answered = chat(messages=history + [{"role": "tool", "tool_call_id": "call_1", "content": "3"}])
+    assert answered.messages[-1] == {"role": "tool", "content": "3"}
+    with pytest.raises(ApiError) as info:
+        chat(messages=history + [{"role": "tool", "content": "3"}])
+    assert info.value.param == "messages[2].tool_call_id"
 
 
 def test_streamed_call_fragments_add_up_to_the_whole_message():
