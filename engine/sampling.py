@@ -29,23 +29,22 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        # U+FFFD at the end: a multi-byte character split across tokens; wait for the rest.
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return full[len(prefix) :]
-        return ""
+        return self._take(ended=False)
 
     def flush(self) -> str:
         """The text still held back when the sequence ends: a character cut off
         by the end arrives as U+FFFD, as a whole-sequence decode gives it."""
-        if self.read_offset >= len(self.ids):
-            return ""
+        return self._take(ended=True) if self.read_offset < len(self.ids) else ""
+
+    def _take(self, ended: bool) -> str:
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix) :]
+        # U+FFFD at the end: a multi-byte character split across tokens; wait for
+        # the rest, unless the sequence has ended.
+        if len(full) > len(prefix) and (ended or not full.endswith("\ufffd")):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix) :]
+        return ""
 
 
 class SequenceSampler:
