@@ -58,6 +58,8 @@ ABLATIONS: dict[str, dict] = {
     "position-classes-2": {"position_classes": 2},
     "no-fallback": {"fallback": {"enabled": False}},
     "life-auto": {"life_s": None},
+    # The blog's advice for multimodal batches: a FIFO class for image requests.
+    "fifo-image": {"overrides": {"image": "fifo"}},
 }
 
 

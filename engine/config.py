@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 POLICY_NAMES = ("lru", "fifo", "s3fifo", "belady", "wa", "wa-paper")
 
@@ -76,6 +76,13 @@ class WAWeights(Section):
     # blocks over young tails and lost 4-6% to LRU at 10% capacity.
     spatial_mode: Literal["scale", "add"] = "scale"
 
+    @model_validator(mode="after")
+    def _some_weight(self) -> "WAWeights":
+        if self.reuse == 0 and self.spatial == 0 and self.lifetime == 0:
+            raise ValueError("reuse, spatial and lifetime are all 0: every block would score the same "
+                             "(for a plain recency order use policy: lru)")
+        return self
+
 
 class WAModelConfig(Section):
     # Reuse gaps shorter than this are left out of the rate fit (same-burst
@@ -92,8 +99,17 @@ class WAModelConfig(Section):
     prior_lambda: dict[Literal["to-c", "to-b", "multimodal"], float] = Field(
         default_factory=lambda: {"to-c": 0.15, "to-b": 0.8, "multimodal": 0.15}
     )
-    # Prior reuse probability p until a category has enough samples.
+    # Prior reuse probability p until a category has enough samples (neither the
+    # paper nor the blog gives one: 0.5 claims nothing either way).
     prior_p: float = Field(0.5, gt=0, lt=1)
+
+    @field_validator("prior_lambda")
+    @classmethod
+    def _positive_rates(cls, value: dict[str, float]) -> dict[str, float]:
+        for workload, rate in value.items():
+            if not rate > 0:
+                raise ValueError(f"prior_lambda.{workload} must be a rate above 0 (1/s), got {rate}")
+        return value
     # Metadata-only access history (recently seen and evicted keys): how long a
     # key is remembered, so reuses after eviction are still observed ...
     history_horizon_s: float = Field(600.0, gt=0)
@@ -172,7 +188,9 @@ class WorkloadAwareConfig(Section):
     paper's priority on (type, turn) categories with none of the additions.
     """
 
-    # weighted: reuse/spatial/lifetime score; paper: (p * ReuseProb(t, life), -offset).
+    # weighted: reuse/spatial/lifetime score; paper: (p * ReuseProb(t, life), -offset)
+    # as the score, with the other settings (classes, leaf protection, fallback,
+    # rhythm) as configured.  ``policy: wa-paper`` is the paper's whole algorithm.
     mode: Literal["weighted", "paper"] = "weighted"
     # Seconds ahead the reuse probability looks (5 s measured better than
     # following the residency, see the ablation).  None (weighted mode only):

@@ -110,6 +110,27 @@ def test_prefix_children_go_before_their_parent_is_missed():
     assert 3 in core.orphans
 
 
+def test_prefix_links_survive_interleaved_requests():
+    # The engine publishes blocks step by step, mixing sequences: request a's
+    # later blocks still link to its earlier ones when b's calls come between.
+    policy = WorkloadAwarePolicy(100, quiet())
+    a = ctx(session="a", blocks=4)
+    b = ctx(session="b", blocks=1)
+    policy.insert(10, a, 0, 0.0)
+    policy.insert(11, a, 1, 0.0)
+    policy.insert(20, b, 0, 0.0)
+    policy.insert(12, a, 2, 0.1)
+    policy.insert(13, a, 3, 0.1)
+    core = policy.core
+    assert [core.parent.get(k) for k in (11, 12, 13)] == [10, 11, 12]
+    for k in (13, 12, 11, 10):
+        policy.release(k, a, 1.0)
+    policy.release(20, b, 1.0)
+    order = [policy.evict(2.0) for _ in range(5)]
+    # A parent never goes while its child is cached.
+    assert order.index(13) < order.index(12) < order.index(11) < order.index(10)
+
+
 def _shared_parent_setup(mode: str) -> WorkloadAwarePolicy:
     """Key 1 is a shared prefix (class "shared"), scored far below its private children."""
     policy = WorkloadAwarePolicy(100, quiet(protect_prefix=mode))
@@ -352,6 +373,24 @@ def test_paper_priority_formula_and_paper_mode_order():
     assert [policy.evict(now) for _ in range(4)] == [k for _, _, k in expected]
 
 
+def test_offset_only_breaks_ties_it_does_not_outrank_the_priority():
+    # An old head block (reuse chance ~1e-20) goes before a younger deep block
+    # (~1e-12): the paper orders by priority first, offset second.
+    policy = make_policy("wa-paper", 100, CacheConfig())
+    a = ctx(turn=1, blocks=1)
+    b = ctx(turn=2, blocks=40)
+    policy.insert(1, a, 0, 0.0)
+    policy.release(1, a, 0.0)
+    for offset in range(31):
+        policy.insert(100 + offset, b, offset, 130.0)
+    for offset in reversed(range(31)):
+        policy.release(100 + offset, b, 130.0)
+    assert paper_priority(0.15, 0.5, 300.0, 5.0) < paper_priority(0.15, 0.5, 170.0, 5.0) * 1e-6
+    assert policy.evict(300.0) == 1
+    # Equal priorities: the deeper block first.
+    assert policy.evict(300.0) == 130
+
+
 def test_weighted_score_uses_configured_weights():
     cfg = quiet(weights={"reuse": 0.0, "spatial": 1.0, "lifetime": 0.0})
     policy = WorkloadAwarePolicy(100, cfg)
@@ -430,6 +469,27 @@ def test_topic_switch_after_three_quick_turns():
     assert policy.state()["topic_switches"] == 1
 
 
+def test_shared_class_takes_no_topic_switch_penalty():
+    # The shared class is created by whichever request first reuses another
+    # session's block; a topic switch of that request must not mark the class.
+    policy = WorkloadAwarePolicy(1000, WorkloadAwareConfig(fallback={"enabled": False}))
+    first = ctx(session="s0", blocks=1)
+    policy.insert(1, first, 0, 0.0)
+    policy.release(1, first, 0.0)
+    for turn, now in enumerate([10.0, 15.0, 20.0], 1):
+        c = ctx(session="s1", turn=turn, ts=now, blocks=2)
+        if turn == 3:  # the predicted switch reuses s0's block: the shared class is born here
+            policy.hit(1, c, 0, now)
+        policy.insert(100 + turn, c, 1, now)
+        policy.release(100 + turn, c, now)
+        if turn == 3:
+            policy.release(1, c, now)
+    tab = policy.table
+    assert policy.topic_switches == 1
+    assert tab.penalty[tab.index[("to-c", "text", "shared")]] == 1.0
+    assert tab.penalty[tab.index[("to-c", "text", "switch")]] == 0.5
+
+
 def test_file_signature_joins_the_category():
     policy = WorkloadAwarePolicy(100, WorkloadAwareConfig(fallback={"enabled": False},
                                                          signature={"enabled": True, "slots": 64}))
@@ -489,6 +549,21 @@ def test_reuse_alarm_raised_and_logged(caplog):
     assert any("reuse alarm raised" in r.getMessage() for r in caplog.records)
 
 
+def test_reuse_alarm_windows_are_spans_of_time_not_arrivals(caplog):
+    # One request every 120 s, all misses: the 300 s alarm window fills in
+    # 300 s of time, however few requests came (not after ten arrivals).
+    cfg = WorkloadAwareConfig.model_validate({"fallback": {"enabled": False}})
+    pool = BlockPool(100_000, 0, "wa", CacheConfig(workload_aware=cfg))
+    raised_at = None
+    for i in range(12):
+        now = i * 120.0
+        request(pool, [10**6 + i * 10 + j for j in range(10)], ctx(workload="to-b", rtype="api", blocks=10,
+                                                                 ts=now, chat_id=i), now)
+        if raised_at is None and pool.device_policy.state()["reuse_alarm"]:
+            raised_at = now
+    assert raised_at is not None and raised_at <= 480.0
+
+
 # ---- config -----------------------------------------------------------------------------------
 
 
@@ -503,6 +578,10 @@ def test_config_section_validates():
         WorkloadAwareConfig.model_validate({"overrides": {"video": "fifo"}})
     with pytest.raises(ValidationError):
         WorkloadAwareConfig.model_validate({"weights": {"reuse": -1}})
+    with pytest.raises(ValidationError, match="all 0"):
+        WorkloadAwareConfig.model_validate({"weights": {"reuse": 0, "spatial": 0, "lifetime": 0}})
+    with pytest.raises(ValidationError, match="prior_lambda.to-b"):
+        WorkloadAwareConfig.model_validate({"model": {"prior_lambda": {"to-b": -1.0}}})
     with pytest.raises(ValidationError) as info:
         CacheConfig.model_validate({"workload_aware": {"rhythm": {"spike_factr": 2}}})
     message = format_config_error(info.value, "config.yaml", CacheConfig)
@@ -525,6 +604,25 @@ def test_multimodal_fifo_override_keeps_insertion_order():
     assert policy.evict(12.0) == 1
 
 
+def test_an_orphan_hit_again_is_in_use_in_a_fifo_class_too():
+    # A FIFO-class child orphaned by its parent's eviction, then hit again, must
+    # not be evicted while in use (it used to stay in the orphan queue).
+    policy = WorkloadAwarePolicy(100, quiet(overrides={"image": "fifo"}))
+    c = ctx(workload="multimodal", rtype="image", blocks=2)
+    policy.insert(1, c, 0, 0.0)
+    policy.insert(2, c, 1, 0.0)
+    policy.release(1, c, 0.0)
+    policy.release(2, c, 0.0)
+    assert policy.evict(1.0) == 1  # queue order; 2 is orphaned
+    assert list(policy.core.orphans) == [2]
+    policy.hit(2, c, 0, 2.0)
+    assert policy.num_evictable() == 0
+    with pytest.raises(NoEvictableBlock):
+        policy.evict(3.0)
+    policy.release(2, c, 3.0)
+    assert policy.evict(4.0) == 2
+
+
 def test_host_tier_policy_logs_nothing_and_never_falls_back(caplog):
     import logging
 
@@ -545,3 +643,5 @@ def test_host_tier_policy_logs_nothing_and_never_falls_back(caplog):
     assert len(alarms) == 1  # the device tier's, once
     assert pool.device_policy.state()["reuse_alarm"] is True
     assert pool.host_policy.shadow_lru is None
+    # Its calls are demotions, not requests: no rhythm, no topic switches.
+    assert pool.host_policy.rhythm is None and pool.host_policy.topics is None

@@ -49,9 +49,11 @@ from engine.policies.shadow import ShadowLRU
 log = logging.getLogger("kvgate.cache")
 
 INF = math.inf
-# Score units per block of offset: among equal scores the deeper block goes first
-# (the paper's -offset); far below any real score difference.
-_TIE = 1e-12
+# Relative score discount per block of offset: among equal scores the deeper block
+# goes first (the paper's -offset).  Relative, not additive, so that it only
+# separates scores equal to ~9 digits: old blocks score 1e-20 and less, and an
+# additive epsilon there would rank by offset instead of by reuse chance.
+_TIE = 1e-9
 _exp = math.exp
 
 
@@ -242,7 +244,7 @@ class CategoryQueues:
             heads.append(INF)
             self.head_t.append(None)
             self.head_w.append(1.0)
-            self.head_tie.append(0.0)
+            self.head_tie.append(1.0)
         self.nq = len(queues)
         self.heads_now = None
 
@@ -266,13 +268,19 @@ class CategoryQueues:
                 self._link(key, parent)
             return
         old = rec[0]
-        if self.fifo[old]:
+        if self.orphans and self.orphans.pop(key, 0) is None:
+            # An orphan hit again (its parent came back): in use, out of the orphan
+            # queue, whatever its class; its release queues it afresh.
+            self.evictable -= 1
+        elif self.fifo[old]:
             q = self.queues[old]
             if old == cat:
                 # A FIFO class keeps the key's place and its insertion time.
                 if key in q and key not in self.busy:
                     self.busy.add(key)
                     self.evictable -= 1
+                    # It may be the head whose score is cached: rescore (the scan passes over it).
+                    self.dirty.add(old)
                 rec[2] = offset
                 rec[3] = spatial
                 return
@@ -285,8 +293,6 @@ class CategoryQueues:
         elif self.queues[old].pop(key, 0) is None:
             self.evictable -= 1
             self.dirty.add(old)
-        elif self.orphans and self.orphans.pop(key, 0) is None:
-            self.evictable -= 1
         elif self.pinned:
             self.pinned.discard(key)
         rec[0] = cat
@@ -306,6 +312,7 @@ class CategoryQueues:
             if key in self.busy:
                 self.busy.discard(key)
                 self.evictable += 1
+                self.dirty.add(cat)
             return
         if key in self.orphans:
             return
@@ -342,14 +349,14 @@ class CategoryQueues:
         e = _exp(-tab.lam[cat] * t)
         if tab.fast:
             # The same expression as the fast rescore, so both give identical scores.
-            return tab.fa[cat] * e / (1.0 + tab.fb[cat] * e) * (rec[3] if tab.scaled else 1.0) - rec[2] * _TIE
+            return tab.fa[cat] * e / (1.0 + tab.fb[cat] * e) * (rec[3] if tab.scaled else 1.0) * (1.0 - rec[2] * _TIE)
         if tab.scaled:
             score = tab.coef_a[cat] * e / (1.0 + tab.coef_b[cat] * e) * rec[3]
         else:
             score = tab.coef_a[cat] * e / (1.0 + tab.coef_b[cat] * e) + tab.ws * rec[3]
         if t < tab.window[cat]:
             score += tab.coef_l[cat]
-        return score - rec[2] * _TIE
+        return score * (1.0 - rec[2] * _TIE)
 
     def _cache_heads(self, cats) -> None:
         """Refresh the cached head data of ``cats`` (queues whose head may have changed)."""
@@ -361,7 +368,7 @@ class CategoryQueues:
                 r = rec[next(iter(q))]
                 head_t[cat] = r[1]
                 head_w[cat] = r[3] if scaled else 1.0
-                head_tie[cat] = r[2] * _TIE
+                head_tie[cat] = 1.0 - r[2] * _TIE
             else:
                 head_t[cat] = None
 
@@ -376,10 +383,10 @@ class CategoryQueues:
                 r = rec[next(iter(q))]
                 h = head_t[cat] = r[1]
                 w = head_w[cat] = r[3] if scaled else 1.0
-                tie = head_tie[cat] = r[2] * _TIE
+                tie = head_tie[cat] = 1.0 - r[2] * _TIE
                 # The expression of _rescore_all, so that both give identical scores.
                 e = _exp(tab.lam[cat] * (h - now) if h < now else 0.0)
-                heads[cat] = tab.fa[cat] * e / (1.0 + tab.fb[cat] * e) * w - tie
+                heads[cat] = tab.fa[cat] * e / (1.0 + tab.fb[cat] * e) * w * tie
             else:
                 head_t[cat] = None
                 heads[cat] = INF
@@ -397,7 +404,7 @@ class CategoryQueues:
                 self._cache_heads(range(self.nq))
                 self.heads_cached = True
             self.heads = [
-                INF if h is None else a * (e := _exp(l * (h - now) if h < now else 0.0)) / (1.0 + b * e) * w - tie
+                INF if h is None else a * (e := _exp(l * (h - now) if h < now else 0.0)) / (1.0 + b * e) * w * tie
                 for a, b, l, h, w, tie in zip(tab.fa, tab.fb, tab.lam, self.head_t, self.head_w, self.head_tie)
             ]
             return
@@ -416,8 +423,10 @@ class CategoryQueues:
                 rec = rec_of(next(iter(q)))
                 t = now - rec[1]
                 e = _exp(-lams[cat] * t) if t > 0.0 else 1.0
-                score = coef_a[cat] * e / (1.0 + coef_b[cat] * e) + ws * rec[3] - rec[2] * _TIE
-                heads[cat] = score + coef_l[cat] if t < windows[cat] else score
+                score = coef_a[cat] * e / (1.0 + coef_b[cat] * e) + ws * rec[3]
+                if t < windows[cat]:
+                    score += coef_l[cat]
+                heads[cat] = score * (1.0 - rec[2] * _TIE)
             else:
                 heads[cat] = INF
             cat += 1
@@ -635,7 +644,9 @@ class WorkloadAwarePolicy(EvictionPolicy):
         self._blocks = 1
         self._boost = 1.0
         self._cat_cache: dict[tuple, int] = {}
-        self._recent: OrderedDict[int, tuple] = OrderedDict()  # id(ctx) -> classification
+        # id(ctx) -> [ctx, session, switch, base, last offset, last key]: the
+        # classification of recent requests and where each one's calls stopped.
+        self._recent: OrderedDict[int, list] = OrderedDict()
         self._lead = self._lead_lru = self._lead_wa = False
         self._requests = 0
         # Windowed hit accounting: [accesses, hits, shadow LRU hits, shadow wa hits].
@@ -791,13 +802,15 @@ class WorkloadAwarePolicy(EvictionPolicy):
             name = self._base
         elif shared:
             # Cross-session reuse (system prompts, templates) does not depend on
-            # the turn or the session's fate: one class per type.
+            # the turn or the session's fate: one class per type (and no
+            # topic-switch penalty: the class outlives whichever request made it).
             name = (self._workload, self._type, "shared")
         elif self._switch:
             name = (self._workload, self._type, "switch")
+            return self.table.get(name, self._workload, self._type, True)
         else:
             name = (*self._base, pos)
-        return self.table.get(name, self._workload, self._type, self._switch)
+        return self.table.get(name, self._workload, self._type, False)
 
     def _begin(self, ctx: RequestContext, first_key: int, offset: int, now: float) -> None:
         """Calls for another request start: classify it (once), advance the clocks.
@@ -807,12 +820,23 @@ class WorkloadAwarePolicy(EvictionPolicy):
         with its classification and without counting a second arrival.
         """
         cfg = self.cfg
+        recent = self._recent
+        left = self._ctx
+        if left is not None:
+            # Remember where the request we leave stopped, so that its next block
+            # still links to its parent when its calls resume.
+            entry = recent.get(id(left))
+            if entry is not None and entry[0] is left:
+                entry[4] = self._offset
+                entry[5] = self._key
         self._ctx = ctx
         self._offset = offset - 1
         self._key = None
-        known = self._recent.get(id(ctx)) if offset > 0 else None
+        known = recent.get(id(ctx)) if offset > 0 else None
         if known is not None and known[0] is ctx:
-            _, self._session, self._switch, self._base = known
+            _, self._session, self._switch, self._base, last_offset, last_key = known
+            if last_offset == offset - 1:
+                self._key = last_key
             self._lead = self._lead_lru = self._lead_wa = False
         else:
             self._arrival(ctx, first_key, now)
@@ -858,7 +882,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
             base = (workload, rtype, turn, slot)
         self._session, self._switch, self._base = session, switch, base
         recent = self._recent
-        recent[id(ctx)] = (ctx, session, switch, base)
+        recent[id(ctx)] = [ctx, session, switch, base, -1, None]
         if len(recent) > 1024:
             recent.popitem(last=False)
 
@@ -887,14 +911,18 @@ class WorkloadAwarePolicy(EvictionPolicy):
         return sums
 
     def _roll(self, now: float) -> None:
+        """Close the bucket that ended, and an empty one for every whole interval
+        since with no arrival, so windows and sustain periods are spans of time."""
         interval = self.cfg.fallback.check_interval_s
         if self._bucket_end != -INF:
-            self._buckets.append(self._cur)
-            self._cur = [0, 0, 0, 0]
             keep = max(self._nbuckets, self._alarm_buckets)
-            while len(self._buckets) > keep:
-                self._buckets.popleft()
-            self._evaluate(now)
+            idle = min(int((now - self._bucket_end) // interval), keep + self._patience)
+            for _ in range(1 + idle):
+                self._buckets.append(self._cur)
+                self._cur = [0, 0, 0, 0]
+                while len(self._buckets) > keep:
+                    self._buckets.popleft()
+                self._evaluate(now)
         self._bucket_end = (math.floor(now / interval) + 1) * interval
 
     def _evaluate(self, now: float) -> None:
@@ -951,6 +979,8 @@ def make_workload_aware(
 
     The host tier only orders demoted blocks: it gets no LRU fallback and stays
     silent, so alarms and spikes are judged (and logged) once, on the device tier.
+    Its calls are demotions, not requests, so it keeps no traffic rhythm and no
+    topic-switch detector either (both would read demotion bursts as arrivals).
     """
     cfg = cfg or WorkloadAwareConfig()
     if name == "wa-paper":
@@ -958,7 +988,11 @@ def make_workload_aware(
     elif name != "wa":
         raise ValueError(f"unknown workload-aware policy {name!r}")
     if tier != "device":
-        cfg = cfg.model_copy(update={"fallback": cfg.fallback.model_copy(update={"enabled": False})})
+        cfg = cfg.model_copy(update={
+            "fallback": cfg.fallback.model_copy(update={"enabled": False}),
+            "rhythm": cfg.rhythm.model_copy(update={"enabled": False}),
+            "topic_switch": cfg.topic_switch.model_copy(update={"enabled": False}),
+        })
     policy = WorkloadAwarePolicy(capacity, cfg, name)
     policy.announce = tier == "device"
     return policy
