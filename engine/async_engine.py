@@ -260,6 +260,10 @@ class AsyncEngine:
             raise ValueError(f"logprobs must be >= 0 (got {s.logprobs})")
         if s.logit_bias and (min(s.logit_bias) < 0 or max(s.logit_bias) >= vocab):
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
+        if s.stop_token_ids and (min(s.stop_token_ids) < 0 or max(s.stop_token_ids) >= vocab):
+            raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
+        if not 0 <= s.min_p <= 1 or s.repetition_penalty <= 0 or not 0 <= s.min_tokens <= s.max_tokens:
+            raise ValueError("need 0 <= min_p <= 1, repetition_penalty > 0 and 0 <= min_tokens <= max_tokens")
 
     # ---- the loop (event loop thread) -----------------------------------------
 

@@ -38,6 +38,16 @@ class SamplingParams:
     logprobs: int | None = None
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
+    # vLLM's extensions, with its semantics:
+    # a token's probability must reach min_p x the likeliest one's (0: off);
+    min_p: float = 0.0
+    # logits of tokens in the prompt or the output so far are divided by it
+    # when positive, multiplied when negative (1: off);
+    repetition_penalty: float = 1.0
+    # neither EOS nor a stop token id nor a stop string ends a sequence shorter than this;
+    min_tokens: int = 0
+    # the stop string (or stop token) that ended a sequence stays in its text.
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(slots=True)

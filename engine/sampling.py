@@ -65,13 +65,21 @@ class SequenceSampler:
         self.eos_ids = set() if params.ignore_eos else eos_ids
         self.stop_ids = set(params.stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        # repetition_penalty: a vocabulary mask of the tokens seen (prompt and output).
+        self._prompt_ids = prompt_ids if params.repetition_penalty != 1.0 else None
+        self._seen: torch.Tensor | None = None
+        self._end_ids: torch.Tensor | None = None  # min_tokens: EOS and stop ids, masked while short
         seed = params.seed + index if params.seed is not None else random.getrandbits(63)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.counts: Counter[int] = Counter()
         self.text = ""
         self.emitted = 0
         self.num_generated = 0
-        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+        # A stop string may start this many characters before new text ...
+        self.stop_reach = max((len(s) for s in params.stop), default=1) - 1
+        # ... so that much is held back, unless the stop string is to be kept anyway.
+        self.holdback = 0 if params.include_stop_str_in_output else self.stop_reach
+        self.stop_floor = 0  # the first min_tokens tokens' text: no stop string ends in it
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -82,7 +90,8 @@ class SequenceSampler:
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits suffices (batched fast path)."""
         p = self.params
-        return self.greedy and not (p.presence_penalty or p.frequency_penalty or p.logit_bias) and p.logprobs is None
+        return (self.greedy and not (p.presence_penalty or p.frequency_penalty or p.logit_bias) and p.logprobs is None
+                and p.repetition_penalty == 1.0 and self.num_generated >= p.min_tokens)
 
     def sample(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
         """One token from a float32 [vocab] row of raw logits."""
@@ -99,14 +108,39 @@ class SequenceSampler:
             counts = torch.tensor(list(self.counts.values()), dtype=logits.dtype)
             logits = logits.clone()
             logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
+        if p.repetition_penalty != 1.0:
+            seen = self._seen_mask(logits.shape[-1])
+            rp = p.repetition_penalty
+            logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+        if self.num_generated < p.min_tokens:
+            if self._end_ids is None:
+                ends = [t for t in self.eos_ids | self.stop_ids if 0 <= t < logits.shape[-1]]
+                self._end_ids = torch.tensor(sorted(ends), dtype=torch.long)
+            if len(self._end_ids):
+                logits = logits.clone()
+                logits[self._end_ids] = float("-inf")
         if self.greedy:
             token = int(torch.argmax(logits))
         else:
             token = self._draw(logits / p.temperature)
         return token, self._logprob(raw, token) if p.logprobs is not None else None
 
+    def _seen_mask(self, vocab: int) -> torch.Tensor:
+        if self._seen is None:
+            self._seen = torch.zeros(vocab, dtype=torch.bool)
+            ids = [t for t in self._prompt_ids if 0 <= t < vocab]
+            if ids:
+                self._seen[torch.tensor(ids, dtype=torch.long)] = True
+            for token in self.counts:  # tokens generated before this sampler's first penalty
+                if 0 <= token < vocab:
+                    self._seen[token] = True
+        return self._seen
+
     def _draw(self, logits: torch.Tensor) -> int:
         p = self.params
+        if p.min_p > 0:
+            probs = torch.softmax(logits, -1)
+            logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         if 0 < p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -131,20 +165,27 @@ class SequenceSampler:
 
     def accept(self, token: int, num_tokens: int, max_model_len: int) -> tuple[str, str | None]:
         """Record a sampled token; returns (text delta to emit, finish reason or None)."""
+        p = self.params
         self.num_generated += 1
         self.counts[token] += 1
+        if self._seen is not None and token < len(self._seen):
+            self._seen[token] = True
         finish = None
         start = len(self.text)
         if self.is_end_token(token):
             finish = "stop"
-            self.text += self.detok.flush()
+            # As vLLM: the ending token's own text is kept only on request.
+            self.text += (self.detok.add(token) if p.include_stop_str_in_output else "") + self.detok.flush()
         else:
             self.text += self.detok.add(token)
-        if finish is None and (self.num_generated >= self.params.max_tokens or num_tokens >= max_model_len):
+        if finish is None and (self.num_generated >= p.max_tokens or num_tokens >= max_model_len):
             finish = "length"
             self.text += self.detok.flush()
+        if self.num_generated <= p.min_tokens:
+            # Stop strings only count in text that comes after the first min_tokens tokens.
+            self.stop_floor = len(self.text)
         # Text that came with this token, flushed at the end included, may complete a stop string.
-        if self.params.stop and len(self.text) > start and self._cut_stop(start):
+        elif p.stop and len(self.text) > start and self._cut_stop(start):
             finish = "stop"
         return self._emit(finish is not None), finish
 
@@ -153,12 +194,15 @@ class SequenceSampler:
         return token in self.eos_ids or token in self.stop_ids
 
     def _cut_stop(self, new_from: int) -> str | None:
-        # A stop string may begin in text emitted earlier only within the held-back tail.
-        search_from = max(0, new_from - self.holdback)
-        hits = [i for i in (self.text.find(s, search_from) for s in self.params.stop) if i >= 0]
+        # A stop string may begin in earlier text only within its reach, and must
+        # end past the text of the first min_tokens tokens (as vLLM's check).
+        search_from = max(0, new_from - self.stop_reach)
+        floor = self.stop_floor + 1
+        hits = [(i, -len(s)) for s in self.params.stop if (i := self.text.find(s, max(search_from, floor - len(s)))) >= 0]
         if not hits:
             return None
-        self.text = self.text[: min(hits)]
+        at, minus_len = min(hits)  # the earliest, the longest of those starting there
+        self.text = self.text[: at - minus_len if self.params.include_stop_str_in_output else at]
         return "stop"
 
     def _emit(self, finished: bool) -> str:

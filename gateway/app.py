@@ -351,8 +351,15 @@ class Gateway:
         if bias and max(bias) >= self.hasher.vocab_size:
             raise bad_request(f"Invalid key in 'logit_bias': {max(bias)}. Token ids must be below the vocabulary size "
                               f"{self.hasher.vocab_size}.", "logit_bias")
+        stop_ids = parsed.sampling.stop_token_ids
+        if stop_ids and max(stop_ids) >= self.hasher.vocab_size:
+            raise bad_request(f"Invalid 'stop_token_ids': {max(stop_ids)}. Token ids must be below the vocabulary size "
+                              f"{self.hasher.vocab_size}.", "stop_token_ids")
         max_tokens = self.resolve_max_tokens(parsed, longest)
         parsed.sampling.max_tokens = max_tokens
+        if parsed.sampling.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({parsed.sampling.min_tokens}) must be at most max_tokens ({max_tokens}).",
+                              "min_tokens")
         if parsed.echo and not self.passthrough and parsed.engine_unsupported is None:
             decode = self.hasher.tokenizer.decode
             parsed.echo_texts = [p if isinstance(p, str) else decode(p) for p in sources]

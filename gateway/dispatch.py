@@ -104,8 +104,7 @@ class Dispatcher:
             # The engine never serves the block holding the prompt's last token from
             # cache (its logits must be computed), so neither is it predicted.
             bs = router.block_size
-            predicted = min(decision.matched_blocks, (len(sub.prompt.token_ids) - 1) // bs)
-            series.predicted_hits.inc(predicted * bs)
+            predicted = min(decision.matched_blocks, (len(sub.prompt.token_ids) - 1) // bs) * bs
             produced = exhausted = False
             usage = UsageSum(1)
             last_token: float | None = None
@@ -114,7 +113,11 @@ class Dispatcher:
             gen = replica.generate(job)
             try:
                 async for batch in gen:
-                    produced = True
+                    if not produced:
+                        # Counted once the replica serves it, as its cached tokens are: an
+                        # attempt that fails over to another replica predicted nothing there.
+                        produced = True
+                        series.predicted_hits.inc(predicted)
                     # Tokens that arrived together leave as one delta per choice (one
                     # frame), and the inter-token gap is measured between deltas:
                     # what the client sees.

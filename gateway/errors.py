@@ -41,8 +41,10 @@ class ApiError(Exception):
             body=json.dumps(self.body()).encode(),
             content_type="application/json",
         )
-        if self.status == 429:
-            resp.headers["Retry-After"] = "1"  # OpenAI's SDKs wait this long before their retry
+        if self.status in (429, 503):
+            # A hint for any client (OpenAI's SDKs wait this long before their retry):
+            # at capacity, no healthy replica yet, or this instance stopping.
+            resp.headers["Retry-After"] = "1"
         # As on every OpenAI response (the SDK's error.request_id); a completion's is its own id.
         resp.headers["x-request-id"] = f"req-{getrandbits(96):024x}"
         return resp

@@ -30,6 +30,7 @@ _ROLE_MAP = {"system": "system", "developer": "system", "user": "user", "assista
 IMAGE_PLACEHOLDER = "<image>"
 # OpenAI's own bounds.
 _MAX_STOP = 4
+_MAX_STOP_TOKEN_IDS = 256
 _MAX_TOP_LOGPROBS_CHAT = 20
 _MAX_LOGPROBS_COMPLETIONS = 5
 
@@ -249,6 +250,25 @@ def _parse_sampling(req: ParsedRequest, body: dict, limits: LimitsConfig, max_lo
         s.top_k = max(0, _int(body, "top_k", 0, -1, None) or 0)
     if "ignore_eos" in body:
         s.ignore_eos = _bool(body, "ignore_eos", False)
+    if "min_p" in body:
+        s.min_p = _float(body, "min_p", 0.0, 0.0, 1.0)
+    if "repetition_penalty" in body:
+        s.repetition_penalty = _float(body, "repetition_penalty", 1.0, 0.0, 100.0)
+        if s.repetition_penalty == 0:
+            raise bad_request("Invalid 'repetition_penalty': it must be above 0 (1 is off).", "repetition_penalty")
+    if "min_tokens" in body:
+        s.min_tokens = _int(body, "min_tokens", 0, 0, None)  # at most max_tokens: checked once that is known
+    if "include_stop_str_in_output" in body:
+        s.include_stop_str_in_output = _bool(body, "include_stop_str_in_output", False)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(type(x) is int and x >= 0 for x in stop_ids):
+            raise bad_request(_type_msg("stop_token_ids", "an array of token ids (integers >= 0)", stop_ids),
+                              "stop_token_ids")
+        if len(stop_ids) > _MAX_STOP_TOKEN_IDS:
+            raise bad_request(f"'stop_token_ids' may hold at most {_MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}.",
+                              "stop_token_ids")
+        s.stop_token_ids = stop_ids
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):

@@ -462,9 +462,14 @@ class RemoteReplica(Replica):
                                 self.draining, self.healthy = True, False
                                 continue
                             self.draining = False  # a (re)started engine
-                            if not self.info_known or self.info.model != data.get("model"):
-                                with contextlib.suppress(Exception):
-                                    await self._fetch_info()
+                            # A new snapshot may be a restarted engine with another block
+                            # size, salt, model or context length: learn them again (the
+                            # gateway says so if its hashes can no longer match).  Until
+                            # they are known it stays out of routing.
+                            try:
+                                await self._fetch_info()
+                            except Exception as exc:  # noqa: BLE001
+                                raise ReplicaUnavailable(f"/kvgate/info failed: {_plain_reason(exc)}") from None
                             self._following = True
                             self._failures = 0
                             self._maybe_rejoin()
@@ -487,7 +492,8 @@ class RemoteReplica(Replica):
                     self._trip(f"unreachable ({exc})")
             except Exception as exc:  # noqa: BLE001 - any other failure means: resync
                 if not self.draining:  # a stopping engine ends the stream on purpose
-                    log.info("replica %s: kv event stream lost (%s); resyncing", self.name, exc)
+                    log.info("replica %s: kv event stream lost (%s); resyncing", self.name,
+                             exc if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc))
             self._following = False
             self.index.reset({})
             await asyncio.sleep(_KV_EVENTS_MAX_BACKOFF_S if self.draining else backoff)
@@ -535,6 +541,11 @@ class RemoteReplica(Replica):
                 "logit_bias": {str(k): v for k, v in s.logit_bias.items()} if s.logit_bias else None,
                 "top_k": s.top_k,
                 "ignore_eos": s.ignore_eos,
+                "min_p": s.min_p,
+                "repetition_penalty": s.repetition_penalty,
+                "min_tokens": s.min_tokens,
+                "include_stop_str_in_output": s.include_stop_str_in_output,
+                "stop_token_ids": s.stop_token_ids or None,
                 "user": parsed.user,
                 "kvgate_context": {
                     "workload": ctx.workload, "type": ctx.type, "turn": ctx.turn, "session": ctx.session,

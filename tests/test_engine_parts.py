@@ -209,6 +209,79 @@ def test_top_k_one_is_greedy_and_penalties_apply():
     assert sampler.sample(logits)[0] == 2
 
 
+def test_min_p_keeps_only_tokens_near_the_likeliest():
+    logits = torch.tensor([2.0, 1.9, 0.0, -3.0])  # probabilities ~ .50 .45 .07 .003
+    for seed in range(20):
+        drawn = SequenceSampler(SamplingParams(temperature=1.0, min_p=0.5, seed=seed), _Tok(), [], set()).sample(logits)[0]
+        assert drawn in (0, 1)
+    # min_p = 1 leaves the likeliest token alone.
+    assert all(SequenceSampler(SamplingParams(temperature=1.0, min_p=1.0, seed=s), _Tok(), [], set()).sample(logits)[0] == 0
+               for s in range(10))
+
+
+def test_repetition_penalty_counts_prompt_and_output_tokens_as_vllm():
+    logits = torch.tensor([3.0, 2.0, 1.5, -1.0])
+    sampler = SequenceSampler(SamplingParams(temperature=0.0, repetition_penalty=2.0), _Tok(), [0], set())
+    assert not sampler.plain_greedy
+    # Token 0 is in the prompt: 3.0 / 2 = 1.5 < 2.0.
+    assert sampler.sample(logits)[0] == 1
+    sampler.accept(1, 0, 100)
+    # Now 0 (3.0 -> 1.5) and 1 (2.0 -> 1.0) are penalised; the unseen 2 (1.6) wins.
+    assert sampler.sample(torch.tensor([3.0, 2.0, 1.6, -1.0]))[0] == 2
+    # A negative logit is multiplied, so it falls further.
+    penal = SequenceSampler(SamplingParams(temperature=0.0, repetition_penalty=2.0), _Tok(), [3], set())
+    assert penal.sample(torch.tensor([-1.5, -1.6, -1.7, -1.0]))[0] == 0  # token 3: -1.0 x 2 = -2.0
+
+
+def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings():
+    eos, stop_id = 300, 301
+    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=3, stop=["b"], stop_token_ids=[stop_id])
+    sampler = SequenceSampler(params, _Tok(), [], {eos})
+    logits = torch.full((302,), -5.0)
+    logits[eos] = 5.0
+    logits[stop_id] = 4.0
+    logits[ord("b")] = 3.0
+    # While short of min_tokens, EOS and the stop id cannot be drawn, and "b" does not stop.
+    text = ""
+    for _ in range(3):
+        token = sampler.sample(logits)[0]
+        assert token == ord("b")
+        delta, finish = sampler.accept(token, 0, 100)
+        text += delta
+        assert finish is None
+    assert sampler.plain_greedy  # the mask is off once min_tokens are out
+    assert sampler.sample(logits)[0] == eos
+    # A stop string that ends after the first min_tokens tokens stops as usual.
+    delta, finish = sampler.accept(ord("b"), 0, 100)
+    assert (text, delta, finish) == ("bbb", "", "stop")
+
+
+def test_include_stop_str_in_output_keeps_what_ended_the_choice():
+    params = SamplingParams(max_tokens=50, stop=["END", "EN"], include_stop_str_in_output=True)
+    sampler = SequenceSampler(params, _Tok(), [], set())
+    emitted = ""
+    for b in b"abc EN":
+        delta, finish = sampler.accept(b, 0, 100)
+        emitted += delta
+    # "EN" is a stop string itself; kept, and nothing held back since it would be kept anyway.
+    assert (emitted, finish) == ("abc EN", "stop")
+    sampler = SequenceSampler(SamplingParams(max_tokens=50, stop=["ND"], include_stop_str_in_output=True), _Tok(), [], set())
+    emitted = ""
+    for b in b"aEND tail":
+        delta, finish = sampler.accept(b, 0, 100)
+        emitted += delta
+        if finish:
+            break
+    assert (emitted, finish) == ("aEND", "stop")
+    # A stop token's own text stays too (as vLLM's detokenizer keeps it on request).
+    sampler = SequenceSampler(SamplingParams(max_tokens=5, stop_token_ids=[ord("!")], include_stop_str_in_output=True),
+                              _Tok(), [], set())
+    out = [sampler.accept(b, 0, 100) for b in b"hi!"]
+    assert "".join(d for d, _ in out) == "hi!" and out[-1][1] == "stop"
+    plain = SequenceSampler(SamplingParams(max_tokens=5, stop_token_ids=[ord("!")]), _Tok(), [], set())
+    assert "".join(plain.accept(b, 0, 100)[0] for b in b"hi!") == "hi"
+
+
 def test_coalesce_joins_each_choices_deltas_in_order():
     from engine.request import GenerationOutput, TokenLogprob, Usage, coalesce
 

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import GATEWAY, create_app
 from gateway.config import ReplicaConfig, RouterConfig
-from gateway.replicas import parse_backend_metrics
+from gateway.replicas import ReplicaUnavailable, parse_backend_metrics
 from gateway.server import start_server
 from tests.engine_procs import (
     MODEL,
@@ -113,6 +113,16 @@ async def test_gateway_follows_remote_engine_kv_events(tiny_model_dir):
                            what="index follows removals")
         assert e1.stats()["evictions"]["device"] + e2.stats()["evictions"]["device"] > 0
         assert before - set(replicas[owner].index.tiers) or engine.stats()["evictions"]["device"] == 0
+        # vLLM's sampling fields travel to the remote engine: EOS forced, but not before
+        # min_tokens; a stop token id kept in the text on request.
+        eos = next(iter(e1.eos_ids))
+        (a,) = e1.tokenizer.encode("a", add_special_tokens=False)
+        base = dict(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+        short = await client.completions.create(**base, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+        assert (short.usage.completion_tokens, short.choices[0].finish_reason) == (4, "stop")
+        kept = await client.completions.create(**base, logit_bias={str(a): 100}, extra_body={
+            "stop_token_ids": [a], "include_stop_str_in_output": True, "min_p": 0.5, "repetition_penalty": 1.1})
+        assert (kept.choices[0].text, kept.usage.completion_tokens) == ("a", 1)
     finally:
         await client.close()
         await gw.stop()
@@ -176,6 +186,82 @@ async def test_dead_replica_is_retried_before_first_byte_and_leaves_routing(tiny
         await client.close()
         await gw.stop()
         await s1.stop()
+
+
+async def _by_replica(url: str, name: str) -> dict[str, float]:
+    """The samples of the gateway's series ``name``, by replica label."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/metrics") as resp:
+            text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[sample.labels["replica"]] = out.get(sample.labels["replica"], 0.0) + sample.value
+    return out
+
+
+async def test_a_failed_attempt_predicts_no_hits_on_the_replica_it_left(tiny_model_dir):
+    """Predicted and served cached tokens are compared per replica to spot index
+    drift: an attempt that fails over before its first output counts on neither."""
+    (e1, s1), (e2, s2) = [await _engine_server(tiny_model_dir) for _ in range(2)]
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=s1.url),
+                                          ReplicaConfig(kind="engine", url=s2.url)],
+                         router=RouterConfig(health_interval_s=0.1))
+    app = create_app(config)
+    gw = await start_server(app)
+    client = _client(gw.url)
+    predicted_name = "kvgate_router_predicted_hit_tokens_total"
+    try:
+        replicas = app[GATEWAY].replicas
+        await wait_for(lambda: all(r.healthy for r in replicas), what="replicas healthy")
+        messages = [{"role": "user", "content": "A long question about the history of the Roman empire. " * 6}]
+        for _ in range(2):
+            await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+        before = await _by_replica(gw.url, predicted_name)
+        holder = next(r for r in replicas if before.get(r.name, 0) > 0)
+        other = next(r for r in replicas if r is not holder)
+
+        async def refuse(job):
+            raise ReplicaUnavailable("refused for the test")
+            yield  # an async generator, as the real one
+
+        holder.generate = refuse
+        resp = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+        assert resp.usage.prompt_tokens_details.cached_tokens == 0  # served by the other replica, cold
+        after = await _by_replica(gw.url, predicted_name)
+        assert after.get(holder.name, 0) == before[holder.name]
+        assert after.get(other.name, 0) == 0
+    finally:
+        await client.close()
+        await gw.stop()
+        await s1.stop()
+        await s2.stop()
+
+
+async def test_an_engine_restarted_with_another_block_size_is_noticed(tiny_model_dir, unused_tcp_port_factory, caplog):
+    """A restarted engine answers a new /kv_events snapshot: the gateway learns its
+    block identity again and says when its hashes can no longer match."""
+    port = unused_tcp_port_factory()
+    engine = await start_server(create_app(tiny_config(tiny_model_dir), engine_mode=True), port=port)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine.url)],
+                         router=RouterConfig(health_interval_s=0.1, breaker_reset_s=0.2))
+    app = create_app(config)
+    gw = await start_server(app)
+    try:
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy and replica.info.block_size == 16, what="engine joined")
+        await engine.stop()
+        other = tiny_config(tiny_model_dir)
+        other.engine.block_size = 32
+        with caplog.at_level(logging.ERROR, logger="gateway.app"):
+            engine = await start_server(create_app(other, engine_mode=True), port=port)
+            await wait_for(lambda: replica.info.block_size == 32, timeout=20, what="new identity learnt")
+            await wait_for(lambda: replica.healthy, timeout=20, what="back in routing")
+        assert any("blocks of 32 tokens" in r.getMessage() for r in caplog.records)
+    finally:
+        await gw.stop()
+        await engine.stop()
 
 
 VLLM_METRICS = """\

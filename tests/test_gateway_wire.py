@@ -123,6 +123,43 @@ async def test_completions_models_and_logprobs(gw):
     assert any(r.prompt_token_ids == [65, 66, 67] for s in seen for r in s)
 
 
+async def test_vllm_sampling_extensions(gw):
+    """vLLM's extra sampling fields, sent as the SDK sends them (extra_body), do
+    what they do on vLLM, and bad values are 400s naming the field."""
+    app, server, client, engines, seen = gw
+    tokenizer = engines[0].tokenizer
+    (a,) = tokenizer.encode("a", add_special_tokens=False)
+    eos = next(iter(engines[0].eos_ids))
+    base = dict(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    # The forced token is a stop token: the choice ends on it, without its text unless asked.
+    stopped = await client.completions.create(**base, logit_bias={str(a): 100}, extra_body={"stop_token_ids": [a]})
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("", "stop", 1)
+    kept = await client.completions.create(**base, logit_bias={str(a): 100},
+                                           extra_body={"stop_token_ids": [a], "include_stop_str_in_output": True})
+    assert kept.choices[0].text == "a"
+    # EOS forced, but not before min_tokens tokens.
+    short = await client.completions.create(**base, logit_bias={str(eos): 100}, extra_body={"min_tokens": 4})
+    assert (short.usage.completion_tokens, short.choices[0].finish_reason) == (5, "stop")
+    # A stop string kept in the text.
+    forced = await client.completions.create(**base, logit_bias={str(a): 100}, stop=["aa"],
+                                             extra_body={"include_stop_str_in_output": True})
+    assert (forced.choices[0].text, forced.choices[0].finish_reason) == ("aa", "stop")
+    # repetition_penalty: a bias of +5 makes "a" the greedy choice every time; once
+    # "a" has been generated, a penalty of 100 divides its (positive) logit below the rest.
+    nudged = dict(base, logit_bias={str(a): 5}, logprobs=0)
+    plain = await client.completions.create(**nudged, extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs.tokens == ["a"] * 6
+    penalised = await client.completions.create(**nudged, extra_body={"ignore_eos": True, "repetition_penalty": 100.0})
+    assert penalised.choices[0].logprobs.tokens.count("a") == 1
+    for body, param in [({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                        ({"stop_token_ids": ["a"]}, "stop_token_ids"), ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+                        ({"min_tokens": 7}, "min_tokens"), ({"min_tokens": -1}, "min_tokens"),
+                        ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(**base, extra_body=body)
+        assert info.value.body["param"] == param, body
+
+
 async def test_logit_bias_and_echo(gw):
     app, server, client, engines, seen = gw
     tokenizer = engines[0].tokenizer
@@ -369,6 +406,8 @@ async def test_no_healthy_replica_is_503(gw):
         with pytest.raises(openai.InternalServerError) as info:
             await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
         assert info.value.status_code == 503
+        # A retry hint for clients other than OpenAI's SDKs (which retry 503s anyway).
+        assert info.value.response.headers["Retry-After"] == "1"
         async with aiohttp.ClientSession() as s:
             async with s.get(server.url + "/ready") as r:
                 assert r.status == 503
