@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
+import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, Sequence, TypeVar
+from typing import Callable, Iterable, Sequence, TypeVar
 
 from engine.replay import ReplayResult
 from engine.traces import Trace
@@ -27,15 +29,28 @@ def trace_summary(trace: Trace, unique_blocks: int, ideal: float) -> dict:
 
 
 def share_of_ideal_pct(hit_ratio: float, ideal: float) -> float:
-    """``hit_ratio`` as a percentage of ``ideal``, rounded to the 0.1 the table prints.
+    """``hit_ratio`` as a percentage of ``ideal``, unrounded.
 
-    The table and the capacity-planning verdict both use this one number, so a
-    row printed as 95.0% is never reported as not reaching 95%.  A trace with no
-    reuse has an ideal of 0, which any cache matches.
+    A trace with no reuse has an ideal of 0, which any cache matches.
     """
     if not ideal:
         return 100.0
-    return round(100.0 * hit_ratio / ideal, 1)
+    return 100.0 * hit_ratio / ideal
+
+
+def reaches(share_pct: float, target_pct: float) -> bool:
+    """Whether a share of the ideal reaches a planning target: unrounded, so 94.96%
+    does not count as 95% (the tolerance only absorbs float error)."""
+    return share_pct >= target_pct - _TOLERANCE_PCT
+
+
+def printed_share_pct(share_pct: float) -> float:
+    """The share as the table prints it: cut (not rounded) to 0.1, so a printed
+    95.0% always reaches 95% in the capacity plan, and 94.96% prints as 94.9%."""
+    return math.floor((share_pct + _TOLERANCE_PCT) * 10) / 10
+
+
+_TOLERANCE_PCT = 1e-9
 
 
 def capacity_answers(results: Sequence[ReplayResult], ideal: float) -> dict[str, dict[str, int | None]]:
@@ -48,35 +63,59 @@ def capacity_answers(results: Sequence[ReplayResult], ideal: float) -> dict[str,
         rows.sort(key=lambda r: r.capacity_blocks)
         answers[policy] = {
             f"{share:g}%": next(
-                (r.capacity_blocks for r in rows if share_of_ideal_pct(r.hit_ratio, ideal) >= share), None
+                (r.capacity_blocks for r in rows if reaches(share_of_ideal_pct(r.hit_ratio, ideal), share)), None
             )
             for share in PLANNING_SHARES_PCT
         }
     return answers
 
 
-def format_table(summary: dict, results: Sequence[ReplayResult]) -> str:
-    lines = [
-        f"trace {summary['path']} ({summary['format']}): {summary['requests']} requests, "
-        f"{summary['accesses']} block accesses, {summary['unique_blocks']} unique blocks, "
-        f"ideal hit ratio {summary['ideal_hit_ratio']:.4f}",
+def format_table(summary: dict, results: Sequence[ReplayResult], host_blocks: int | None = None) -> str:
+    """The whole report: ``table_header``, a ``table_row`` per result, ``table_footer``."""
+    if host_blocks is None:
+        host_blocks = results[0].host_blocks if results else 0
+    rows = [table_row(r, summary["ideal_hit_ratio"]) for r in results]
+    return "\n".join([table_header(summary, host_blocks), *rows, table_footer(summary, results)])
+
+
+def trace_line(summary: dict) -> str:
+    return (f"trace {summary['path']} ({summary['format']}): {summary['requests']} requests, "
+            f"{summary['accesses']} block accesses, {summary['unique_blocks']} unique blocks, "
+            f"ideal hit ratio {summary['ideal_hit_ratio']:.4f}")
+
+
+def host_tier_note(host_blocks: int) -> str:
+    return f"host tier {host_blocks} blocks behind each device tier"
+
+
+def table_header(summary: dict, host_blocks: int = 0) -> str:
+    """What is printed before the first run finishes: the rows follow as they come."""
+    lines = [trace_line(summary)]
+    if host_blocks:
+        lines.append(f"capacity = device tier; {host_tier_note(host_blocks)}")
+    lines += [
         "",
         f"{'policy':<10} {'capacity':>9} {'fraction':>8} {'hit ratio':>9} {'vs ideal':>8} "
         f"{'evictions':>10} {'evict us':>8} {'accesses/s':>11}",
     ]
-    ideal = summary["ideal_hit_ratio"]
-    for r in results:
-        share = share_of_ideal_pct(r.hit_ratio, ideal)
-        lines.append(
-            f"{r.policy:<10} {r.capacity_blocks:>9} {r.capacity_fraction:>8.3f} {r.hit_ratio:>9.4f} "
-            f"{share:>7.1f}% {r.evictions:>10} {r.eviction_us_p50:>8.2f} {r.accesses_per_s:>11,.0f}"
-        )
+    return "\n".join(lines)
+
+
+def table_row(r: ReplayResult, ideal: float) -> str:
+    share = printed_share_pct(share_of_ideal_pct(r.hit_ratio, ideal))
+    return (f"{r.policy:<10} {r.capacity_blocks:>9} {r.capacity_fraction:>8.3f} {r.hit_ratio:>9.4f} "
+            f"{share:>7.1f}% {r.evictions:>10} {r.eviction_us_p50:>8.2f} {r.accesses_per_s:>11,.0f}")
+
+
+def table_footer(summary: dict, results: Sequence[ReplayResult]) -> str:
+    """What needs every row: the fallback summary and the capacity plan."""
+    lines = []
     switched = [r for r in results if r.fallbacks]
     if switched:
         lines += ["", "shadow-LRU fallback (the workload-aware order trailed LRU and was replaced for a while):"]
         lines += [f"  {r.policy:<10} @ {r.capacity_blocks} blocks: {r.fallbacks} switch(es) to LRU" for r in switched]
     lines += ["", "capacity planning (smallest tested capacity reaching a share of the ideal hit ratio):"]
-    for policy, answer in capacity_answers(results, ideal).items():
+    for policy, answer in capacity_answers(results, summary["ideal_hit_ratio"]).items():
         parts = [f"{share}: {blocks if blocks is not None else 'not reached'}" for share, blocks in answer.items()]
         lines.append(f"  {policy:<10} " + "   ".join(parts))
     return "\n".join(lines)
@@ -90,28 +129,43 @@ def write_json(path: str | Path, summary: dict, results: Sequence[ReplayResult],
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def collect_until_interrupted(results: Iterable[T]) -> tuple[list[T], bool]:
+def collect_until_interrupted(results: Iterable[T], on_result: Callable[[T], None] | None = None
+                              ) -> tuple[list[T], bool]:
     """The results of a long run, and whether Ctrl-C cut it short.
 
     An interrupted run still reports what finished: an hour of replays is not
-    thrown away because the last capacity was taking too long.
+    thrown away because the last capacity was taking too long.  ``on_result``
+    is told of each result as it finishes (to print it then, not at the end).
     """
     done: list[T] = []
     try:
         for result in results:
             done.append(result)
+            if on_result is not None:
+                on_result(result)
     except KeyboardInterrupt:
         return done, True
     return done, False
+
+
+def print_row(line: str) -> None:
+    """One result on stdout as soon as it is known, clear of the progress bar on
+    stderr (tqdm lifts the bar, writes, and redraws it)."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()  # a pipe or a file is block-buffered: the row would wait for the end
 
 
 def interrupted_note(done: int, planned: int) -> str:
     return f"kvgate: interrupted after {done} of {planned} runs; the results above are partial"
 
 
-def plot_title(summary: dict, partial: bool) -> str:
-    name = Path(summary["path"]).name
-    return f"{name} (interrupted: partial results)" if partial else name
+def plot_title(summary: dict, partial: bool, host_blocks: int = 0) -> str:
+    title = Path(summary["path"]).name
+    if host_blocks:
+        title += f", host tier {host_blocks} blocks"  # the x axis is the device tier alone
+    return f"{title} (interrupted: partial results)" if partial else title
 
 
 def write_plot(path: str | Path, summary: dict, results: Sequence[ReplayResult], partial: bool = False) -> None:
@@ -130,7 +184,7 @@ def write_plot(path: str | Path, summary: dict, results: Sequence[ReplayResult],
     ax.axhline(summary["ideal_hit_ratio"], color="black", linestyle="--", linewidth=1, label="ideal (infinite)")
     ax.set_xlabel("cache capacity (% of the trace's unique blocks)")
     ax.set_ylabel("hit ratio (prefix blocks)")
-    ax.set_title(plot_title(summary, partial))
+    ax.set_title(plot_title(summary, partial, results[0].host_blocks if results else 0))
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()

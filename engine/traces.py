@@ -93,23 +93,27 @@ def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
     requests: list[TraceRequest] = []
     chain: dict[tuple[int, int], int] = {}
     sessions: dict[int, int] = {}  # chat id -> id of the conversation's first turn
+    notes = _Notes()
+    first_looks = ""  # the format the first record looks like
     with handle:
         for line_no, raw in enumerate(handle, 1):
-            if not raw.strip():
+            text = raw.strip()
+            if not text:
                 continue
             where = f"{source}:{line_no}"
-            try:
-                record = json.loads(raw)
-            except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, absurd numbers or nesting
-                raise TraceError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
-            if not isinstance(record, dict):
-                raise TraceError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            record = _parse_line(text, where, first=not requests)
+            looks = _looks_like(record)
             if not requests:
-                fmt = _check_format(record, fmt, where)
+                first_looks, fmt = looks, _check_format(record, fmt, where)
+            elif looks != first_looks:
+                notes.add("mixed", where, _mixed_note(first_looks, fmt))
             if fmt == "bailian":
                 requests.append(_bailian_request(record, where, chain, len(requests)))
             else:
                 requests.append(_mooncake_request(record, where, len(requests)))
+                if looks == "mooncake":  # a stray Bailian record has had its warning
+                    _check_mooncake_blocks(requests[-1], where, notes)
+    notes.log()
     if not requests:
         raise TraceError(f"{source}: the trace holds no requests")
     # Stable: requests with equal timestamps keep file order.
@@ -128,13 +132,69 @@ def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
 _BAILIAN_FIELDS = ("chat_id", "parent_chat_id", "type", "turn")
 
 
+class _Notes:
+    """Oddities worth a warning but not a refusal: one warning per kind, at the
+    first line that has it, with how many lines did (a converted trace can have
+    thousands, and a warning per line would bury everything else)."""
+
+    def __init__(self) -> None:
+        self._first: dict[str, str] = {}
+        self._count: dict[str, int] = {}
+
+    def add(self, kind: str, where: str, message: str) -> None:
+        self._count[kind] = self._count.get(kind, 0) + 1
+        self._first.setdefault(kind, f"{where}: {message}")
+
+    def log(self) -> None:
+        for kind, text in self._first.items():
+            count = self._count[kind]
+            log.warning("%s%s", text, f" ({count} such lines; this is the first)" if count > 1 else "")
+
+
+def _parse_line(text: bytes, where: str, first: bool) -> dict:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if first and _looks_like_csv(text):
+            raise TraceError(f"{where}: this looks like a CSV header; kvgate reads JSONL traces (Bailian or Mooncake "
+                             "format), one JSON object per line, not CSV") from None
+        # The line was read alone: json's own "line 1" would only muddle FILE:LINE.
+        raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:  # bad UTF-8, absurd numbers or nesting
+        raise TraceError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
+    if not isinstance(record, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def _looks_like_csv(text: bytes) -> bool:
+    """A first line of comma-separated names, bare or quoted: no JSON object
+    starts with a letter or a quote."""
+    return b"," in text and (text[:1].isalpha() or text[:1] == b'"')
+
+
+def _looks_like(record: dict) -> str:
+    return "bailian" if any(name in record for name in _BAILIAN_FIELDS) else "mooncake"
+
+
+def _mixed_note(first_looks: str, fmt: str) -> str:
+    """Each line is read as the first one's format; one of the other format gets its
+    timestamp unit (Bailian seconds, Mooncake milliseconds) and block ids wrong."""
+    if first_looks == "mooncake":
+        what = f"a record with Bailian's chat fields ({', '.join(_BAILIAN_FIELDS)})"
+    else:
+        what = "a record with none of Bailian's chat fields (Mooncake's shape)"
+    return (f"{what} in a trace whose first record is {first_looks}: read as {fmt} like the rest; "
+            "a trace that mixes the formats replays with wrong timestamps and keys")
+
+
 def _check_format(first: dict, fmt: str, where: str) -> str:
     """The format to read with, from the first record: auto-detected, or the one
     asked for.  Read as the other format, a trace's timestamps would be off by
     1000x (Mooncake's are milliseconds): a record with Bailian's chat fields is
     not read as Mooncake; one without them is read as Bailian only when asked,
     with a warning (Bailian's chat fields have defaults)."""
-    looks = "bailian" if any(name in first for name in _BAILIAN_FIELDS) else "mooncake"
+    looks = _looks_like(first)
     if fmt == "mooncake" and looks == "bailian":
         raise TraceError(f"{where}: this looks like a bailian trace (it has Bailian's chat fields), not mooncake: "
                          "give --format bailian or auto")
@@ -187,6 +247,16 @@ def _timestamp(record: dict, where: str) -> float:
     if not math.isfinite(value):
         raise TraceError(f"{where}: timestamp must be finite")
     return value
+
+
+def _check_mooncake_blocks(request: TraceRequest, where: str, notes: _Notes) -> None:
+    """The format's invariant: one hash id per 512-token block.  A trace that breaks
+    it was cut or converted wrongly, and its hit ratios count the wrong blocks."""
+    length = request.input_length
+    expected = -(-length // MOONCAKE_BLOCK_TOKENS)
+    if len(request.keys) != expected:
+        notes.add("hash_ids", where, f"{len(request.keys)} hash_ids for input_length {length}; a Mooncake trace has "
+                                     f"ceil({length} / {MOONCAKE_BLOCK_TOKENS}) = {expected}, one per block")
 
 
 def _mooncake_request(record: dict, where: str, index: int) -> TraceRequest:

@@ -7,7 +7,10 @@ ratio by more than ``min_gain``, and moves to the next knob; rounds repeat
 until one changes nothing, or the time or evaluation budget runs out (a
 value at the top of its grid adds the next doubling for the next round).  Every
 candidate is scored by ``engine.replay.replay`` on the same trace and
-capacity, so the numbers are those `kvgate replay` prints.
+capacity, so the numbers are those `kvgate replay` prints.  A replay still
+running when the time limit passes is abandoned (one on a long trace takes
+minutes), and Ctrl-C stops the search the same way: either way the report is
+the best found so far, flagged as incomplete when not every value was tried.
 
 The score is ``R (w_r + w_s spatial) + w_l [t < W]`` (``spatial_mode:
 scale``, the default; ``add`` gives ``w_r R + w_s spatial + w_l [t < W]``) and
@@ -31,8 +34,9 @@ from engine.config import CacheConfig, WorkloadAwareConfig
 from engine.replay import replay
 from engine.traces import Trace
 
-# (dotted key under cache.workload_aware, candidate values).
-SEARCH_SPACE: list[tuple[str, list[Any]]] = [
+# (dotted key under cache.workload_aware, candidate values) per knob.
+Space = list[tuple[str, list[Any]]]
+SEARCH_SPACE: Space = [
     ("weights.spatial", [0.0, 0.05, 0.15, 0.3, 0.6, 1.5]),
     ("weights.lifetime", [0.0, 0.1, 0.2, 0.4, 1.0]),
     ("lifetime_c", [0.5, 1.0, 2.0, 4.0, 8.0]),
@@ -59,9 +63,30 @@ class TuneResult:
     evaluations: int
     rounds: int
     elapsed_s: float
-    stopped: str  # "converged", "round limit", "time limit", "evaluation limit"
+    stopped: str  # "converged", "round limit", "time limit", "evaluation limit", "interrupted"
     skipped: list[str] = field(default_factory=list)  # search keys this config does not have
     holdout: dict[str, float] | None = None  # lru / start / best on the held-out tail
+    # Whether every candidate of the first round was tried: before that, the best
+    # so far is a guess from a few settings, not a search result.
+    first_round_done: bool = True
+    holdout_skipped: str | None = None  # why a requested held-out check did not run
+
+
+class NothingFinished(Exception):
+    """The search stopped (``stopped``: "time limit" or "interrupted") before the
+    baselines, LRU and the starting settings, were scored: there is nothing to report."""
+
+    def __init__(self, stopped: str) -> None:
+        super().__init__(stopped)
+        self.stopped = stopped
+
+
+class _OutOfTime(Exception):
+    """Raised from a replay's progress callback once the deadline has passed.
+
+    A replay takes minutes on a long trace; finishing it would overshoot the
+    time limit by that much, so it is abandoned and its result never counted.
+    """
 
 
 def get_path(data: dict, dotted: str) -> Any:
@@ -93,6 +118,78 @@ def split_trace(trace: Trace, holdout: float) -> tuple[Trace, Trace | None]:
     return head, tail
 
 
+def _deadline_check(deadline: float) -> Callable[[int], None]:
+    """A replay progress callback that abandons the replay once ``deadline`` has passed."""
+    def check(_requests: int) -> None:
+        if time.monotonic() >= deadline:
+            raise _OutOfTime
+    return check
+
+
+class _Runner:
+    """Scores settings by replay on the search part, within the time and replay budget."""
+
+    def __init__(self, trace: Trace, capacity_blocks: int, base: CacheConfig, host_blocks: int, time_limit_s: float,
+                 max_evaluations: int | None, progress: Callable[[int, int, str], None] | None,
+                 held_share: float) -> None:
+        self.trace, self.capacity_blocks, self.base, self.host_blocks = trace, capacity_blocks, base, host_blocks
+        self.unique = trace.unique_blocks()
+        self.max_evaluations, self.progress, self.held_share = max_evaluations, progress, held_share
+        self.started = time.monotonic()
+        self.deadline = self.started + time_limit_s
+        self.cache: dict[tuple, float] = {}
+        self.seconds: dict[str, list[float]] = {"lru": [], "wa": []}  # per finished replay, by policy
+        self.done = 0
+        self.planned = 0
+
+    def score(self, settings: dict[str, Any], label: str, policy: str = "wa", deadline: float | None = None) -> float:
+        key = (policy, tuple(sorted(settings.items())))
+        if key not in self.cache:
+            cfg = self.base.model_copy(update={"policy": policy,
+                                               "workload_aware": with_settings(self.base.workload_aware, settings)})
+            began = time.monotonic()
+            ratio = replay(self.trace, policy, self.capacity_blocks, cfg, host_blocks=self.host_blocks,
+                           unique_blocks=self.unique,
+                           progress=_deadline_check(self.search_deadline() if deadline is None else deadline)).hit_ratio
+            self.seconds[policy].append(time.monotonic() - began)
+            self.cache[key] = ratio
+            self.done += 1
+            if self.progress is not None:
+                self.progress(self.done, max(self.planned, self.done), label)
+        return self.cache[key]
+
+    def search_deadline(self) -> float:
+        """The deadline less the time the held-out check will take, so that the
+        whole run, check included, stays within the limit."""
+        return self.deadline - self.holdout_estimate_s()
+
+    def holdout_estimate_s(self) -> float:
+        if not self.held_share:
+            return 0.0
+
+        def mean(values: list[float]) -> float:
+            return sum(values) / len(values) if values else 0.0
+
+        # The check replays lru once and wa twice on a tail of held_share x the search part;
+        # a quarter more, as a cold cache on a tail need not replay at the head's pace.
+        return 1.25 * (mean(self.seconds["lru"]) + 2 * mean(self.seconds["wa"])) * self.held_share
+
+    def out_of_budget(self) -> str | None:
+        if time.monotonic() >= self.search_deadline():
+            return "time limit"
+        if self.max_evaluations is not None and self.done >= self.max_evaluations:
+            return "evaluation limit"
+        return None
+
+
+@dataclass(slots=True)
+class _Descent:
+    best: Evaluation
+    rounds: int = 0
+    stopped: str = "converged"
+    first_round_done: bool = False
+
+
 def tune(
     trace: Trace,
     capacity_blocks: int,
@@ -104,102 +201,129 @@ def tune(
     max_rounds: int = 4,
     min_gain: float = 1e-4,
     holdout: float = 0.0,
-    space: list[tuple[str, list[Any]]] | None = None,
+    space: Space | None = None,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> TuneResult:
     """Search ``space`` for the workload-aware settings with the best hit ratio on ``trace``.
 
-    ``progress(done, planned, description)`` is told after every replay.
+    ``progress(done, planned, description)`` is told after every replay.  The
+    time limit holds to within one replay progress step: a replay still running
+    at the deadline is abandoned.  Ctrl-C (KeyboardInterrupt) stops the search
+    too; the result says ``stopped="interrupted"``.  Either raises
+    ``NothingFinished`` when it comes before the baselines were scored.
     """
     base = base or CacheConfig()
-    wa = base.workload_aware
     search, check = split_trace(trace, holdout)
-    unique = search.unique_blocks()
+    knobs, skipped = _knobs(base.workload_aware, space or SEARCH_SPACE)
+    held_share = len(check.requests) / len(search.requests) if check is not None else 0.0
+    run = _Runner(search, capacity_blocks, base, host_blocks, time_limit_s, max_evaluations, progress, held_share)
+    run.planned = 2 + sum(len(v) - 1 for _, v in knobs)
+    current = {dotted: get_path(base.workload_aware.model_dump(), dotted) for dotted, _ in knobs}
+    try:
+        lru = run.score({}, "lru", policy="lru", deadline=run.deadline)
+        start = Evaluation(dict(current), run.score(current, "defaults", deadline=run.deadline))
+    except KeyboardInterrupt:
+        raise NothingFinished("interrupted") from None
+    except _OutOfTime:
+        raise NothingFinished("time limit") from None
+    descent = _descend(run, knobs, start, max_rounds, min_gain)
+    held, held_skipped = None, None
+    if check is not None:
+        held, held_skipped = _check_holdout(run, check, start, descent)
+    return TuneResult(capacity_blocks, host_blocks, lru, start, descent.best, run.done, descent.rounds,
+                      time.monotonic() - run.started, descent.stopped, skipped, held, descent.first_round_done,
+                      held_skipped)
+
+
+def _knobs(wa: WorkloadAwareConfig, space: Space) -> tuple[Space, list[str]]:
+    """The knobs to search (each grid holding the current value) and those this config lacks."""
     dumped = wa.model_dump()
     knobs, skipped = [], []
-    for dotted, values in space or SEARCH_SPACE:
+    for dotted, values in space:
         try:
             current = get_path(dumped, dotted)
         except (KeyError, TypeError):
             skipped.append(dotted)  # the config no longer has this knob
             continue
         knobs.append((dotted, list(values) if current in values else [current, *values]))
-    start_time = time.monotonic()
-    cache: dict[tuple, float] = {}
-    planned = 2 + sum(len(v) - 1 for _, v in knobs)
-    done = 0
+    return knobs, skipped
 
-    def score(settings: dict[str, Any], label: str, policy: str = "wa") -> float:
-        nonlocal done
-        key = (policy, tuple(sorted(settings.items())))
-        if key not in cache:
-            cfg = base.model_copy(update={"policy": policy, "workload_aware": with_settings(wa, settings)})
-            cache[key] = replay(search, policy, capacity_blocks, cfg, host_blocks=host_blocks,
-                                unique_blocks=unique).hit_ratio
-            done += 1
-            if progress is not None:
-                progress(done, max(planned, done), label)
-        return cache[key]
 
-    current = {dotted: get_path(dumped, dotted) for dotted, _ in knobs}
-    lru = score({}, "lru", policy="lru")
-    start = Evaluation(dict(current), score(current, "defaults"))
-    best = Evaluation(dict(current), start.hit_ratio)
-    stopped = "converged"
-    rounds = 0
+def _descend(run: _Runner, knobs: Space, start: Evaluation, max_rounds: int, min_gain: float) -> _Descent:
+    """Coordinate descent from ``start``; what it found when it stopped, however it stopped."""
+    state = _Descent(Evaluation(dict(start.settings), start.hit_ratio))
+    try:
+        _rounds(run, knobs, state, max_rounds, min_gain)
+    except KeyboardInterrupt:
+        state.stopped = "interrupted"  # the replay under way is lost; the finished ones stand
+    except _OutOfTime:
+        state.stopped = "time limit"
+    return state
 
-    def out_of_budget() -> str | None:
-        if time.monotonic() - start_time >= time_limit_s:
-            return "time limit"
-        if max_evaluations is not None and done >= max_evaluations:
-            return "evaluation limit"
-        return None
 
+def _rounds(run: _Runner, knobs: Space, state: _Descent, max_rounds: int, min_gain: float) -> None:
     improved = True
-    while improved and rounds < max_rounds:
-        rounds += 1
+    while improved and state.rounds < max_rounds:
+        state.rounds += 1
         improved = False
         for dotted, values in knobs:
             for value in values:
-                if value == best.settings[dotted]:
+                if value == state.best.settings[dotted]:
                     continue
-                reason = out_of_budget()
+                reason = run.out_of_budget()
                 if reason:
-                    stopped = reason
-                    break
-                trial = {**best.settings, dotted: value}
+                    state.stopped = reason
+                    return
+                trial = {**state.best.settings, dotted: value}
                 try:
-                    ratio = score(trial, f"round {rounds}: {dotted}={value}")
+                    ratio = run.score(trial, f"round {state.rounds}: {dotted}={value}")
                 except ValueError:
                     continue  # a combination the config rejects
-                if ratio > best.hit_ratio + min_gain:
-                    best = Evaluation(trial, ratio)
+                if ratio > state.best.hit_ratio + min_gain:
+                    state.best = Evaluation(trial, ratio)
                     improved = True
-            if stopped != "converged":
-                break
-        if stopped != "converged" or not improved:
-            break
-        # A best value at the top of its grid may not be the top: look one step further.
-        for dotted, values in knobs:
-            top = best.settings[dotted]
-            numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            if numbers and top == max(numbers) and top > 0:
-                values.append(type(top)(top * 2))
-        planned = done + sum(len(v) - 1 for _, v in knobs)
-    if stopped == "converged" and improved:
-        stopped = "round limit"  # the last round still improved
-    held = None
-    if check is not None:
-        held_unique = check.unique_blocks()
+        state.first_round_done = True
+        if not improved:
+            return
+        _extend_grids(knobs, state.best)
+        run.planned = run.done + sum(len(v) - 1 for _, v in knobs)
+    state.stopped = "round limit"  # the last round still improved
 
-        def held_ratio(policy: str, settings: dict[str, Any]) -> float:
-            cfg = base.model_copy(update={"policy": policy, "workload_aware": with_settings(wa, settings)})
-            return replay(check, policy, capacity_blocks, cfg, host_blocks=host_blocks, unique_blocks=held_unique).hit_ratio
 
-        held = {"lru": held_ratio("lru", {}), "start": held_ratio("wa", start.settings),
-                "best": held_ratio("wa", best.settings)}
-    return TuneResult(capacity_blocks, host_blocks, lru, start, best, done, rounds,
-                      time.monotonic() - start_time, stopped, skipped, held)
+def _extend_grids(knobs: Space, best: Evaluation) -> None:
+    """A best value at the top of its grid may not be the top: look one step further."""
+    for dotted, values in knobs:
+        top = best.settings[dotted]
+        numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if numbers and top == max(numbers) and top > 0:
+            values.append(type(top)(top * 2))
+
+
+def _check_holdout(run: _Runner, check: Trace, start: Evaluation,
+                   descent: _Descent) -> tuple[dict[str, float] | None, str | None]:
+    """LRU, the starting and the tuned settings replayed on the held-out tail from
+    a cold cache, within what is left of the time limit; else why not."""
+    if descent.stopped == "interrupted":
+        return None, "interrupted"
+    held_unique = check.unique_blocks()
+
+    def held_ratio(policy: str, settings: dict[str, Any]) -> float:
+        cfg = run.base.model_copy(update={"policy": policy,
+                                          "workload_aware": with_settings(run.base.workload_aware, settings)})
+        return replay(check, policy, run.capacity_blocks, cfg, host_blocks=run.host_blocks, unique_blocks=held_unique,
+                      progress=_deadline_check(run.deadline)).hit_ratio
+
+    try:
+        held = {"lru": held_ratio("lru", {}), "start": held_ratio("wa", start.settings)}
+        # Unchanged settings need no second replay (time the limit may not have).
+        same = descent.best.settings == start.settings
+        held["best"] = held["start"] if same else held_ratio("wa", descent.best.settings)
+        return held, None
+    except KeyboardInterrupt:
+        descent.stopped = "interrupted"
+        return None, "interrupted"
+    except _OutOfTime:
+        return None, "time limit"
 
 
 def config_snippet(result: TuneResult) -> str:
@@ -257,14 +381,42 @@ def format_report(result: TuneResult, trace_name: str, requests: int, unique_blo
         h = result.holdout
         lines.append(f"# held-out tail (cold cache): lru {h['lru']:.4f}, starting {h['start']:.4f}, tuned {h['best']:.4f} "
                      f"({pts(h['best'], h['start'])} vs starting)")
+    elif result.holdout_skipped:
+        lines.append(f"# held-out tail not checked ({result.holdout_skipped})")
     if result.skipped:
         lines.append(f"# not searched (not in this config): {', '.join(result.skipped)}")
-    if result.holdout is not None and result.holdout["best"] < result.holdout["start"]:
-        # The search fitted the head of the trace, not its traffic.  What is not
-        # commented out is what a reader pastes (or a script keeps): the starting settings.
-        lines.append("# the tuned settings lose on the held-out tail; for reference only:")
+    if not result.first_round_done:
+        lines.append("# the search is incomplete: it stopped before trying every setting once; "
+                     + _more_budget(result.stopped))
+    doubt = _doubt(result)
+    if doubt:
+        # What is not commented out is what a reader pastes (or a script keeps):
+        # the starting settings, unless the tuned ones earned their place.
+        lines.append(f"# {doubt}; for reference only:")
         lines.extend("#   " + line for line in config_snippet(result).splitlines())
         lines.append("cache:\n  policy: wa\n  workload_aware:\n    {}  # keep the starting settings")
     else:
         lines.append(config_snippet(result))
     return "\n".join(lines)
+
+
+def _doubt(result: TuneResult) -> str | None:
+    """Why the tuned settings should not be pasted as they are, or None."""
+    if result.holdout is not None:
+        # The held-out tail has the last word, even on a short search.
+        if result.holdout["best"] < result.holdout["start"]:
+            return "the tuned settings lose on the held-out tail"  # fitted the head of the trace, not its traffic
+        return None
+    if not result.first_round_done:
+        return "the best settings so far, from an incomplete search"
+    if result.holdout_skipped:
+        return "the tuned settings were not checked on the held-out tail"
+    return None
+
+
+def _more_budget(stopped: str) -> str:
+    if stopped == "evaluation limit":
+        return "raise --max-evals"
+    if stopped == "interrupted":
+        return "let it run longer (or raise --time-limit)"
+    return "raise --time-limit"

@@ -117,7 +117,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tune.add_argument("trace", help="Bailian or Mooncake JSONL trace (e.g. a `serve --record-trace` recording)")
     tune.add_argument("--format", default="auto", choices=["auto", "bailian", "mooncake"])
     tune_sizes = tune.add_mutually_exclusive_group()
-    tune_sizes.add_argument("--capacity", type=float, default=None,
+    tune_sizes.add_argument("--capacity", type=_fraction, default=None,
                             help="device tier as a fraction of the trace's unique blocks (default 0.05)")
     tune_sizes.add_argument("--capacity-blocks", type=int, default=None, help="device tier in blocks (the engine's)")
     tune.add_argument("--host-blocks", type=int, default=0, help="host tier behind the device tier")
@@ -220,28 +220,58 @@ def _writable(path: str | None, flag: str) -> None:
         raise CliError(f"{flag}: cannot write into {parent}")
 
 
+# More blocks than this is no cache anyone has, and the replay's pool would
+# allocate bookkeeping for every one of them up front (gigabytes, then MemoryError).
+MAX_BLOCKS = 100_000_000
+
+
 def _parse_list(text: str, kind: type, name: str) -> list:
-    values = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            value = kind(part)
-        except ValueError:
-            raise CliError(f"{name}: {part!r} is not a {'number' if kind is float else 'whole number'}") from None
-        if not value > 0 or value == float("inf"):
-            raise CliError(f"{name}: {part!r} must be a positive, finite number")
-        values.append(value)
+    values = [_parse_value(part.strip(), kind, name) for part in text.split(",") if part.strip()]
     if not values:
         raise CliError(f"{name}: give at least one value")
     return values
 
 
+def _parse_value(part: str, kind: type, name: str) -> float | int:
+    try:
+        number = float(part)
+    except ValueError:
+        hint = f"; give a fraction such as {_percent_as_fraction(part)}" if part.endswith("%") else ""
+        raise CliError(f"{name}: {part!r} is not a number{hint}") from None
+    if not number > 0 or number == float("inf"):
+        raise CliError(f"{name}: {part!r} must be a positive, finite number")
+    if kind is float:
+        return number
+    # Whole numbers, written 4096 or 4e3; float() reads both, int() only the first.
+    if number > MAX_BLOCKS:
+        raise CliError(f"{name}: {part!r} is too large (at most {MAX_BLOCKS:,} blocks)")
+    if number != int(number):
+        raise CliError(f"{name}: {part!r} is not a whole number")
+    return int(number)
+
+
+def _percent_as_fraction(text: str) -> str:
+    """'5%' -> '0.05', for the hint; a fallback when the percentage is no number."""
+    try:
+        return f"{float(text[:-1]) / 100:g}"
+    except ValueError:
+        return "0.05"
+
+
+def _fraction(text: str) -> float:
+    """argparse type of tune's --capacity: a positive fraction, with a hint for '5%'."""
+    try:
+        return float(text)
+    except ValueError:
+        hint = f"; give a fraction such as {_percent_as_fraction(text.strip())}" if text.strip().endswith("%") else ""
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number{hint}") from None
+
+
 def _run_replay(args: argparse.Namespace) -> int:
     from engine.replay import future_accesses
     from engine.replay_report import (
-        collect_until_interrupted, format_table, interrupted_note, trace_summary, write_json, write_plot,
+        collect_until_interrupted, interrupted_note, print_row, table_footer, table_header, table_row, trace_summary,
+        write_json, write_plot,
     )
 
     config = _load_config(args.config)
@@ -251,7 +281,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     unique = trace.unique_blocks()
     capacities = _replay_capacities(args, unique)
     summary = trace_summary(trace, unique, trace.ideal_hit_ratio())
-    if args.replicas > 1 or args.routing:
+    if args.replicas > 1:
         from gateway.routing_sim import run_from_cli
 
         try:
@@ -261,8 +291,11 @@ def _run_replay(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED if interrupted else 0
     future = future_accesses(trace) if "belady" in policies else None
     runs = _replays(args, trace, policies, capacities, config, unique, future)
-    results, interrupted = collect_until_interrupted(runs)
-    print(format_table(summary, results))
+    # The header now and each row as its run finishes: on a long trace a run takes minutes.
+    print(table_header(summary, args.host_blocks), flush=True)
+    ideal = summary["ideal_hit_ratio"]
+    results, interrupted = collect_until_interrupted(runs, on_result=lambda r: print_row(table_row(r, ideal)))
+    print(table_footer(summary, results))
     if args.json:
         write_json(args.json, summary, results, {"interrupted": True} if interrupted else None)
     if args.plot and results:
@@ -292,6 +325,9 @@ def _check_replay_args(args: argparse.Namespace) -> None:
         raise CliError("--host-blocks: give a number >= 0")
     if args.replicas < 1:
         raise CliError("--replicas: give a positive number")
+    if args.routing is not None and args.replicas < 2:
+        # One replica has nothing to route: the run would be a plain replay in disguise.
+        raise CliError("--routing compares routings across replicas: give --replicas N (N >= 2) too")
 
 
 def _replay_policies(text: str) -> list[str]:
@@ -306,10 +342,18 @@ def _replay_policies(text: str) -> list[str]:
 
 
 def _replay_capacities(args: argparse.Namespace, unique: int) -> list[int]:
-    if args.capacity_blocks:
+    # `is not None`: an empty --capacity "" is a mistake to report, not a request for the defaults.
+    if args.capacity_blocks is not None:
         return _parse_list(args.capacity_blocks, int, "--capacity-blocks")
-    fractions = _parse_list(args.capacity or "0.01,0.02,0.05,0.1,0.2", float, "--capacity")
-    return [max(1, round(f * unique)) for f in fractions]
+    fractions = _parse_list("0.01,0.02,0.05,0.1,0.2" if args.capacity is None else args.capacity, float, "--capacity")
+    return [_blocks_of(f, unique, "--capacity") for f in fractions]
+
+
+def _blocks_of(fraction: float, unique: int, flag: str) -> int:
+    blocks = max(1, round(fraction * unique))
+    if blocks > MAX_BLOCKS:
+        raise CliError(f"{flag}: {fraction:g} of {unique} unique blocks is too large (at most {MAX_BLOCKS:,} blocks)")
+    return blocks
 
 
 def _replays(args: argparse.Namespace, trace, policies: list[str], capacities: list[int], config, unique: int,
@@ -351,22 +395,26 @@ def _quietly(run):
 
 
 def _run_tune(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from engine.tune import format_report, tune
+    from engine.tune import NothingFinished, format_report, tune
 
     config = _load_config(args.config)
-    trace = _read_trace(args.trace, args.format)
-    unique = trace.unique_blocks()
-    if args.capacity_blocks is not None:
-        if args.capacity_blocks <= 0:
-            raise CliError("--capacity-blocks: give a positive number of blocks")
-        capacity = args.capacity_blocks
-    else:
-        fraction = 0.05 if args.capacity is None else args.capacity
-        if not 0 < fraction < float("inf"):
-            raise CliError("--capacity: give a positive fraction of the unique blocks")
-        capacity = max(1, round(fraction * unique))
+    _check_tune_args(args)
+    try:
+        trace = _read_trace(args.trace, args.format)
+        unique = trace.unique_blocks()
+        capacity = _tune_capacity(args, unique)
+        result = _tune_with_progress(args, tune, trace, capacity, config)
+    except NothingFinished as exc:
+        return _nothing_to_report(exc.stopped, args.time_limit)
+    except KeyboardInterrupt:  # while the trace was being read
+        return _nothing_to_report("interrupted", args.time_limit)
+    except ValueError as exc:
+        raise CliError(f"tune: {exc}") from None
+    print(format_report(result, args.trace, len(trace.requests), unique))
+    return EXIT_INTERRUPTED if result.stopped == "interrupted" else 0
+
+
+def _check_tune_args(args: argparse.Namespace) -> None:
     if not 0 <= args.holdout < 1:
         raise CliError("--holdout: give a fraction in [0, 1)")
     if not args.time_limit > 0:
@@ -375,24 +423,48 @@ def _run_tune(args: argparse.Namespace) -> int:
         raise CliError("--max-evals: give at least 1 replay")
     if args.host_blocks < 0:
         raise CliError("--host-blocks: give a number >= 0")
+
+
+def _tune_capacity(args: argparse.Namespace, unique: int) -> int:
+    if args.capacity_blocks is not None:
+        if not 0 < args.capacity_blocks <= MAX_BLOCKS:
+            raise CliError(f"--capacity-blocks: give a positive number of blocks, at most {MAX_BLOCKS:,}")
+        return args.capacity_blocks
+    fraction = 0.05 if args.capacity is None else args.capacity
+    if not 0 < fraction < float("inf"):
+        raise CliError("--capacity: give a positive fraction of the unique blocks")
+    return _blocks_of(fraction, unique, "--capacity")
+
+
+def _tune_with_progress(args: argparse.Namespace, tune, trace, capacity: int, config):
+    from tqdm import tqdm
+
     with tqdm(total=1, unit="replay", file=sys.stderr, disable=True if args.no_progress else None, leave=False) as bar:
         def progress(done: int, planned: int, label: str) -> None:
             bar.total = planned
             bar.set_description(label[:60])
             bar.update(done - bar.n)
 
-        try:
-            result = tune(trace, capacity, config.cache, host_blocks=args.host_blocks, time_limit_s=args.time_limit,
-                          max_evaluations=args.max_evals, holdout=args.holdout, progress=progress)
-        except ValueError as exc:
-            raise CliError(f"tune: {exc}") from None
-    print(format_report(result, args.trace, len(trace.requests), unique))
-    return 0
+        return tune(trace, capacity, config.cache, host_blocks=args.host_blocks, time_limit_s=args.time_limit,
+                    max_evaluations=args.max_evals, holdout=args.holdout, progress=progress)
+
+
+def _nothing_to_report(stopped: str, time_limit: float) -> int:
+    """The search stopped before its baselines were scored: one line, no report."""
+    if stopped == "interrupted":
+        print("kvgate: tune interrupted before the first replays (lru and the starting settings) finished: "
+              "nothing to report", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    raise CliError(f"tune: the time limit ({time_limit:g} s) ran out before the first replays (lru and the starting "
+                   "settings) finished: nothing to report; raise --time-limit")
 
 
 def _run_synth(args: argparse.Namespace) -> int:
     from engine import synth
 
+    if args.stats and args.output:
+        raise CliError("synth: --stats prints a trace's statistics and writes no file: drop -o "
+                       "(or drop --stats to generate a trace)")
     if args.stats:
         # Auto-detected like replay's: a Mooncake trace read as Bailian would
         # have its millisecond timestamps taken for seconds.
@@ -408,6 +480,10 @@ def _run_synth(args: argparse.Namespace) -> int:
         records = synth.synthesize(args.profile, args.duration, args.rate, args.seed)
     except ValueError as exc:
         raise CliError(f"synth: {exc}") from None
+    if not records:
+        # An empty file is no trace: replay and tune would only refuse it later.
+        raise CliError(f"synth: {args.duration:g} s at {args.rate:g} requests/s gave no requests; "
+                       "raise --duration or --rate (nothing written)")
     synth.write_trace(records, args.output)
     print(f"wrote {len(records)} requests to {args.output}", file=sys.stderr)
     return 0

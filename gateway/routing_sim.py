@@ -42,7 +42,9 @@ from typing import Iterator, NamedTuple, Sequence
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig
 from engine.replay import replay
-from engine.replay_report import collect_until_interrupted, interrupted_note, plot_title
+from engine.replay_report import (
+    collect_until_interrupted, host_tier_note, interrupted_note, plot_title, print_row, trace_line,
+)
 from engine.traces import Trace
 from gateway.config import RouterConfig
 from gateway.router import Router
@@ -193,23 +195,28 @@ def run_routing(
                 )
 
 
-def format_routing_table(summary: dict, results: Sequence[RoutingResult]) -> str:
+def format_routing_table(summary: dict, results: Sequence[RoutingResult], host_blocks: int = 0) -> str:
     n = results[0].replicas if results else 0
-    lines = [
-        f"trace {summary['path']} ({summary['format']}): {summary['requests']} requests, "
-        f"{summary['accesses']} block accesses, {summary['unique_blocks']} unique blocks, "
-        f"ideal hit ratio {summary['ideal_hit_ratio']:.4f}",
-        f"{n} replicas; capacity is per replica; 'pooled' = one cache of {n}x the capacity",
+    return "\n".join([routing_header(summary, n, host_blocks), *(routing_row(r) for r in results)])
+
+
+def routing_header(summary: dict, replicas: int, host_blocks: int = 0) -> str:
+    """What is printed before the first simulation finishes: the rows follow as they come."""
+    tiers = f"; {host_tier_note(host_blocks)}" if host_blocks else ""
+    return "\n".join([
+        trace_line(summary),
+        f"{replicas} replicas; capacity is per replica (device tier){tiers}; "
+        f"'pooled' = one cache of {replicas}x the capacity",
         "",
         f"{'routing':<13} {'policy':<8} {'capacity':>9} {'fraction':>8} {'hit ratio':>9} {'pooled':>7} "
         f"{'vs pooled':>9} {'imbalance':>9} {'inflight':>8} {'work skew':>9}",
-    ]
-    for r in results:
-        lines.append(
-            f"{r.routing:<13} {r.policy:<8} {r.capacity_blocks:>9} {r.capacity_fraction:>8.3f} {r.hit_ratio:>9.4f} "
-            f"{r.pooled_hit_ratio:>7.4f} {r.share_of_pooled:>9.1%} {r.load_imbalance:>9.2f} {r.mean_inflight:>8.1f} {r.inflight_imbalance:>9.2f}"
-        )
-    return "\n".join(lines)
+    ])
+
+
+def routing_row(r: RoutingResult) -> str:
+    return (f"{r.routing:<13} {r.policy:<8} {r.capacity_blocks:>9} {r.capacity_fraction:>8.3f} {r.hit_ratio:>9.4f} "
+            f"{r.pooled_hit_ratio:>7.4f} {r.share_of_pooled:>9.1%} {r.load_imbalance:>9.2f} {r.mean_inflight:>8.1f} "
+            f"{r.inflight_imbalance:>9.2f}")
 
 
 def write_routing_json(path: str | Path, summary: dict, results: Sequence[RoutingResult], load_model: dict,
@@ -225,7 +232,7 @@ def write_routing_json(path: str | Path, summary: dict, results: Sequence[Routin
 
 
 def write_routing_plot(path: str | Path, summary: dict, results: Sequence[RoutingResult],
-                       partial: bool = False) -> None:
+                       partial: bool = False, host_blocks: int = 0) -> None:
     """Hit ratio (left) and load imbalance (right) against per-replica capacity:
     one line per routing and eviction policy, the routing as the colour."""
     import matplotlib
@@ -254,7 +261,7 @@ def write_routing_plot(path: str | Path, summary: dict, results: Sequence[Routin
         ax.set_xlabel("capacity per replica (% of the trace's unique blocks)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    fig.suptitle(f"{plot_title(summary, partial)}: {replicas} replicas")
+    fig.suptitle(f"{plot_title(summary, partial, host_blocks)}: {replicas} replicas")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -280,7 +287,7 @@ def _plot_pooled(ax, results: Sequence[RoutingResult], policies: list[str], mark
 
 def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequence[int], config, summary: dict,
                  unique: int) -> bool:
-    """The replay subcommand's routing mode (``--replicas N`` or ``--routing``).
+    """The replay subcommand's routing mode (``--replicas N``, N >= 2).
 
     Returns whether Ctrl-C cut the run short; the results that finished are
     reported (table, --json, --plot) either way.
@@ -289,14 +296,13 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
     bad = [r for r in routings if r not in ROUTINGS]
     if bad or not routings:
         raise ValueError(f"--routing: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(ROUTINGS)}")
-    policies = [p for p in policies if p != "belady"]
-    if not policies:
-        raise ValueError("--replicas: belady cannot be simulated across replicas; give another policy")
+    policies = _simulated_policies(policies)
     start = time.perf_counter()
     runs = run_routing(trace, routings, args.replicas, policies, capacities, config.cache, config.router,
                         host_blocks=args.host_blocks, unique_blocks=unique)
-    results, interrupted = collect_until_interrupted(runs)
-    print(format_routing_table(summary, results))
+    # Rows as each simulation finishes: a long trace takes minutes per row.
+    print(routing_header(summary, args.replicas, args.host_blocks), flush=True)
+    results, interrupted = collect_until_interrupted(runs, on_result=lambda r: print_row(routing_row(r)))
     print(f"\n({time.perf_counter() - start:.1f} s; load model: prefill {PREFILL_S_PER_TOKEN * 1e3:g} ms/token, "
           f"decode {DECODE_S_PER_TOKEN * 1e3:g} ms/token, no queueing)")
     if "session" in routings and all(r.context.session is None for r in trace.requests):
@@ -307,7 +313,18 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
                            {"prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN},
                            {"interrupted": True} if interrupted else None)
     if args.plot and results:
-        write_routing_plot(args.plot, summary, results, partial=interrupted)
+        write_routing_plot(args.plot, summary, results, partial=interrupted, host_blocks=args.host_blocks)
     if interrupted:
         print(interrupted_note(len(results), len(policies) * len(capacities) * len(routings)), file=sys.stderr)
     return interrupted
+
+
+def _simulated_policies(policies: Sequence[str]) -> list[str]:
+    """The policies simulated across replicas: all but belady, whose skipping is said, not silent."""
+    kept = [p for p in policies if p != "belady"]
+    if not kept:
+        raise ValueError("--replicas: belady cannot be simulated across replicas; give another policy")
+    if len(kept) < len(policies):
+        print("kvgate: belady skipped: it needs each replica's future, which depends on the routing "
+              "(not simulated across replicas)", file=sys.stderr)
+    return kept

@@ -196,3 +196,21 @@ def test_host_ipv6_wildcard_also_takes_ipv4_clients():
     finally:
         for sock in sockets:
             sock.close()
+
+
+def test_synth_refuses_to_write_a_trace_without_requests(tmp_path, capsys):
+    out = tmp_path / "empty.jsonl"
+    assert main(["synth", "--duration", "1", "--rate", "0.1", "-o", str(out)]) == 2
+    assert capsys.readouterr().err == ("kvgate: synth: 1 s at 0.1 requests/s gave no requests; raise --duration or "
+                                       "--rate (nothing written)\n")
+    assert not out.exists()
+
+
+def test_synth_stats_refuses_an_output_file_it_would_not_write(tmp_path, capsys):
+    path = mooncake_trace(tmp_path / "m.jsonl")
+    out = tmp_path / "stats.txt"
+    assert main(["synth", "--stats", str(path), "-o", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == ("kvgate: synth: --stats prints a trace's statistics and writes no file: drop -o "
+                            "(or drop --stats to generate a trace)\n")
+    assert captured.out == "" and not out.exists()

@@ -87,3 +87,42 @@ def test_backend_reported_load_steers_the_router():
     assert router.external_tokens == [0, 0]
     # In-flight accounting is untouched by it.
     assert router.inflight_tokens == [0, 0]
+
+
+def test_cli_says_that_belady_is_skipped_across_replicas(tmp_path, capsys):
+    trace_path = tmp_path / "t.jsonl"
+    synth.write_trace(synth.synthesize("mixed", 60.0, 3.0, 5), str(trace_path))
+    out = tmp_path / "r.json"
+    assert main(["replay", str(trace_path), "--replicas", "2", "--routing", "round-robin", "--policies", "belady,lru",
+                 "--capacity-blocks", "64", "--host-blocks", "16", "--json", str(out), "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ("kvgate: belady skipped: it needs each replica's future, which depends on the routing "
+                            "(not simulated across replicas)\n")
+    assert "host tier 16 blocks" in captured.out.split("routing ")[0]
+    assert [r["policy"] for r in json.loads(out.read_text())["results"]] == ["lru"]
+    # Not named, not mentioned.
+    assert main(["replay", str(trace_path), "--replicas", "2", "--routing", "round-robin", "--policies", "lru",
+                 "--capacity-blocks", "64", "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_cli_prints_each_routing_row_as_it_finishes(tmp_path, capsys, monkeypatch):
+    import gateway.routing_sim
+
+    real = gateway.routing_sim.simulate
+    printed_before = []  # stdout written before each simulation starts
+
+    def watched(*args, **kwargs):
+        printed_before.append(capsys.readouterr().out)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gateway.routing_sim, "simulate", watched)
+    trace_path = tmp_path / "t.jsonl"
+    synth.write_trace(synth.synthesize("mixed", 60.0, 3.0, 5), str(trace_path))
+    assert main(["replay", str(trace_path), "--replicas", "2", "--routing", "prefix-aware,round-robin",
+                 "--policies", "lru", "--capacity-blocks", "64", "--no-progress"]) == 0
+    printed = "".join(printed_before) + capsys.readouterr().out
+    assert printed_before[0].startswith("trace ") and "vs pooled" in printed_before[0]
+    assert [line.split()[0] for line in printed_before[1].splitlines()] == ["prefix-aware"]
+    assert [line.split()[0] for line in printed.splitlines() if line.startswith(("prefix-aware", "round-robin"))] == [
+        "prefix-aware", "round-robin"]

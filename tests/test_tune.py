@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -85,3 +91,120 @@ def test_report_warns_when_the_held_out_tail_disagrees():
     assert yaml.safe_load(losing) == {"cache": {"policy": "wa", "workload_aware": {}}}
     assert "lose on the held-out tail" not in winning
     assert yaml.safe_load(winning) == {"cache": {"policy": "wa", "workload_aware": {"weights": {"spatial": 0.5}}}}
+
+
+# -- stopping: Ctrl-C and the time limit -----------------------------------------------
+
+
+def _interrupt_on_call(real, call):
+    """``real``, except that call number ``call`` (1-based) is a Ctrl-C."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    return wrapped
+
+
+def test_ctrl_c_prints_the_best_settings_so_far(trace_path, capsys, monkeypatch):
+    import engine.tune
+
+    # Replays 1 and 2 are the baselines (lru, the starting settings), 3 and 4 candidates.
+    monkeypatch.setattr(engine.tune, "replay", _interrupt_on_call(engine.tune.replay, 5))
+    assert main(["tune", str(trace_path), "--capacity", "0.05", "--no-progress"]) == 130
+    out = capsys.readouterr().out
+    assert "# 4 replays in" in out and "stopped: interrupted" in out
+    assert "wa, tuned             hit ratio" in out
+    assert "the search is incomplete" in out
+    # Two candidates are no search result: what is not commented out keeps the starting settings.
+    assert yaml.safe_load(out) == {"cache": {"policy": "wa", "workload_aware": {}}}
+
+
+def test_ctrl_c_before_the_baselines_finish_says_so_in_one_line(trace_path, capsys, monkeypatch):
+    import engine.tune
+
+    monkeypatch.setattr(engine.tune, "replay", _interrupt_on_call(engine.tune.replay, 2))
+    assert main(["tune", str(trace_path), "--no-progress"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("kvgate: tune interrupted before the first replays (lru and the starting settings) "
+                            "finished: nothing to report\n")
+
+
+def test_sigint_to_a_running_tune_prints_the_report(tmp_path):
+    """The real signal, to the console script: what Ctrl-C in a terminal does."""
+    path = tmp_path / "slow.jsonl"
+    synth.write_trace(synth.synthesize("mixed", 300.0, 4.0, 5), path)  # about a second per wa replay
+    kvgate = str(Path(sys.executable).with_name("kvgate"))
+    for wait in (4, 8, 16, 32):  # a slow machine may still be on the baselines: wait longer
+        child = subprocess.Popen(
+            [kvgate, "tune", str(path), "--no-progress", "--time-limit", "600"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            # A background job starts with SIGINT ignored; a terminal's foreground job does not.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        time.sleep(wait)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 130, err
+        assert "Traceback" not in err
+        if "nothing to report" not in err:
+            break
+    assert "stopped: interrupted" in out and "wa, tuned" in out
+
+
+def test_time_limit_abandons_a_replay_that_runs_past_it(tmp_path):
+    path = tmp_path / "slow.jsonl"
+    synth.write_trace(synth.synthesize("mixed", 300.0, 4.0, 5), path)
+    trace = load_trace(path)
+    capacity = max(1, round(0.05 * trace.unique_blocks()))
+    began = time.monotonic()
+    replay(trace, "lru", capacity)
+    replay(trace, "wa", capacity)
+    baselines = time.monotonic() - began
+    # Room for the baselines; the first candidate, as long as a baseline wa replay, would end past the limit.
+    limit = 1.5 * baselines
+    result = tune(trace, capacity, CacheConfig(), time_limit_s=limit, space=SMALL_SPACE)
+    assert result.stopped == "time limit"
+    assert result.evaluations == 2  # the candidate cut short is not counted
+    assert not result.first_round_done
+    assert result.elapsed_s < limit + 0.5 * baselines
+
+
+def test_cli_time_limit_before_the_baselines_finish(trace_path, capsys):
+    started = time.monotonic()
+    assert main(["tune", str(trace_path), "--time-limit", "0.001", "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("kvgate: tune: the time limit (0.001 s) ran out before the first replays")
+    assert captured.err.count("\n") == 1 and "raise --time-limit" in captured.err
+    assert time.monotonic() - started < 30
+
+
+def test_report_of_an_incomplete_search_recommends_nothing_new():
+    def report(**extra) -> str:
+        result = TuneResult(100, 0, 0.20, Evaluation({}, 0.25), Evaluation({"weights.spatial": 0.5}, 0.27), 4, 1, 300.0,
+                            "time limit", first_round_done=False, **extra)
+        return format_report(result, "t.jsonl", 50, 1000)
+
+    cut = report()
+    assert "the search is incomplete" in cut and "raise --time-limit" in cut
+    assert "#         spatial: 0.5" in cut  # the best so far, as a comment
+    assert yaml.safe_load(cut) == {"cache": {"policy": "wa", "workload_aware": {}}}
+    # Checked on the held-out tail, and winning there, the settings stand even from a short search.
+    checked = report(holdout={"lru": 0.15, "start": 0.19, "best": 0.20})
+    assert "the search is incomplete" in checked
+    assert yaml.safe_load(checked) == {"cache": {"policy": "wa", "workload_aware": {"weights": {"spatial": 0.5}}}}
+    unchecked = report(holdout_skipped="time limit")
+    assert "held-out tail not checked (time limit)" in unchecked
+    assert yaml.safe_load(unchecked) == {"cache": {"policy": "wa", "workload_aware": {}}}
+
+
+def test_cli_capacity_as_a_percentage_gets_a_hint(trace_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["tune", str(trace_path), "--capacity", "5%"])
+    assert exited.value.code == 2
+    assert "'5%' is not a number; give a fraction such as 0.05" in capsys.readouterr().err
