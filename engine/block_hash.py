@@ -3,7 +3,9 @@
 A block's hash chains its parent's hash with the block's token ids and any
 extra keys (content hashes of multimodal inputs that start inside the block).
 The chain is seeded by a salt (model name, adapter) so two models never share
-block identity.  The router imports this module and nothing else for hashing,
+block identity, and optionally by a request's cache salt (vLLM's ``cache_salt``;
+kvgate salts each tenant's requests), so that prompts of different salts never
+share blocks and one tenant cannot learn from cache hits what another sent.  The router imports this module and nothing else for hashing,
 so both sides agree bit for bit.
 """
 
@@ -20,7 +22,16 @@ DEFAULT_BLOCK_SIZE = 16
 _ROOT_TAG = b"kvgate.v1"
 
 
-@functools.lru_cache(maxsize=64)
+def chain_salt(salt: str | bytes, cache_salt: str | None) -> str | bytes:
+    """The salt of a request's chain: the model's, joined with the request's cache salt if any."""
+    if not cache_salt:
+        return salt
+    if isinstance(salt, str):
+        salt = salt.encode()
+    return salt + b"\x00cache_salt\x00" + cache_salt.encode("utf-8", "surrogatepass")
+
+
+@functools.lru_cache(maxsize=4096)
 def root_hash(salt: str | bytes = b"") -> int:
     """The parent hash of a prompt's first block."""
     if isinstance(salt, str):

@@ -58,6 +58,8 @@ class GenerationRequest:
     context: RequestContext = field(default_factory=RequestContext)
     # Content hashes of multimodal inputs: (token offset, hash) for block identity.
     mm_hashes: list[tuple[int, bytes]] = field(default_factory=list)
+    # Joins the engine's salt in the request's block hashes (engine.block_hash.chain_salt).
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

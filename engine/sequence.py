@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from engine.block_hash import block_hashes, hash_block, root_hash
+from engine.block_hash import block_hashes, chain_salt, hash_block, root_hash
 
 if TYPE_CHECKING:
     from engine.request import GenerationRequest
@@ -46,6 +46,7 @@ class Sequence:
         self.forks: list[Sequence] = []
         # The prompt's block keys are exactly what the router computes.
         self._extra = _extra_by_block(request.mm_hashes, block_size)
+        salt = chain_salt(salt, request.cache_salt)
         self.block_keys: list[int] = block_hashes(self.token_ids, block_size, salt, request.mm_hashes)
         self._root = root_hash(salt)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
+import hashlib
 import logging
 import os
 import time
@@ -65,11 +65,14 @@ class Gateway:
         self._tokenizer = tokenizer
         self.limits = config.server.limits
         self.max_inflight = config.server.limits.max_inflight_requests
+        self.admitted = 0  # requests past their body, for max_inflight_requests
         self.replicas = replicas
         self.engine_mode = engine_mode
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics("engine" if engine_mode else "gateway")
         self.observer = Observer(config, self.metrics)
         self.principals = _load_keys(config)
+        # A `kvgate engine` takes the salt its gateway computed as it is.
+        self.isolate_tenants = config.server.isolate_tenant_caches and not engine_mode
         self.router: Router | None = None
         self.hasher: PrefixHasher | None = None
         self.classifier: Classifier | None = None
@@ -260,10 +263,10 @@ class Gateway:
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
             raise errors.unauthorized()
-        principal = self.principals.get(key)
+        # Looked up by digest: the time a lookup takes says nothing about how much
+        # of a guessed key was right (a dict of the keys themselves compares them).
+        principal = self.principals.get(_key_digest(key))
         if principal is None:
-            # Compare anyway so a wrong key costs the same as a right one.
-            hmac.compare_digest(key, key)
             raise errors.unauthorized()
         return principal
 
@@ -280,9 +283,11 @@ class Gateway:
         if request.content_length is not None and request.content_length > limit:
             raise errors.too_large(limit)
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise errors.too_large(limit) from None
+        except asyncio.TimeoutError:
+            raise errors.body_timeout(self.limits.body_timeout_s) from None
         return parse_json(raw)
 
     # -- completions
@@ -293,13 +298,18 @@ class Gateway:
         status = "500"
         task = asyncio.current_task()
         self.live.add(task)
+        admitted = False
         try:
             principal = self.authenticate(request)
             if self.refusing:
                 raise errors.shutting_down()
-            if self.max_inflight is not None and len(self.live) > self.max_inflight:
-                raise errors.overloaded(self.max_inflight)
             body = await self.read_body(request)
+            # Counted once the body is in: a client trickling its body holds no slot.
+            if self.max_inflight is not None:
+                if self.admitted >= self.max_inflight:
+                    raise errors.overloaded(self.max_inflight)
+                self.admitted += 1
+                admitted = True
             parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
             if parsed.model != self.model_name:
                 raise errors.model_not_found(parsed.model)
@@ -332,12 +342,18 @@ class Gateway:
             raise
         finally:
             self.live.discard(task)
+            if admitted:
+                self.admitted -= 1
             self.metrics.requests.labels(endpoint, workload, status).inc()
             if status == "200":
                 self.metrics.e2e.labels(workload).observe(time.perf_counter() - start)
 
     async def prepare(self, request: web.Request, parsed: ParsedRequest, principal: Principal) -> tuple[list[Sub], int]:
         """Tokenise, check lengths, classify: everything before routing."""
+        if self.isolate_tenants and principal.tenant is not None:
+            # The tenant joins the request's own salt: its blocks are its own.
+            own = parsed.cache_salt
+            parsed.cache_salt = f"tenant:{principal.tenant}" + (f"|{own}" if own else "")
         prompts, sources = await self.tokenize(parsed)
         longest = 0
         for prompt in prompts:
@@ -380,14 +396,16 @@ class Gateway:
 
     async def tokenize(self, parsed: ParsedRequest) -> tuple[list[Prompt], list]:
         hasher = self.hasher
+        salt = parsed.cache_salt
         if parsed.endpoint == CHAT:
-            work = lambda: [hasher.chat(parsed.messages, parsed.images)]  # noqa: E731
+            work = lambda: [hasher.chat(parsed.messages, parsed.images, salt)]  # noqa: E731
             sources = [None]
             size = parsed.content_chars
         else:
-            work = lambda: [hasher.text(p) for p in parsed.prompts]  # noqa: E731
+            work = lambda: [hasher.text(p, salt) for p in parsed.prompts]  # noqa: E731
             sources = parsed.prompts
-            size = sum(len(p) for p in parsed.prompts if isinstance(p, str))
+            # Characters of text, or ids of token lists (hashing a million ids stalls the loop too).
+            size = sum(len(p) for p in parsed.prompts)
         try:
             if size > self.config.server.offload_tokenize_chars:
                 # A huge document would stall every other stream on the loop.
@@ -463,7 +481,12 @@ def _mm_hashes(raw) -> list[tuple[int, bytes]]:
         raise bad_request("kvgate_mm_hashes must be [[offset, hex], ...].", "kvgate_mm_hashes") from None
 
 
-def _load_keys(config: KvgateConfig) -> dict[str, Principal]:
+def _key_digest(key: str) -> bytes:
+    # surrogateescape: header bytes that are not UTF-8 come back as they were sent.
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+def _load_keys(config: KvgateConfig) -> dict[bytes, Principal]:
     """API keys from config and KVGATE_API_KEYS ("key[:tenant[:workload]],...")."""
     keys = {k.key: Principal(k.tenant, k.workload) for k in config.server.api_keys}
     for item in os.environ.get("KVGATE_API_KEYS", "").split(","):
@@ -475,7 +498,7 @@ def _load_keys(config: KvgateConfig) -> dict[str, Principal]:
         if workload and workload not in WORKLOADS:
             raise ConfigError(f"KVGATE_API_KEYS: workload {workload!r} for a key must be one of {', '.join(WORKLOADS)}")
         keys[key] = Principal(tenant or "default", workload or None)
-    return keys
+    return {_key_digest(key): principal for key, principal in keys.items()}
 
 
 # ----------------------------------------------------------------------------- app

@@ -40,10 +40,17 @@ class LimitsConfig(Section):
     max_messages: int = Field(1024, ge=1)
     # Upper bound on the number of prompts in one /v1/completions request.
     max_prompts: int = Field(64, ge=1)
+    # Upper bound on the sequences one request asks for: prompts x n (each is
+    # decoded on its own, so this caps one request's share of the engines).
+    max_choices: int = Field(128, ge=1)
+    # A request body must arrive within this many seconds (408 after): a client
+    # trickling its body holds no server slot for longer.
+    body_timeout_s: float = Field(60.0, gt=0)
     # Completion requests this server holds at once (in flight or queued in its
     # engines); more get 429 with Retry-After, which OpenAI's SDKs retry.  None
     # queues without bound, as vLLM does; set it to shed load rather than let
-    # time to first token grow without limit.
+    # time to first token grow without limit.  Counted once a request's body has
+    # arrived, so slow uploads cannot hold the slots.
     max_inflight_requests: int | None = Field(None, ge=1)
 
 
@@ -54,6 +61,11 @@ class ServerConfig(Section):
     # Keys also come from KVGATE_API_KEYS ("key[:tenant[:workload]],...").
     # With no keys at all the gateway is open; with any, a valid one is required.
     api_keys: list[ApiKeyConfig] = []
+    # Each tenant's prompts get block hashes of their own (a per-tenant cache salt),
+    # so one tenant never hits, nor learns from cached_tokens or TTFT whether,
+    # another tenant sent a prompt.  Keys of one tenant share their cache.  Off:
+    # every tenant shares one cache (more hits on common system prompts).
+    isolate_tenant_caches: bool = True
     limits: LimitsConfig = LimitsConfig()
     # Write served requests as a Bailian-format trace (None: off).
     record_trace: str | None = None

@@ -77,7 +77,8 @@ class Dispatcher:
         # Engines only read the sampling parameters, so every sub-request shares
         # the parsed ones (prepare() resolved their max_tokens).
         s = parsed.sampling
-        request = GenerationRequest(new_id("req-"), sub.prompt.token_ids, s, sub.context, sub.prompt.mm_hashes)
+        request = GenerationRequest(new_id("req-"), sub.prompt.token_ids, s, sub.context, sub.prompt.mm_hashes,
+                                    parsed.cache_salt)
         job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens)
         load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
         workload = sub.context.workload
@@ -139,9 +140,12 @@ class Dispatcher:
                             series.queue_time.observe(out.queue_time_s)
                     yield batch
                 exhausted = True
+                prompt_tokens = usage.prompt[0] or len(sub.prompt.token_ids)
+                series.prompt_tokens.inc(prompt_tokens)
+                series.generation_tokens.inc(usage.completion[0])
                 self.observer.finished(Finished(
-                    sub.context, replica.name, sub.prompt, usage.prompt[0] or len(sub.prompt.token_ids),
-                    usage.cached[0], usage.completion[0], arrival, parsed.user, generated,
+                    sub.context, replica.name, sub.prompt, prompt_tokens,
+                    usage.cached[0], usage.completion[0], arrival, parsed.user, generated, parsed.cache_salt,
                 ))
                 return
             except ValueError as exc:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 # A /kv_events consumer this far behind is cut off; it resyncs from a snapshot.
 _BACKLOG = 100_000
+_CUT = object()  # queued once a follower's backlog is full: its stream ends there
 
 
 class EngineEndpoints:
@@ -68,8 +69,12 @@ class EngineEndpoints:
 
         def put(item) -> None:
             nonlocal lagging
+            if lagging:
+                return  # the stream ends (and the gateway resyncs): keep nothing more for it
             if queue.qsize() >= _BACKLOG:
                 lagging = True
+                queue.put_nowait(_CUT)  # the writer stops when it gets here; the queue stays bounded
+                return
             queue.put_nowait(item)
 
         def listener(seq: int, kind: str, keys: list[int], tier: str) -> None:
@@ -91,6 +96,8 @@ class EngineEndpoints:
                 queue.put_nowait(None)
             while not lagging:
                 item = await queue.get()
+                if item is _CUT:
+                    break
                 if item is None:
                     # Shutting down: the engine finishes what it holds but takes
                     # nothing new; a gateway that knows stops routing here without

@@ -76,6 +76,11 @@ def too_large(limit: int) -> ApiError:
     return ApiError(413, f"Request body too large: the limit is {limit} bytes.", "invalid_request_error", None, "request_too_large")
 
 
+def body_timeout(seconds: float) -> ApiError:
+    return ApiError(408, f"The request body did not arrive within {seconds:g} s.", "invalid_request_error", None,
+                    "request_timeout")
+
+
 def no_replica(reason: str = "No healthy replica is available to serve this request.") -> ApiError:
     # 503 (not 429): the client did nothing wrong, retrying later may succeed.
     return ApiError(503, reason, "service_unavailable", None, "no_healthy_replica")

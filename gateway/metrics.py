@@ -23,16 +23,19 @@ Two kinds of series:
 from __future__ import annotations
 
 from bisect import bisect_left
+from importlib.metadata import PackageNotFoundError, version
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
 # Seconds; TTFT on a CPU engine ranges from milliseconds to tens of seconds, and
-# a long stream may run for minutes (replicas' read_timeout_s is 300 s).
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# a long stream may run for minutes (replicas' read_timeout_s is 300 s).  Finer
+# from 0.5 to 10 s, where GPU serving's TTFT objectives sit (vLLM's 0.75 and 7.5 too).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 4.0, 5.0, 7.5, 10.0,
+                    30.0, 60.0, 120.0, 300.0, 600.0)
 # Gaps between streamed tokens are much shorter than whole-request latencies.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
@@ -51,14 +54,30 @@ class RequestSeries(NamedTuple):
     prefix_queries: "_CounterChild"
     prefix_hits: "_CounterChild"
     predicted_hits: "_CounterChild"
+    prompt_tokens: "_CounterChild"
+    generation_tokens: "_CounterChild"
+
+
+def _kvgate_version() -> str:
+    try:
+        return version("kvgate")
+    except PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"
 
 
 class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, role: str = "gateway") -> None:
         self._request_series: dict[tuple[str, str], RequestSeries] = {}
         self.registry = r = CollectorRegistry(auto_describe=True)
+        # Memory, CPU, open files and GC of this process, as every Python exporter has them.
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(collector)
+        # Which process this is: dashboards tell a gateway from a `kvgate engine` by role.
+        info = Gauge("kvgate_build_info", "Always 1: kvgate's version and this process's role (gateway or engine).",
+                     ["version", "role"], registry=r)
+        info.labels(_kvgate_version(), role).set(1)
         self.requests = LoopCounter(
             "kvgate_requests", "Requests served, by endpoint, workload and HTTP status.",
             ["endpoint", "workload", "status"], registry=r,
@@ -68,7 +87,7 @@ class GatewayMetrics:
             ["workload"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.e2e = LoopHistogram(
-            "kvgate_e2e_request_latency_seconds", "Time from request arrival to its last byte.",
+            "kvgate_e2e_request_latency_seconds", "Time from arrival to the last byte of successful (HTTP 200) requests.",
             ["workload"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.queue_time = LoopHistogram(
@@ -89,6 +108,15 @@ class GatewayMetrics:
         )
         self.predicted_hits = LoopCounter(
             "kvgate_router_predicted_hit_tokens", "Prompt tokens the router expected to hit when it chose the replica.",
+            ["workload", "replica"], registry=r,
+        )
+        self.prompt_tokens = LoopCounter(
+            "kvgate_prompt_tokens", "Prompt tokens of completed engine requests (vLLM's prompt_tokens_total).",
+            ["workload", "replica"], registry=r,
+        )
+        self.generation_tokens = LoopCounter(
+            "kvgate_generation_tokens", "Tokens generated for completed engine requests, all choices (vLLM's "
+            "generation_tokens_total).",
             ["workload", "replica"], registry=r,
         )
         self.decisions = LoopCounter(
@@ -112,9 +140,14 @@ class GatewayMetrics:
             series = self._request_series[(workload, replica)] = RequestSeries(
                 self.itl.labels(workload), self.queue_time.labels(workload),
                 self.prefix_queries.labels(workload, replica), self.prefix_hits.labels(workload, replica),
-                self.predicted_hits.labels(workload, replica),
+                self.predicted_hits.labels(workload, replica), self.prompt_tokens.labels(workload, replica),
+                self.generation_tokens.labels(workload, replica),
             )
         return series
+
+    def errors_total(self) -> int:
+        """Responses other than 200 since start (the status line's error count)."""
+        return int(sum(child.value for values, child in self.requests._exported() if values[2] != "200"))
 
     def watch_replica(
         self, name: str, inflight: Callable[[], float], healthy: Callable[[], float], index_blocks: Callable[[], float]
@@ -308,21 +341,31 @@ class _ScrapeCollector:
 
     def collect(self) -> Iterable[Metric]:
         families = self._families()
-        blocks, evictions, swap, active, fallbacks, alarm, spike, reuse, share, queue = families
+        (blocks, usage, evictions, swap, moves, preemptions, active, fallbacks, alarm, spike, window, categories,
+         reuse, share, queue) = families
         for name, stats in self._replica_stats():
             if not stats:
                 continue
             for state in ("running", "waiting"):
                 if state in stats:
                     queue.add_metric([name, state], stats[state])
+            if "preemptions" in stats:
+                preemptions.add_metric([name], stats["preemptions"])
             for tier, counts in (stats.get("blocks") or {}).items():
                 for state in ("free", "cached", "in_use"):
                     if state in counts:
                         blocks.add_metric([name, tier, state], counts[state])
+                if counts.get("total") and tier == "device":
+                    # As vLLM's kv_cache_usage_perc: blocks held by requests; cached
+                    # idle blocks can be evicted at once, so they count as free.
+                    usage.add_metric([name], counts.get("in_use", 0) / counts["total"])
             for tier, count in (stats.get("evictions") or {}).items():
                 evictions.add_metric([name, tier], count)
             for direction, count in (stats.get("swap_bytes") or {}).items():
                 swap.add_metric([name, direction], count)
+            if "demotions" in stats:
+                moves.add_metric([name, "device_to_host"], stats["demotions"])
+                moves.add_metric([name, "host_to_device"], stats.get("promotions", 0))
             if "policy_name" not in stats:
                 continue
             state = stats.get("policy") or {}
@@ -331,6 +374,12 @@ class _ScrapeCollector:
             fallbacks.add_metric([name], state.get("fallbacks", 0))
             alarm.add_metric([name], 1.0 if state.get("reuse_alarm") else 0.0)
             spike.add_metric([name], 1.0 if state.get("traffic_spike") else 0.0)
+            # What the fallback compares: the policy's and the shadow LRU's hit ratio.
+            for order, key in (("policy", "window_hit_ratio"), ("shadow_lru", "shadow_lru_hit_ratio")):
+                if state.get(key) is not None:
+                    window.add_metric([name, order], state[key])
+            if "categories" in state:
+                categories.add_metric([name], state["categories"])
         for (workload, request_type), ratio in sorted(self._reuse_ratio().items()):
             reuse.add_metric([workload, request_type], ratio)
         for top, value in sorted(self._user_hit_share().items()):
@@ -342,10 +391,18 @@ class _ScrapeCollector:
         return [
             GaugeMetricFamily("kvgate_kv_cache_blocks", "KV cache blocks of a replica's engine, by tier and state.",
                               labels=["replica", "tier", "state"]),
+            GaugeMetricFamily("kvgate_kv_cache_usage_ratio", "Share of a replica's device KV blocks held by requests, "
+                              "0-1 (vLLM's kv_cache_usage_perc; idle cached blocks count as free).",
+                              labels=["replica"]),
             CounterMetricFamily("kvgate_kv_evictions", "Blocks evicted from a tier (device evictions demote to the host tier when it exists).",
                                 labels=["replica", "tier"]),
             CounterMetricFamily("kvgate_kv_swap_bytes", "KV bytes copied between the device and host tiers.",
                                 labels=["replica", "direction"]),
+            CounterMetricFamily("kvgate_kv_block_moves", "KV blocks moved between tiers: demoted on eviction "
+                                "(device_to_host) or promoted on a hit in the host tier (host_to_device).",
+                                labels=["replica", "direction"]),
+            CounterMetricFamily("kvgate_engine_preemptions", "Running requests a replica's engine preempted for KV "
+                                "blocks (recomputed later), as vLLM's num_preemptions.", labels=["replica"]),
             GaugeMetricFamily("kvgate_cache_policy_active", "1 for the eviction order a replica uses now, 0 for the one standing by.",
                               labels=["replica", "policy"]),
             CounterMetricFamily("kvgate_cache_fallbacks", "Switches from the workload-aware order to the shadow-LRU fallback.",
@@ -353,6 +410,12 @@ class _ScrapeCollector:
             GaugeMetricFamily("kvgate_reuse_alarm", "1 while the replica's cache hit ratio is under the alarm threshold.",
                               labels=["replica"]),
             GaugeMetricFamily("kvgate_traffic_spike", "1 while the replica sees a to-B traffic spike (lifetime window relaxed).",
+                              labels=["replica"]),
+            GaugeMetricFamily("kvgate_cache_window_hit_ratio", "Hit ratio of the device tier over the fallback's window "
+                              "(fallback.window_s): the policy's own (order=policy) and a shadow LRU's of the same size "
+                              "on the same accesses (order=shadow_lru); the policy falls back to LRU when it trails.",
+                              labels=["replica", "order"]),
+            GaugeMetricFamily("kvgate_cache_categories", "Categories (request classes) the workload-aware policy keeps.",
                               labels=["replica"]),
             GaugeMetricFamily("kvgate_reuse_ratio", "Cached prompt tokens / prompt tokens over the last full minute (engine-actual).",
                               labels=["workload", "type"]),

@@ -28,6 +28,7 @@ from typing import Iterable, Mapping
 
 import aiohttp
 
+from engine.block_hash import chain_salt
 from engine.context import RequestContext
 from gateway.config import KvgateConfig
 from gateway.metrics import GatewayMetrics
@@ -61,6 +62,7 @@ class Finished:
     arrival: float  # time.monotonic() when the request was sent to routing
     user: str | None  # the request's `user` field, scoped by tenant below
     generated: list[int] | None = None  # choice 0's token ids, collected only while recording
+    cache_salt: str | None = None  # the request's (its block keys chain from it)
 
 
 class Observer:
@@ -132,7 +134,7 @@ class Observer:
             prompt = done.prompt
             # Token ids come back from in-process engines only; remote streams carry text.
             output_keys = generated_keys(prompt.token_ids, prompt.keys, done.generated, self._block_size,
-                                         self._salt, prompt.mm_hashes) if done.generated else []
+                                         chain_salt(self._salt, done.cache_salt), prompt.mm_hashes) if done.generated else []
             try:
                 self.recorder.record(ctx, prompt.keys, done.prompt_tokens, done.completion_tokens, done.arrival,
                                      output_keys)
@@ -148,8 +150,8 @@ class Observer:
             try:
                 await self.refresh()
                 line = self.status.line(interval, self.history, (
-                    (r.name, int(self._inflight(i)), self._engine_stats(r)) for i, r in enumerate(self._replicas)
-                ))
+                    (r.name, int(self._inflight(i)), self._engine_stats(r), r.healthy) for i, r in enumerate(self._replicas)
+                ), self.metrics.errors_total())
             except Exception:  # noqa: BLE001 - a status line must never stop the server
                 log.exception("status line failed")
                 continue

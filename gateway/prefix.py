@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Sequence
 
-from engine.block_hash import block_hashes, content_hash
+from engine.block_hash import block_hashes, chain_salt, content_hash
 from engine.chat_tokens import ChatTokenizer
 from gateway.protocol import IMAGE_PLACEHOLDER
 
@@ -51,17 +51,17 @@ class PrefixHasher:
         except TypeError:
             self.vocab_size = getattr(tokenizer, "vocab_size", 1 << 31)
 
-    def chat(self, messages: list[dict], images: Sequence[bytes] = ()) -> Prompt:
+    def chat(self, messages: list[dict], images: Sequence[bytes] = (), cache_salt: str | None = None) -> Prompt:
         ids = self._template(messages)
         mm = self._image_offsets(messages, images) if images else []
-        return Prompt(ids, mm, block_hashes(ids, self.block_size, self.salt, mm))
+        return Prompt(ids, mm, block_hashes(ids, self.block_size, chain_salt(self.salt, cache_salt), mm))
 
-    def text(self, prompt: str | list[int]) -> Prompt:
+    def text(self, prompt: str | list[int], cache_salt: str | None = None) -> Prompt:
         if isinstance(prompt, str):
             ids = self.encode(prompt)
         else:
             ids = prompt
-        return Prompt(ids, [], block_hashes(ids, self.block_size, self.salt))
+        return Prompt(ids, [], block_hashes(ids, self.block_size, chain_salt(self.salt, cache_salt)))
 
     def encode(self, text: str) -> list[int]:
         if self._encoder is not None:

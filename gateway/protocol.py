@@ -31,6 +31,7 @@ IMAGE_PLACEHOLDER = "<image>"
 # OpenAI's own bounds.
 _MAX_STOP = 4
 _MAX_STOP_TOKEN_IDS = 256
+_MAX_CACHE_SALT = 1024
 _MAX_TOP_LOGPROBS_CHAT = 20
 _MAX_LOGPROBS_COMPLETIONS = 5
 
@@ -70,6 +71,8 @@ class ParsedRequest:
     # (message, param) of the first field the kvgate engine cannot honour
     # (tools, JSON output, ...): such requests are for external servers only.
     engine_unsupported: tuple[str, str] | None = None
+    # vLLM's cache_salt as sent; the gateway then folds in the tenant (app.prepare).
+    cache_salt: str | None = None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -135,6 +138,12 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
     if user is not None and not isinstance(user, str):
         raise bad_request(_type_msg("user", "a string", user), "user")
     req.user = user or None
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt or len(salt) > _MAX_CACHE_SALT:
+            raise bad_request(f"'cache_salt' must be a non-empty string of at most {_MAX_CACHE_SALT} characters.",
+                              "cache_salt")
+        req.cache_salt = salt
     _parse_sampling(req, body, limits, _MAX_TOP_LOGPROBS_CHAT if engine_mode else _MAX_LOGPROBS_COMPLETIONS)
     if endpoint == CHAT:
         _parse_messages(req, body, limits)
@@ -432,8 +441,9 @@ def _parse_prompt(req: ParsedRequest, body: dict, limits: LimitsConfig) -> None:
         raise bad_request("Invalid prompt: must be a non-empty string or array.", "prompt")
     if len(prompts) > limits.max_prompts:
         raise bad_request(f"Too many prompts: {len(prompts)}. This server allows at most {limits.max_prompts}.", "prompt")
-    if len(prompts) * req.sampling.n > limits.max_n * limits.max_prompts:
-        raise bad_request("Too many choices requested.", "n")
+    if len(prompts) * req.sampling.n > limits.max_choices:
+        raise bad_request(f"Too many choices: {len(prompts)} prompts x n={req.sampling.n}. This server allows at most "
+                          f"{limits.max_choices} (server.limits.max_choices).", "n")
     req.prompts = prompts
     req.user_turns = 1
 

@@ -553,11 +553,14 @@ class RemoteReplica(Replica):
                     "parent_chat_id": ctx.parent_chat_id,
                 },
                 "kvgate_mm_hashes": [[off, h.hex()] for off, h in job.request.mm_hashes],
+                "cache_salt": job.request.cache_salt,
             }
             path = "/v1/completions"
         else:
             body = dict(parsed.body)
             body["model"] = self.cfg.model or parsed.model
+            if parsed.cache_salt:
+                body["cache_salt"] = parsed.cache_salt  # vLLM keeps salted prompts' blocks apart too
             body["max_tokens"] = job.max_tokens
             body.pop("max_completion_tokens", None)
             if parsed.endpoint != CHAT:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import ipaddress
 import logging
 import signal
 import socket
@@ -22,11 +23,29 @@ import time
 from typing import NamedTuple
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.app import GATEWAY, create_app
 from gateway.config import KvgateConfig, ServerConfig
 
 log = logging.getLogger(__name__)
+
+
+class _MalformedRequestFilter(logging.Filter):
+    """aiohttp logs a request it cannot parse at ERROR, with a traceback that
+    quotes the offending bytes: an Authorization header (an API key) included,
+    and anyone can fill the log that way.  Such a request is the client's
+    mistake and already got its 400: one DEBUG line, without the bytes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        log.debug("refused a malformed HTTP request (%s %s)", exc.code, type(exc).__name__)
+        return False
+
+
+logging.getLogger("aiohttp.server").addFilter(_MalformedRequestFilter())
 
 
 class RunningServer(NamedTuple):
@@ -56,6 +75,7 @@ def run_gateway(
     port = config.server.port if port is None else port
     sockets = bind_sockets(host, port)  # before the model loads: a taken port fails at once
     app = create_app(config, replica_urls=list(replica_urls or ()))
+    warn_if_open(app, sockets)
     asyncio.run(_serve(app, sockets, config.server, "gateway"))
 
 
@@ -65,7 +85,25 @@ def run_engine_server(config: KvgateConfig, host: str | None = None, port: int |
     port = config.server.port if port is None else port
     sockets = bind_sockets(host, port)
     app = create_app(config, engine_mode=True)
+    warn_if_open(app, sockets)
     asyncio.run(_serve(app, sockets, config.server, "engine"))
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_open(app: web.Application, sockets: list[socket.socket]) -> None:
+    """Say so when the server takes requests from other machines with no API key."""
+    if app[GATEWAY].principals:
+        return
+    exposed = [s.getsockname()[0] for s in sockets if not _is_loopback(s.getsockname()[0])]
+    if exposed:
+        log.warning("listening on %s with no API keys: anyone who can reach this port can use it "
+                    "(set server.api_keys or KVGATE_API_KEYS, or bind to 127.0.0.1)", ", ".join(exposed))
 
 
 async def freeze_startup_objects(app: web.Application) -> None:

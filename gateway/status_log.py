@@ -1,13 +1,15 @@
 """A periodic status line in the log, as vLLM prints one: what the server did
 since the last line and what its engines hold now.
 
-    last 10 s: 12 requests, prompt 310 tok/s (62% cached), generation 45 tok/s; inprocess-0: 3 running, 1 waiting, KV 45% in use
+    last 10 s: 12 requests, 2 errors, prompt 310 tok/s (62% cached), generation 45 tok/s; inprocess-0: 3 running, 1 waiting, KV 45% in use; vllm-1: down
 
 Written only when something happened or is under way, so an idle server's
 log stays quiet.  Counts are the differences of the /stats history's running
 totals (engine requests that completed in the interval); queue and KV figures
 come from each replica's engine stats (none for external servers: their own
-logs have them).
+logs have them).  Errors are the responses other than 200 in the interval
+(refused, failed, or the client left), shown when there are any; a replica out
+of routing shows as down.
 """
 
 from __future__ import annotations
@@ -28,18 +30,23 @@ class StatusLog:
     __slots__ = ("_seen",)
 
     def __init__(self) -> None:
-        self._seen = (0, 0, 0, 0)  # the totals at the last line
+        self._seen = (0, 0, 0, 0, 0)  # the totals at the last line
 
-    def line(self, seconds: float, totals: Totals, replicas: Iterable[tuple[str, int, Mapping | None]]) -> str | None:
-        """The line for the last ``seconds``: ``totals`` against the last line's, and
-        the replicas' (name, requests in flight, engine stats); None when idle."""
-        now = (totals.requests, totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens)
-        requests, prompt, cached, completion = (a - b for a, b in zip(now, self._seen))
+    def line(self, seconds: float, totals: Totals, replicas: Iterable[tuple[str, int, Mapping | None, bool]],
+             errors: int = 0) -> str | None:
+        """The line for the last ``seconds``: ``totals`` and ``errors`` (responses
+        other than 200 since start) against the last line's, and the replicas'
+        (name, requests in flight, engine stats, healthy); None when idle."""
+        now = (totals.requests, totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens, errors)
+        requests, prompt, cached, completion, failed = (a - b for a, b in zip(now, self._seen))
         self._seen = now
         parts = []
-        busy = requests > 0
-        for name, inflight, stats in replicas:
-            if stats and "running" in stats:
+        busy = requests > 0 or failed > 0
+        for name, inflight, stats, healthy in replicas:
+            if not healthy:
+                busy = busy or inflight
+                part = f"{name}: down" + (f", {inflight} in flight" if inflight else "")
+            elif stats and "running" in stats:
                 running, waiting = int(stats["running"]), int(stats.get("waiting", 0))
                 busy = busy or running or waiting
                 part = f"{name}: {running} running, {waiting} waiting"
@@ -53,6 +60,7 @@ class StatusLog:
         if not busy:
             return None
         share = f" ({100 * cached / prompt:.0f}% cached)" if prompt else ""
-        head = (f"last {seconds:g} s: {requests} requests, prompt {prompt / seconds:.0f} tok/s{share}, "
+        errs = f", {failed} errors" if failed else ""
+        head = (f"last {seconds:g} s: {requests} requests{errs}, prompt {prompt / seconds:.0f} tok/s{share}, "
                 f"generation {completion / seconds:.0f} tok/s")
         return "; ".join([head, *parts])

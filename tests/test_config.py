@@ -169,15 +169,17 @@ def dashboard_exprs() -> list[str]:
     return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
 
 
-ENGINE_TARGET = 'unless on(instance) kvgate_replica_healthy{replica="engine"}'
+ENGINE_TARGET = 'unless on(instance) kvgate_build_info{role="engine"}'
+GATEWAYS_ONLY = 'kvgate_build_info{role="gateway"}'
 
 
 def test_dashboard_counts_nothing_twice_if_an_engine_is_scraped():
     for expr in dashboard_exprs():
         for name, matchers in re.findall(r"(kvgate_\w+)(\{[^}]*\})?", expr):
             # Per-replica series drop the engine's self-labelled copy; series without a
-            # replica label drop everything from a target that exports one.
-            if 'replica!="engine"' in matchers or f"{name}{matchers}" == ENGINE_TARGET.split()[-1]:
+            # replica label drop everything from a target whose build info says engine
+            # (or keep only gateways').
+            if 'replica!="engine"' in matchers or f"{name}{matchers}" in (ENGINE_TARGET.split()[-1], GATEWAYS_ONLY):
                 continue
             assert ENGINE_TARGET in expr, f"{name} in {expr!r} would count an engine's own /metrics too"
 

@@ -189,6 +189,67 @@ async def test_auth_required_when_keys_configured(tiny_model_dir):
         await server.stop()
 
 
+@pytest.mark.parametrize("where", ["inprocess", "remote engine"])
+async def test_tenants_neither_share_nor_see_each_others_cache(tiny_model_dir, where):
+    """A tenant's prompts get block keys of their own: another tenant sending the
+    same prompt gets no cached tokens (which would tell it the prompt was sent);
+    two keys of one tenant share; a request's cache_salt (vLLM's) splits further."""
+    keys = [ApiKeyConfig(key="sk-a1", tenant="acme"), ApiKeyConfig(key="sk-a2", tenant="acme"),
+            ApiKeyConfig(key="sk-g", tenant="globex")]
+    config = _config(tiny_model_dir, replicas=1, api_keys=keys)
+    engine_server = None
+    if where == "remote engine":
+        engine_server = await start_server(create_app(_config(tiny_model_dir, replicas=0), engine_mode=True))
+        config = config.model_copy(update={"replicas": [ReplicaConfig(kind="engine", url=engine_server.url)]})
+    app = create_app(config)
+    server = await start_server(app)
+    clients = {k.key: openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=k.key, max_retries=0, timeout=60)
+               for k in keys}
+    secret = [{"role": "system", "content": "Internal price list, do not share: widget 41 dollars. " * 4},
+              {"role": "user", "content": "What does a widget cost?"}]
+
+    async def cached(key: str, **extra) -> int:
+        resp = await clients[key].chat.completions.create(model=MODEL, messages=secret, max_tokens=1, **extra)
+        return resp.usage.prompt_tokens_details.cached_tokens
+
+    try:
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, timeout=20, what="replica healthy")
+        assert await cached("sk-a1") == 0
+        assert await cached("sk-a1") > 0
+        assert await cached("sk-a2") > 0  # the same tenant, another key
+        assert await cached("sk-g") == 0  # another tenant learns nothing
+        assert await cached("sk-g") > 0  # and has its own cache
+        assert await cached("sk-a1", extra_body={"cache_salt": "project-x"}) == 0
+        # The router predicted what the engine served: its keys are the engine's.
+        predicted = hits = 0.0
+        async with aiohttp.ClientSession() as session:
+            async with session.get(server.url + "/metrics") as resp:
+                for line in (await resp.text()).splitlines():
+                    if line.startswith("kvgate_router_predicted_hit_tokens_total{"):
+                        predicted += float(line.split()[-1])
+                    elif line.startswith("kvgate_prefix_cache_hits_tokens_total{"):
+                        hits += float(line.split()[-1])
+        assert predicted == hits > 0
+    finally:
+        for client in clients.values():
+            await client.close()
+        await server.stop()
+        if engine_server is not None:
+            await engine_server.stop()
+
+    # Shared on purpose: isolate_tenant_caches off.
+    shared = _config(tiny_model_dir, replicas=1, api_keys=keys, isolate_tenant_caches=False)
+    async with serving(create_app(shared)) as (app, server, _):
+        clients = {k.key: openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=k.key, max_retries=0, timeout=60)
+                   for k in keys}
+        try:
+            assert await cached("sk-a1") == 0
+            assert await cached("sk-g") > 0
+        finally:
+            for client in clients.values():
+                await client.close()
+
+
 async def test_engine_server_behind_gateway_end_to_end(tiny_model_dir):
     """`kvgate engine` (engine_mode app) + a gateway following it as a remote replica."""
     config = _config(tiny_model_dir, replicas=0)
@@ -243,3 +304,27 @@ async def test_requests_over_the_inflight_limit_get_429(tiny_model_dir):
         await wait_for(lambda: not app[GATEWAY].live, what="the streams' ends")
         done = await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert done.usage.completion_tokens >= 1
+
+
+async def test_slow_uploads_hold_no_slot_and_time_out(tiny_model_dir):
+    """A body still arriving is not counted against max_inflight_requests (a
+    client trickling bodies cannot lock others out), and it gets a 408 once
+    limits.body_timeout_s has passed."""
+    config = _config(tiny_model_dir, replicas=1, limits={"max_inflight_requests": 2, "body_timeout_s": 1.0})
+    async with serving(create_app(config)) as (app, server, client):
+        host, port = server.url.split("//")[1].split(":")
+        slow = []
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{")
+            await writer.drain()
+            slow.append((reader, writer))
+        await asyncio.sleep(0.2)
+        done = await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert done.usage.completion_tokens >= 1
+        for reader, writer in slow:
+            head = await asyncio.wait_for(reader.read(2048), 10)
+            assert head.startswith(b"HTTP/1.1 408") and b"request_timeout" in head
+            writer.close()
+        assert app[GATEWAY].admitted == 0

@@ -109,6 +109,12 @@ def test_limits():
     with pytest.raises(ApiError) as info:
         parse_request(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}] * 5}, LimitsConfig(max_messages=4))
     assert info.value.status == 400 and info.value.param == "messages"
+    # prompts x n: each is decoded on its own, so one request's share is capped.
+    many = {"model": "m", "prompt": ["x"] * 16, "n": 8}
+    with pytest.raises(ApiError) as info:
+        parse_request(COMPLETIONS, many, LimitsConfig(max_choices=127))
+    assert info.value.param == "n" and "16 prompts x n=8" in info.value.message
+    assert len(parse_request(COMPLETIONS, many, LimitsConfig(max_choices=128)).prompts) == 16
     with pytest.raises(ApiError):
         parse_json(b"{not json")
     with pytest.raises(ApiError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 
 import aiohttp
@@ -312,6 +313,33 @@ async def test_auth_from_config_and_env(monkeypatch, tiny_model_dir):
             await good.close()
             ctx = seen[-1].context
             assert (ctx.tenant, ctx.workload) == (tenant, workload)
+    finally:
+        await server.stop()
+
+
+async def test_malformed_requests_and_odd_keys_are_refused_quietly(tiny_model_dir, caplog):
+    """A request aiohttp cannot parse gets its 400 without an ERROR traceback that
+    quotes its bytes (an API key with them); a key that is not ASCII is a 401."""
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="inprocess")],
+                         api_keys=[ApiKeyConfig(key="sk-good", tenant="acme")])
+    app = create_app(config)
+    server = await start_server(app)
+    try:
+        host, port = server.url.split("//")[1].split(":")
+        with caplog.at_level(logging.DEBUG):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-SECRET-123\nX: y\r\n\r\n")
+            await writer.drain()
+            assert (await asyncio.wait_for(reader.read(1024), 10)).startswith(b"HTTP/1.0 400")
+            writer.close()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not any("sk-SECRET" in r.getMessage() or r.exc_info for r in caplog.records)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(server.url + "/v1/models", headers={"Authorization": "Bearer sk-\u00e9t\u00e9"}) as r:
+                assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+        good = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="sk-good", max_retries=0)
+        assert [m.id for m in (await good.models.list()).data] == [MODEL]
+        await good.close()
     finally:
         await server.stop()
 

@@ -63,6 +63,13 @@ REQUIRED = {
     "kvgate_replica_healthy": {"replica"},
     "kvgate_replica_failures_total": {"replica", "stage"},
     "kvgate_engine_requests": {"replica", "state"},
+    "kvgate_prompt_tokens_total": {"workload", "replica"},
+    "kvgate_generation_tokens_total": {"workload", "replica"},
+    "kvgate_kv_cache_usage_ratio": {"replica"},
+    "kvgate_kv_block_moves_total": {"replica", "direction"},
+    "kvgate_engine_preemptions_total": {"replica"},
+    "kvgate_cache_categories": {"replica"},
+    "kvgate_build_info": {"version", "role"},
 }
 
 
@@ -311,8 +318,16 @@ async def live(tiny_model_dir):
         yield running
 
 
-async def _traffic(client: openai.AsyncOpenAI, rounds: int = 3) -> None:
-    """Two users' multi-turn chats (sharing a system prompt), streamed and not, plus completions."""
+async def _traffic(client: openai.AsyncOpenAI, rounds: int = 3) -> tuple[int, int]:
+    """Two users' multi-turn chats (sharing a system prompt), streamed and not, plus
+    completions; returns the (prompt, completion) tokens the responses' usage gave."""
+    prompt = completion = 0
+
+    def add(usage) -> None:
+        nonlocal prompt, completion
+        prompt += usage.prompt_tokens
+        completion += usage.completion_tokens
+
     for turn in range(rounds):
         for user in (SECRET_USER, "bob"):
             history = [{"role": "system", "content": SYSTEM}]
@@ -320,21 +335,23 @@ async def _traffic(client: openai.AsyncOpenAI, rounds: int = 3) -> None:
                 history.append({"role": "user", "content": f"Question {t} from {user[:3]}: what is a cache?"})
                 if t < turn:
                     history.append({"role": "assistant", "content": f"Answer {t}."})
-            await client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, user=user)
+            add((await client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, user=user)).usage)
             stream = await client.chat.completions.create(
                 model=MODEL, messages=history, max_tokens=6, user=user, stream=True,
                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             )
-            async for _ in stream:
-                pass
-        await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3)
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    add(chunk.usage)
+        add((await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3)).usage)
         await asyncio.sleep(0.3)  # let the policy's check interval pass between rounds
+    return prompt, completion
 
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_metrics_exposes_every_issue_series_with_bounded_labels(live):
     app, server, client = live
-    await _traffic(client)
+    prompt_tokens, completion_tokens = await _traffic(client)
     gw = app[GATEWAY]
     # The reuse ratio shows the last *full* minute: look from the next one.
     # Pin the clock just inside the minute after the last recorded one, so a scrape
@@ -351,6 +368,18 @@ async def test_metrics_exposes_every_issue_series_with_bounded_labels(live):
     assert SECRET_USER not in text and "bob" not in text
     assert value(found, "kvgate_requests_total", endpoint="chat", workload="to-c", status="200") == 12
     assert value(found, "kvgate_requests_total", endpoint="completions", workload="to-b", status="200") == 3
+    # Token counters equal what the responses' usage said, as vLLM's prompt/generation_tokens_total.
+    assert value(found, "kvgate_prompt_tokens_total") == prompt_tokens
+    assert value(found, "kvgate_generation_tokens_total") == completion_tokens
+    # The process's own series, and which process this is.
+    assert value(found, "process_resident_memory_bytes") > 0
+    assert value(found, "kvgate_build_info", role="gateway") == 1
+    usage = value(found, "kvgate_kv_cache_usage_ratio", replica="local")
+    assert 0 <= usage <= 1
+    windows = {s.labels["order"] for s in found["kvgate_cache_window_hit_ratio"]}
+    assert windows <= {"policy", "shadow_lru"} and value(found, "kvgate_cache_categories", replica="local") >= 1
+    assert {s.labels["direction"] for s in found["kvgate_kv_block_moves_total"]} == {"device_to_host", "host_to_device"}
+    assert "kvgate_engine_preemptions_total" in found
     # Engine-actual prefix hits (the shared system prompt) and the router's prediction.
     queries = value(found, "kvgate_prefix_cache_queries_tokens_total", replica="local")
     hits = value(found, "kvgate_prefix_cache_hits_tokens_total", replica="local", workload="to-c")
@@ -424,6 +453,7 @@ async def test_remote_engine_stats_reach_the_gateway_metrics(live, tiny_model_di
         # The engine server's own /metrics carries the same engine series under its own name.
         own = samples(await scrape(engine_server.url))
         assert value(own, "kvgate_kv_cache_blocks", replica="engine", tier="device") == 64
+        assert value(own, "kvgate_build_info", role="engine") == 1
     finally:
         await gateway_server.stop()
         await engine_server.stop()
@@ -471,16 +501,19 @@ def test_loop_series_export_what_prometheus_client_exports():
 
 def test_status_line_reports_the_interval_then_starts_over():
     history, status = StatsHistory(), StatusLog()
-    assert status.line(10, history, [("r0", 0, {"running": 0, "waiting": 0})]) is None  # idle: no line
+    assert status.line(10, history, [("r0", 0, {"running": 0, "waiting": 0}, True)]) is None  # idle: no line
     history.finished("to-c", "r0", 1000, 600, 50, now=1.0)
     history.finished("to-b", "r0", 1000, 200, 50, now=2.0)
     stats = {"running": 2, "waiting": 1, "blocks": {"device": {"total": 200, "in_use": 90}}}
-    line = status.line(10, history, [("r0", 3, stats), ("vllm", 4, None)])
+    line = status.line(10, history, [("r0", 3, stats, True), ("vllm", 4, None, True), ("old", 0, None, False)])
     assert line == ("last 10 s: 2 requests, prompt 200 tok/s (40% cached), generation 10 tok/s; "
-                    "r0: 2 running, 1 waiting, KV 45% in use; vllm: 4 in flight")
-    assert status.line(10, history, [("r0", 0, {"running": 0})]) is None  # nothing new since
+                    "r0: 2 running, 1 waiting, KV 45% in use; vllm: 4 in flight; old: down")
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)]) is None  # nothing new since
     history.finished("to-c", "r0", 100, 0, 5, now=3.0)
-    assert status.line(10, history, [("r0", 0, {"running": 0})]).startswith("last 10 s: 1 requests, prompt 10 tok/s")
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)]).startswith("last 10 s: 1 requests, prompt 10 tok/s")
+    # Refused or failed requests alone make a line: errors are the non-200 responses since the last one.
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7).startswith("last 10 s: 0 requests, 7 errors,")
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7) is None
 
 
 async def test_status_line_in_the_log_while_busy(tiny_model_dir, caplog):

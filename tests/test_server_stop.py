@@ -101,3 +101,28 @@ async def test_in_flight_requests_finish_and_a_second_signal_ends_the_rest(engin
     assert long_events[-1] == "[DONE]" and long_events[-2]["error"]["code"] == "server_shutting_down"
     assert await _exit_code(engine, 10) == 0
     assert "SIGTERM again: stopping now" in engine.tail() and "Traceback" not in engine.tail()
+
+
+def test_a_server_reachable_from_other_machines_without_keys_says_so(tiny_model_dir, caplog):
+    import logging
+
+    from gateway.app import create_app
+    from gateway.config import ApiKeyConfig
+    from gateway.server import bind_sockets, warn_if_open
+
+    def warnings(config, host: str) -> list[str]:
+        sockets = bind_sockets(host, 0)
+        caplog.clear()
+        try:
+            with caplog.at_level(logging.WARNING, logger="gateway.server"):
+                warn_if_open(create_app(config), sockets)
+        finally:
+            for sock in sockets:
+                sock.close()
+        return [r.getMessage() for r in caplog.records]
+
+    open_config = tiny_config(tiny_model_dir)
+    assert any("no API keys" in m for m in warnings(open_config, "0.0.0.0"))
+    assert warnings(open_config, "127.0.0.1") == []
+    keyed = tiny_config(tiny_model_dir, api_keys=[ApiKeyConfig(key="sk-x")])
+    assert warnings(keyed, "0.0.0.0") == []
