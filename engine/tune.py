@@ -406,6 +406,9 @@ def _doubt(result: TuneResult) -> str | None:
         # The held-out tail has the last word, even on a short search.
         if result.holdout["best"] < result.holdout["start"]:
             return "the tuned settings lose on the held-out tail"  # fitted the head of the trace, not its traffic
+        if not result.first_round_done and result.holdout["best"] <= result.holdout["start"]:
+            # A guess from a few settings that merely ties on the tail is no reason to change.
+            return "the best settings so far, from an incomplete search, do not beat the start on the held-out tail"
         return None
     if not result.first_round_done:
         return "the best settings so far, from an incomplete search"

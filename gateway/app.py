@@ -352,8 +352,9 @@ class Gateway:
         """Tokenise, check lengths, classify: everything before routing."""
         if self.isolate_tenants and principal.tenant is not None:
             # The tenant joins the request's own salt: its blocks are its own.
-            own = parsed.cache_salt
-            parsed.cache_salt = f"tenant:{principal.tenant}" + (f"|{own}" if own else "")
+            # Length-prefixed, so no tenant name and own salt can spell another pair.
+            tenant, own = principal.tenant, parsed.cache_salt or ""
+            parsed.cache_salt = f"tenant:{len(tenant)}:{tenant}:{own}"
         prompts, sources = await self.tokenize(parsed)
         longest = 0
         for prompt in prompts:

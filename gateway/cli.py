@@ -350,7 +350,10 @@ def _replay_capacities(args: argparse.Namespace, unique: int) -> list[int]:
 
 
 def _blocks_of(fraction: float, unique: int, flag: str) -> int:
-    blocks = max(1, round(fraction * unique))
+    wanted = fraction * unique
+    if not wanted <= MAX_BLOCKS:  # also inf, which round() cannot take
+        raise CliError(f"{flag}: {fraction:g} of {unique} unique blocks is too large (at most {MAX_BLOCKS:,} blocks)")
+    blocks = max(1, round(wanted))
     if blocks > MAX_BLOCKS:
         raise CliError(f"{flag}: {fraction:g} of {unique} unique blocks is too large (at most {MAX_BLOCKS:,} blocks)")
     return blocks

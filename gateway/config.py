@@ -114,6 +114,11 @@ class ReplicaConfig(Section):
     read_timeout_s: float = Field(300.0, ge=0)
     # Prometheus endpoint of an external server (vllm:num_requests_waiting, ...).
     metrics_url: str | None = None
+    # openai kind: send the gateway's per-tenant cache salt (server.isolate_tenant_caches)
+    # as vLLM's cache_salt, so the server keeps tenants' blocks apart too.  Off by
+    # default: servers without the field (vLLM's V0 engine, strict OpenAI clones)
+    # refuse it.  A cache_salt the client sent itself always passes through.
+    send_cache_salt: bool = False
 
     @model_validator(mode="after")
     def _url_for_remote(self) -> "ReplicaConfig":

@@ -140,12 +140,16 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
     req.user = user or None
     salt = body.get("cache_salt")
     if salt is not None:
-        if not isinstance(salt, str) or not salt or len(salt) > _MAX_CACHE_SALT:
+        # A `kvgate engine` gets the gateway's salt, the tenant's name included: no length cap.
+        if not isinstance(salt, str) or not salt or (len(salt) > _MAX_CACHE_SALT and not engine_mode):
             raise bad_request(f"'cache_salt' must be a non-empty string of at most {_MAX_CACHE_SALT} characters.",
                               "cache_salt")
         req.cache_salt = salt
     _parse_sampling(req, body, limits, _MAX_TOP_LOGPROBS_CHAT if engine_mode else _MAX_LOGPROBS_COMPLETIONS)
     if endpoint == CHAT:
+        if req.sampling.n > limits.max_choices:
+            raise bad_request(f"Too many choices: n={req.sampling.n}. This server allows at most {limits.max_choices} "
+                              "(server.limits.max_choices).", "n")
         _parse_messages(req, body, limits)
         if "tools" in body or "tool_choice" in body or "response_format" in body or "functions" in body:
             _parse_chat_extras(req, body)

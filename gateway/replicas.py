@@ -559,8 +559,8 @@ class RemoteReplica(Replica):
         else:
             body = dict(parsed.body)
             body["model"] = self.cfg.model or parsed.model
-            if parsed.cache_salt:
-                body["cache_salt"] = parsed.cache_salt  # vLLM keeps salted prompts' blocks apart too
+            if parsed.cache_salt and self.cfg.send_cache_salt:
+                body["cache_salt"] = parsed.cache_salt  # vLLM (V1) keeps salted prompts' blocks apart too
             body["max_tokens"] = job.max_tokens
             body.pop("max_completion_tokens", None)
             if parsed.endpoint != CHAT:

@@ -60,7 +60,11 @@ class StatusLog:
         if not busy:
             return None
         share = f" ({100 * cached / prompt:.0f}% cached)" if prompt else ""
-        errs = f", {failed} errors" if failed else ""
-        head = (f"last {seconds:g} s: {requests} requests{errs}, prompt {prompt / seconds:.0f} tok/s{share}, "
+        errs = f", {_count(failed, 'error')}" if failed else ""
+        head = (f"last {seconds:g} s: {_count(requests, 'request')}{errs}, prompt {prompt / seconds:.0f} tok/s{share}, "
                 f"generation {completion / seconds:.0f} tok/s")
         return "; ".join([head, *parts])
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

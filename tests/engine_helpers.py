@@ -69,3 +69,16 @@ def assert_no_references(engine: AsyncEngine) -> None:
     refs = [(block, count) for block, count in enumerate(engine.pool.ref_count) if count]
     assert not refs, f"blocks still referenced after the test: {refs[:10]}"
     assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def interrupt_on_call(real, call: int):
+    """``real``, except that call number ``call`` (1-based) is a Ctrl-C."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    return wrapped

@@ -195,7 +195,7 @@ async def test_tenants_neither_share_nor_see_each_others_cache(tiny_model_dir, w
     same prompt gets no cached tokens (which would tell it the prompt was sent);
     two keys of one tenant share; a request's cache_salt (vLLM's) splits further."""
     keys = [ApiKeyConfig(key="sk-a1", tenant="acme"), ApiKeyConfig(key="sk-a2", tenant="acme"),
-            ApiKeyConfig(key="sk-g", tenant="globex")]
+            ApiKeyConfig(key="sk-g", tenant="globex"), ApiKeyConfig(key="sk-trick", tenant="acme|x")]
     config = _config(tiny_model_dir, replicas=1, api_keys=keys)
     engine_server = None
     if where == "remote engine":
@@ -220,6 +220,11 @@ async def test_tenants_neither_share_nor_see_each_others_cache(tiny_model_dir, w
         assert await cached("sk-g") == 0  # another tenant learns nothing
         assert await cached("sk-g") > 0  # and has its own cache
         assert await cached("sk-a1", extra_body={"cache_salt": "project-x"}) == 0
+        # No tenant name and own salt spell another pair's salt.
+        assert await cached("sk-a1", extra_body={"cache_salt": "x"}) == 0
+        assert await cached("sk-trick") == 0
+        # The longest salt a client may send still fits once the tenant is added (remote engines too).
+        assert await cached("sk-a1", extra_body={"cache_salt": "s" * 1024}) == 0
         # The router predicted what the engine served: its keys are the engine's.
         predicted = hits = 0.0
         async with aiohttp.ClientSession() as session:
@@ -310,7 +315,7 @@ async def test_slow_uploads_hold_no_slot_and_time_out(tiny_model_dir):
     """A body still arriving is not counted against max_inflight_requests (a
     client trickling bodies cannot lock others out), and it gets a 408 once
     limits.body_timeout_s has passed."""
-    config = _config(tiny_model_dir, replicas=1, limits={"max_inflight_requests": 2, "body_timeout_s": 1.0})
+    config = _config(tiny_model_dir, replicas=1, limits={"max_inflight_requests": 2, "body_timeout_s": 5.0})
     async with serving(create_app(config)) as (app, server, client):
         host, port = server.url.split("//")[1].split(":")
         slow = []
@@ -321,8 +326,11 @@ async def test_slow_uploads_hold_no_slot_and_time_out(tiny_model_dir):
             await writer.drain()
             slow.append((reader, writer))
         await asyncio.sleep(0.2)
+        started = asyncio.get_running_loop().time()
         done = await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert done.usage.completion_tokens >= 1
+        # Served while the three bodies were still arriving, not after they timed out.
+        assert asyncio.get_running_loop().time() - started < 4.5
         for reader, writer in slow:
             head = await asyncio.wait_for(reader.read(2048), 10)
             assert head.startswith(b"HTTP/1.1 408") and b"request_timeout" in head

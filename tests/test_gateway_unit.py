@@ -115,6 +115,10 @@ def test_limits():
         parse_request(COMPLETIONS, many, LimitsConfig(max_choices=127))
     assert info.value.param == "n" and "16 prompts x n=8" in info.value.message
     assert len(parse_request(COMPLETIONS, many, LimitsConfig(max_choices=128)).prompts) == 16
+    with pytest.raises(ApiError) as info:
+        parse_request(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 8},
+                      LimitsConfig(max_choices=4))
+    assert info.value.param == "n"
     with pytest.raises(ApiError):
         parse_json(b"{not json")
     with pytest.raises(ApiError):

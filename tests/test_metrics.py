@@ -510,7 +510,7 @@ def test_status_line_reports_the_interval_then_starts_over():
                     "r0: 2 running, 1 waiting, KV 45% in use; vllm: 4 in flight; old: down")
     assert status.line(10, history, [("r0", 0, {"running": 0}, True)]) is None  # nothing new since
     history.finished("to-c", "r0", 100, 0, 5, now=3.0)
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)]).startswith("last 10 s: 1 requests, prompt 10 tok/s")
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)]).startswith("last 10 s: 1 request, prompt 10 tok/s")
     # Refused or failed requests alone make a line: errors are the non-200 responses since the last one.
     assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7).startswith("last 10 s: 0 requests, 7 errors,")
     assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7) is None
@@ -524,5 +524,5 @@ async def test_status_line_in_the_log_while_busy(tiny_model_dir, caplog):
         await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3)
         await asyncio.sleep(0.7)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("last 0.3 s:")]
-    assert lines and "1 requests" in lines[0] and "local: 0 running, 0 waiting, KV" in lines[0]
-    assert sum("1 requests" in line for line in lines) == 1  # counted once, then quiet while idle
+    assert lines and "1 request," in lines[0] and "local: 0 running, 0 waiting, KV" in lines[0]
+    assert sum("1 request," in line for line in lines) == 1  # counted once, then quiet while idle

@@ -10,6 +10,7 @@ import pytest
 from engine.replay import replay
 from engine.traces import load_trace
 from gateway.cli import main
+from tests.engine_helpers import interrupt_on_call
 
 MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
@@ -240,23 +241,10 @@ def test_cli_replicas_plot_hit_ratio_and_imbalance(tmp_path, capsys):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _interrupt_on_call(real, call):
-    """``real``, except that call number ``call`` (1-based) is a Ctrl-C."""
-    calls = []
-
-    def wrapped(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == call:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    return wrapped
-
-
 def test_cli_ctrl_c_during_replay_reports_the_finished_rows(tmp_path, capsys, monkeypatch):
     import engine.replay
 
-    monkeypatch.setattr(engine.replay, "replay", _interrupt_on_call(engine.replay.replay, 2))
+    monkeypatch.setattr(engine.replay, "replay", interrupt_on_call(engine.replay.replay, 2))
     trace = write_bailian(tmp_path / "t.jsonl", requests=60)
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     code = main(["replay", str(trace), "--policies", "lru,fifo", "--capacity-blocks", "8,32",
@@ -275,7 +263,7 @@ def test_cli_ctrl_c_during_replay_reports_the_finished_rows(tmp_path, capsys, mo
 def test_cli_ctrl_c_during_a_routing_replay_reports_the_finished_rows(tmp_path, capsys, monkeypatch):
     import gateway.routing_sim
 
-    monkeypatch.setattr(gateway.routing_sim, "simulate", _interrupt_on_call(gateway.routing_sim.simulate, 2))
+    monkeypatch.setattr(gateway.routing_sim, "simulate", interrupt_on_call(gateway.routing_sim.simulate, 2))
     trace = write_bailian(tmp_path / "t.jsonl", requests=60)
     out_json = tmp_path / "r.json"
     code = main(["replay", str(trace), "--replicas", "2", "--routing", "prefix-aware,round-robin",
@@ -365,6 +353,7 @@ def test_cli_host_tier_is_named_in_the_header_and_the_plot_title(tmp_path, capsy
         (["--capacity", "5%"], "--capacity: '5%' is not a number; give a fraction such as 0.05"),
         (["--capacity", "0.1,2.5%"], "give a fraction such as 0.025"),
         (["--capacity-blocks", "1e12"], "--capacity-blocks: '1e12' is too large (at most 100,000,000 blocks)"),
+        (["--capacity", "1e308"], "--capacity: 1e+308 of"),
         (["--capacity-blocks", "100000000000"], "is too large"),
         (["--capacity-blocks", "2.5"], "--capacity-blocks: '2.5' is not a whole number"),
         (["--capacity-blocks", "many"], "--capacity-blocks: 'many' is not a number"),

@@ -18,6 +18,7 @@ from engine.traces import load_trace
 from engine.tune import SEARCH_SPACE, Evaluation, TuneResult, config_snippet, format_report, tune, with_settings
 from gateway.cli import main
 from gateway.config import KvgateConfig
+from tests.engine_helpers import interrupt_on_call
 
 
 @pytest.fixture(scope="module")
@@ -96,24 +97,11 @@ def test_report_warns_when_the_held_out_tail_disagrees():
 # -- stopping: Ctrl-C and the time limit -----------------------------------------------
 
 
-def _interrupt_on_call(real, call):
-    """``real``, except that call number ``call`` (1-based) is a Ctrl-C."""
-    calls = []
-
-    def wrapped(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == call:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    return wrapped
-
-
 def test_ctrl_c_prints_the_best_settings_so_far(trace_path, capsys, monkeypatch):
     import engine.tune
 
     # Replays 1 and 2 are the baselines (lru, the starting settings), 3 and 4 candidates.
-    monkeypatch.setattr(engine.tune, "replay", _interrupt_on_call(engine.tune.replay, 5))
+    monkeypatch.setattr(engine.tune, "replay", interrupt_on_call(engine.tune.replay, 5))
     assert main(["tune", str(trace_path), "--capacity", "0.05", "--no-progress"]) == 130
     out = capsys.readouterr().out
     assert "# 4 replays in" in out and "stopped: interrupted" in out
@@ -126,7 +114,7 @@ def test_ctrl_c_prints_the_best_settings_so_far(trace_path, capsys, monkeypatch)
 def test_ctrl_c_before_the_baselines_finish_says_so_in_one_line(trace_path, capsys, monkeypatch):
     import engine.tune
 
-    monkeypatch.setattr(engine.tune, "replay", _interrupt_on_call(engine.tune.replay, 2))
+    monkeypatch.setattr(engine.tune, "replay", interrupt_on_call(engine.tune.replay, 2))
     assert main(["tune", str(trace_path), "--no-progress"]) == 130
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -198,6 +186,9 @@ def test_report_of_an_incomplete_search_recommends_nothing_new():
     checked = report(holdout={"lru": 0.15, "start": 0.19, "best": 0.20})
     assert "the search is incomplete" in checked
     assert yaml.safe_load(checked) == {"cache": {"policy": "wa", "workload_aware": {"weights": {"spatial": 0.5}}}}
+    # A tie on the tail is no reason to change from the start on a short search.
+    tied = report(holdout={"lru": 0.15, "start": 0.19, "best": 0.19})
+    assert yaml.safe_load(tied) == {"cache": {"policy": "wa", "workload_aware": {}}}
     unchecked = report(holdout_skipped="time limit")
     assert "held-out tail not checked (time limit)" in unchecked
     assert yaml.safe_load(unchecked) == {"cache": {"policy": "wa", "workload_aware": {}}}

@@ -389,6 +389,14 @@ def test_offset_only_breaks_ties_it_does_not_outrank_the_priority():
     assert policy.evict(300.0) == 1
     # Equal priorities: the deeper block first.
     assert policy.evict(300.0) == 130
+    # Priorities that underflowed to 0 (blocks hundreds of lifetimes old) still go deepest first.
+    old_policy = make_policy("wa-paper", 100, CacheConfig())
+    for turn, offset, key in ((1, 0, 7), (2, 5, 8)):
+        c = ctx(workload="to-b", rtype="api", turn=turn, blocks=6)
+        old_policy.insert(key, c, offset, 0.0)
+        old_policy.release(key, c, 0.0)
+    assert paper_priority(0.8, 0.5, 5000.0, 5.0) == 0.0
+    assert old_policy.evict(5000.0) == 8
 
 
 def test_weighted_score_uses_configured_weights():

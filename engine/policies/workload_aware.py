@@ -54,6 +54,10 @@ INF = math.inf
 # separates scores equal to ~9 digits: old blocks score 1e-20 and less, and an
 # additive epsilon there would rank by offset instead of by reuse chance.
 _TIE = 1e-9
+# Added to every score before the discount, so that scores whose exponential
+# underflowed to 0 (a block hundreds of lifetimes old) still go deepest first;
+# far below any score that did not underflow.
+_FLOOR = 1e-290
 _exp = math.exp
 
 
@@ -349,14 +353,14 @@ class CategoryQueues:
         e = _exp(-tab.lam[cat] * t)
         if tab.fast:
             # The same expression as the fast rescore, so both give identical scores.
-            return tab.fa[cat] * e / (1.0 + tab.fb[cat] * e) * (rec[3] if tab.scaled else 1.0) * (1.0 - rec[2] * _TIE)
+            return (tab.fa[cat] * e / (1.0 + tab.fb[cat] * e) * (rec[3] if tab.scaled else 1.0) + _FLOOR) * (1.0 - rec[2] * _TIE)
         if tab.scaled:
             score = tab.coef_a[cat] * e / (1.0 + tab.coef_b[cat] * e) * rec[3]
         else:
             score = tab.coef_a[cat] * e / (1.0 + tab.coef_b[cat] * e) + tab.ws * rec[3]
         if t < tab.window[cat]:
             score += tab.coef_l[cat]
-        return score * (1.0 - rec[2] * _TIE)
+        return (score + _FLOOR) * (1.0 - rec[2] * _TIE)
 
     def _cache_heads(self, cats) -> None:
         """Refresh the cached head data of ``cats`` (queues whose head may have changed)."""
@@ -386,7 +390,7 @@ class CategoryQueues:
                 tie = head_tie[cat] = 1.0 - r[2] * _TIE
                 # The expression of _rescore_all, so that both give identical scores.
                 e = _exp(tab.lam[cat] * (h - now) if h < now else 0.0)
-                heads[cat] = tab.fa[cat] * e / (1.0 + tab.fb[cat] * e) * w * tie
+                heads[cat] = (tab.fa[cat] * e / (1.0 + tab.fb[cat] * e) * w + _FLOOR) * tie
             else:
                 head_t[cat] = None
                 heads[cat] = INF
@@ -404,7 +408,7 @@ class CategoryQueues:
                 self._cache_heads(range(self.nq))
                 self.heads_cached = True
             self.heads = [
-                INF if h is None else a * (e := _exp(l * (h - now) if h < now else 0.0)) / (1.0 + b * e) * w * tie
+                INF if h is None else (a * (e := _exp(l * (h - now) if h < now else 0.0)) / (1.0 + b * e) * w + _FLOOR) * tie
                 for a, b, l, h, w, tie in zip(tab.fa, tab.fb, tab.lam, self.head_t, self.head_w, self.head_tie)
             ]
             return
@@ -426,7 +430,7 @@ class CategoryQueues:
                 score = coef_a[cat] * e / (1.0 + coef_b[cat] * e) + ws * rec[3]
                 if t < windows[cat]:
                     score += coef_l[cat]
-                heads[cat] = score * (1.0 - rec[2] * _TIE)
+                heads[cat] = (score + _FLOOR) * (1.0 - rec[2] * _TIE)
             else:
                 heads[cat] = INF
             cat += 1
