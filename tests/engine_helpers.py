@@ -82,3 +82,12 @@ def interrupt_on_call(real, call: int):
         return real(*args, **kwargs)
 
     return wrapped
+
+
+def noting_stdout(real, capsys, printed: list[str]):
+    """``real``, noting in ``printed`` what was written to stdout before each call."""
+    def wrapped(*args, **kwargs):
+        printed.append(capsys.readouterr().out)
+        return real(*args, **kwargs)
+
+    return wrapped

@@ -10,7 +10,7 @@ import pytest
 from engine.replay import replay
 from engine.traces import load_trace
 from gateway.cli import main
-from tests.engine_helpers import interrupt_on_call
+from tests.engine_helpers import interrupt_on_call, noting_stdout
 
 MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
@@ -301,14 +301,8 @@ def test_cli_prints_each_row_as_its_run_finishes(tmp_path, capsys, monkeypatch):
     """A replay of a long trace takes minutes per run: rows must not wait for the last run."""
     import engine.replay
 
-    real = engine.replay.replay
-    printed_before = []  # stdout written before each run starts
-
-    def watched(*args, **kwargs):
-        printed_before.append(capsys.readouterr().out)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(engine.replay, "replay", watched)
+    printed_before: list[str] = []  # stdout written before each run starts
+    monkeypatch.setattr(engine.replay, "replay", noting_stdout(engine.replay.replay, capsys, printed_before))
     trace = write_bailian(tmp_path / "t.jsonl", requests=60)
     out_json = tmp_path / "r.json"
     assert main(["replay", str(trace), "--policies", "lru,fifo", "--capacity-blocks", "8,32", "--json", str(out_json),

@@ -9,6 +9,7 @@ from engine.traces import load_trace
 from gateway.cli import main
 from gateway.config import RouterConfig
 from gateway.routing_sim import load_imbalance, run_routing, simulate
+from tests.engine_helpers import noting_stdout
 
 
 def _trace(tmp_path, profile="to-c", duration=240.0):
@@ -109,14 +110,8 @@ def test_cli_says_that_belady_is_skipped_across_replicas(tmp_path, capsys):
 def test_cli_prints_each_routing_row_as_it_finishes(tmp_path, capsys, monkeypatch):
     import gateway.routing_sim
 
-    real = gateway.routing_sim.simulate
-    printed_before = []  # stdout written before each simulation starts
-
-    def watched(*args, **kwargs):
-        printed_before.append(capsys.readouterr().out)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gateway.routing_sim, "simulate", watched)
+    printed_before: list[str] = []  # stdout written before each simulation starts
+    monkeypatch.setattr(gateway.routing_sim, "simulate", noting_stdout(gateway.routing_sim.simulate, capsys, printed_before))
     trace_path = tmp_path / "t.jsonl"
     synth.write_trace(synth.synthesize("mixed", 60.0, 3.0, 5), str(trace_path))
     assert main(["replay", str(trace_path), "--replicas", "2", "--routing", "prefix-aware,round-robin",
