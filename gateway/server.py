@@ -173,14 +173,14 @@ async def _serve(app: web.Application, sockets: list[socket.socket], cfg: Server
     access_log = logging.getLogger("aiohttp.access") if cfg.access_log else None
     runner = web.AppRunner(app, handler_cancellation=True, access_log=access_log, handle_signals=False,
                            shutdown_timeout=_CLEANUP_TIMEOUT_S)
-    await runner.setup()
+    await _start_or_stop(runner)
+    signals = _Signals()
     try:
         sites = [web.SockSite(runner, sock) for sock in sockets]
         for site in sites:
             await site.start()
         host, port = sockets[0].getsockname()[:2]
         log.info("kvgate %s listening on http://%s:%d", what, host if ":" not in host else f"[{host}]", port)
-        signals = _Signals()
         await signals.first.wait()
         gw = app[GATEWAY]
         log.info("%s: stopping; /ready answers 503; %d requests in flight (drain up to %g s, a second signal "
@@ -201,6 +201,40 @@ async def _serve(app: web.Application, sockets: list[socket.socket], cfg: Server
     finally:
         await runner.cleanup()
     log.info("kvgate %s stopped", what)
+
+
+async def _start_or_stop(runner: web.AppRunner) -> None:
+    """The app's start-up (model loading: seconds to minutes), ended at once by
+    SIGINT (as KeyboardInterrupt) or SIGTERM (exit status 143).
+
+    Through the loop's own signal handling rather than Python's default: a
+    signal the kernel hands to another thread (the loading one, say) only sets
+    a flag, and with no wake-up descriptor the loop would sleep on until the
+    load ends before the main thread saw it.
+    """
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    received: list[signal.Signals] = []
+
+    def stop(sig: signal.Signals) -> None:
+        if not received:
+            received.append(sig)
+            task.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop, sig)
+    try:
+        await runner.setup()
+    except asyncio.CancelledError:
+        if not received:
+            raise
+        log.info("%s during start-up: stopping", received[0].name)
+        if received[0] == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise SystemExit(128 + signal.SIGTERM) from None
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
 
 
 # The last wait, for requests already told to end and for aiohttp's own cleanup.

@@ -151,11 +151,11 @@ def test_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
 
 def test_ctrl_c_during_a_slow_model_load_exits_at_once(monkeypatch):
     # A large model loads for minutes; Ctrl-C must not wait for the load to end.
-    loading = threading.Event()
+    loading, done = threading.Event(), threading.Event()
 
     def slow_load(*args, **kwargs):
         loading.set()
-        time.sleep(60)  # abandoned with its daemon thread; never returns within the test
+        done.wait(60)  # abandoned with its daemon thread until the test ends (it holds the model-load lock)
 
     monkeypatch.setattr(engine.async_engine.AsyncEngine, "from_config", staticmethod(slow_load))
 
@@ -172,6 +172,31 @@ def test_ctrl_c_during_a_slow_model_load_exits_at_once(monkeypatch):
         assert loading.is_set() and time.monotonic() - started < 15
     finally:
         signal.signal(signal.SIGINT, previous)
+        done.set()
+
+
+def test_sigterm_during_a_slow_model_load_exits_at_once_with_143(monkeypatch):
+    # Kubernetes stopping a pod whose engine is still loading: exit now, 128 + SIGTERM.
+    loading, done = threading.Event(), threading.Event()
+
+    def slow_load(*args, **kwargs):
+        loading.set()
+        done.wait(60)
+
+    monkeypatch.setattr(engine.async_engine.AsyncEngine, "from_config", staticmethod(slow_load))
+
+    def terminate() -> None:
+        if loading.wait(30):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate, daemon=True).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", "--port", "0"])
+        assert exited.value.code == 143 and time.monotonic() - started < 15
+    finally:
+        done.set()
 
 
 def test_a_second_server_starting_at_the_same_moment_is_refused_the_port():
