@@ -141,7 +141,8 @@ def is_http_url(url: str) -> bool:
 
 class RouterConfig(Section):
     # prefix-aware: cached blocks vs load; least-load: in-flight tokens only;
-    # round-robin: rotate; session: sticky by session (rendezvous hashing).
+    # round-robin: rotate; session: sticky by session (rendezvous hashing, with
+    # bounded loads: see gateway/router.py).
     policy: Literal["prefix-aware", "least-load", "round-robin", "session"] = "prefix-aware"
     # Cost = uncached prefill blocks + load_weight * in-flight blocks.  Below 1
     # because a batching engine shares its steps: a block already in flight delays
@@ -154,8 +155,10 @@ class RouterConfig(Section):
     # fires on ordinary jitter and throws prefix locality away.
     imbalance_abs_tokens: int = Field(262_144, ge=0)
     imbalance_rel: float = Field(1.5, ge=1)
-    # Hot-prefix spreading: once this many in-flight requests share a first block on
-    # one replica, the next one may go to a less loaded replica (which then caches it).
+    # Hot-prefix spreading: once this many in-flight requests share one cached run
+    # (the blocks a request matched, named by the last) on one replica, the next one
+    # may go to a less loaded replica (which then caches it).  Also the in-flight
+    # requests a replica always takes under session routing before a session spills.
     hot_prefix_inflight: int = Field(4, ge=1)
     # In-flight tokens charged per choice for decoding: min(max_tokens, this); the
     # real output length is unknown when routing, and max_tokens alone would drown

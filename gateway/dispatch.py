@@ -167,9 +167,12 @@ class Dispatcher:
                 status = exc.status if 400 <= exc.status < 600 else 502
                 raise errors.relayed(status, exc.body, str(exc), "api_error") from None
             finally:
-                if not exhausted:
-                    await aclose(gen)
-                router.release(ticket)
+                try:
+                    if not exhausted:
+                        await aclose(gen)
+                finally:
+                    # Even when a second cancellation lands while the replica's stream closes.
+                    router.release(ticket)
 
     async def merged(
         self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int

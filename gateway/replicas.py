@@ -38,6 +38,9 @@ from gateway.startup_thread import in_daemon_thread
 
 log = logging.getLogger(__name__)
 
+# Failed /metrics polls of an external server after which its last load figures are dropped.
+_METRICS_KEEP_POLLS = 3
+
 # Output index meaning "usage for the whole request" (remote replicas report one
 # usage chunk for all choices rather than one per choice).
 USAGE_ALL = -1
@@ -502,6 +505,7 @@ class RemoteReplica(Replica):
     async def _poll_metrics(self) -> None:
         """vLLM/SGLang Prometheus figures -> the router's load term (see Router.set_external_load)."""
         interval = self.router_cfg.health_interval_s
+        failures = 0
         while True:
             try:
                 async with self._session.get(self.cfg.metrics_url, headers=self._auth(),
@@ -510,11 +514,17 @@ class RemoteReplica(Replica):
                     text = await resp.text()
                 waiting, usage = parse_backend_metrics(text, self.cfg.model or (self.info.model if self.info else None))
                 self.waiting, self.kv_usage = waiting, usage
+                failures = 0
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - stale figures are worse than none
+            except Exception as exc:  # noqa: BLE001
+                failures += 1
                 log.debug("replica %s: metrics unavailable (%s)", self.name, exc)
-                self.waiting, self.kv_usage = 0.0, None
+                # A saturated server is the one whose /metrics times out: keep its last
+                # figures for a few polls rather than read it as idle; then drop them
+                # (an outage, not load, and the health checks judge those).
+                if failures > _METRICS_KEEP_POLLS:
+                    self.waiting, self.kv_usage = 0.0, None
             if self.load_listener is not None:
                 self.load_listener(self.waiting, self.kv_usage)
             await asyncio.sleep(interval)

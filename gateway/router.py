@@ -14,8 +14,10 @@ blocks are the gateway's own requests plus, for external backends with a
 metrics endpoint, the load they report (``set_external_load``).  Two guards keep
 a hot prefix or a run of misses from piling onto one replica: the imbalance
 valve (route by load alone while max-min in-flight is large) and hot-prefix
-spreading (past ``hot_prefix_inflight`` concurrent requests on one replica with
-the same first block, the next may go to a less loaded replica).
+spreading (past ``hot_prefix_inflight`` concurrent requests on one replica
+sharing the same cached run, named by its last block, the next may go to a less
+loaded replica).  Session routing is sticky within bounds: the valve, and no
+replica takes more than twice the mean number of in-flight requests.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ _MEAN_DECAY = 0.01
 _KV_PRESSURE_START = 0.9
 _KV_FULL_REQUESTS = 4.0
 _TIER_BITS = {"device": DEVICE_BIT, "host": HOST_BIT}
+# Session routing's bound (consistent hashing with bounded loads): a replica
+# takes a session's request while it would hold at most this times the mean
+# in-flight requests (the new one counted), or at most hot_prefix_inflight (a
+# few requests are no imbalance); else the session's next choice does.
+_SESSION_LOAD_FACTOR = 2.0
 
 
 class PrefixIndex(Protocol):
@@ -193,9 +200,9 @@ class Router:
             return Decision(i, "only", indexes[i].match(keys) if policy == "prefix-aware" else 0)
         if policy == "round-robin":
             return Decision(cands[self._turn % len(cands)], "round-robin", 0)
-        if policy == "session" and session is not None:
-            return Decision(self._rendezvous(session, cands), "session", 0)
         loads = self._loads()
+        if policy == "session" and session is not None and not self._imbalanced(cands, loads):
+            return self._session(session, cands)
         if policy != "prefix-aware" or self._imbalanced(cands, loads):
             reason = "imbalance" if policy == "prefix-aware" else "load"
             i = self._least_loaded(cands, loads)
@@ -207,14 +214,15 @@ class Router:
     ) -> Decision:
         nblocks = len(keys)
         weight = self.cfg.load_weight / self.block_size
-        n = len(self.names)
+        n = len(cands)
         turn = self._turn
         best = best_matched = -1
         best_rank = None
-        for i in cands:
+        for pos, i in enumerate(cands):
             m = indexes[i].match(keys) if nblocks else 0
-            # Ties break by load, then by a rotating order so equal misses spread.
-            rank = ((nblocks - m) + weight * loads[i], loads[i], (i - turn) % n)
+            # Ties break by load, then by a rotating order over the candidates so
+            # equal misses spread (a replica out of routing passes no extra share on).
+            rank = ((nblocks - m) + weight * loads[i], loads[i], (pos - turn) % n)
             if best_rank is None or rank < best_rank:
                 best, best_matched, best_rank = i, m, rank
         if not best_matched:
@@ -227,7 +235,7 @@ class Router:
             # Replicate a hot prefix rather than queueing everyone on its holder.
             alt = min(
                 (i for i in cands if i != best),
-                key=lambda i: (self._hot.get((i, key), 0), loads[i], (i - turn) % n),
+                key=lambda i: (self._hot.get((i, key), 0), loads[i], (cands.index(i) - turn) % n),
             )
             if loads[alt] < loads[best] and self._hot.get((alt, key), 0) < hot:
                 return Decision(alt, "hot-spread", indexes[alt].match(keys))
@@ -245,13 +253,22 @@ class Router:
         return hi - lo > self.cfg.imbalance_abs_tokens and hi > self.cfg.imbalance_rel * lo
 
     def _least_loaded(self, cands: Sequence[int], loads: Sequence[int]) -> int:
-        n = len(self.names)
-        return min(cands, key=lambda i: (loads[i], self.inflight_requests[i], (i - self._turn) % n))
+        n, turn = len(cands), self._turn
+        pos = {i: p for p, i in enumerate(cands)}
+        return min(cands, key=lambda i: (loads[i], self.inflight_requests[i], (pos[i] - turn) % n))
 
-    def _rendezvous(self, session: str, cands: list[int]) -> int:
-        # Highest random weight: a replica leaving moves only its own sessions.
+    def _session(self, session: str, cands: Sequence[int]) -> Decision:
+        """The session's replica by rendezvous hashing (a replica leaving moves only
+        its own sessions), passed over while it holds more than its bounded share."""
         s = session.encode()
-        return max(cands, key=lambda i: xxhash.xxh3_64_intdigest(s, seed=xxhash.xxh3_64_intdigest(self._name_seeds[i])))
+        order = sorted(cands, reverse=True,
+                       key=lambda i: xxhash.xxh3_64_intdigest(s, seed=xxhash.xxh3_64_intdigest(self._name_seeds[i])))
+        reqs = self.inflight_requests
+        cap = max(_SESSION_LOAD_FACTOR * (sum(reqs[i] for i in cands) + 1) / len(cands), self.cfg.hot_prefix_inflight)
+        for rank, i in enumerate(order):
+            if reqs[i] + 1 <= cap or rank == len(order) - 1:
+                return Decision(i, "session" if rank == 0 else "session-spill", 0)
+        raise AssertionError("unreachable: the last candidate is always taken")
 
     # -- in-flight accounting
 

@@ -294,7 +294,11 @@ async def test_external_openai_replica_process_with_approximate_index_and_metric
     proc = EngineProcess(tiny_config(tiny_model_dir), str(tmp_path))
     proc.start()
 
+    metrics_state = {"up": True}
+
     async def metrics(request):
+        if not metrics_state["up"]:
+            return web.Response(status=500, text="saturated")
         return web.Response(text=VLLM_METRICS, content_type="text/plain")
 
     stub = web.Application()
@@ -330,6 +334,12 @@ async def test_external_openai_replica_process_with_approximate_index_and_metric
         router = app[GATEWAY].router
         await wait_for(lambda: router.external_tokens[0] > 0, what="external load")
         assert router.external_tokens[0] >= 3 * 0.9 * router._mean_request_tokens
+        # A saturated server's /metrics fails: its last figures hold for a few polls
+        # (it is not read as idle at once), then go.
+        metrics_state["up"] = False
+        await asyncio.sleep(0.45)  # two polls
+        assert replica.waiting == 3.0 and replica.kv_usage == 0.95
+        await wait_for(lambda: replica.waiting == 0.0 and replica.kv_usage is None, what="stale figures dropped")
         await client.close()
     finally:
         if gw is not None:

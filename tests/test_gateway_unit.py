@@ -375,6 +375,34 @@ def test_other_policies():
     assert ll.choose([], idx, [True, True]).replica == 1
 
 
+def test_session_routing_is_sticky_within_bounded_loads():
+    names = ["a", "b", "c", "d"]
+    idx = [ExactIndex() for _ in names]
+    ses = Router(RouterConfig(policy="session", hot_prefix_inflight=4), names, 16)
+    home = ses.choose([], idx, [True] * 4, session="u0").replica
+    # A few requests of its own (the floor) leave the session where it is ...
+    for _ in range(3):
+        ses.acquire(home, 100)
+    assert ses.choose([], idx, [True] * 4, session="u0") == ses.choose([], idx, [True] * 4, session="u0")
+    assert ses.choose([], idx, [True] * 4, session="u0").reason == "session"
+    # ... but a replica holding over twice the mean takes no more: the session's next choice does.
+    for _ in range(20):
+        ses.acquire(home, 100)
+    d = ses.choose([], idx, [True] * 4, session="u0")
+    assert d.reason == "session-spill" and d.replica != home
+    # Every session spills to its own next choice, so the spill spreads rather than piling up.
+    spills = {ses.choose([], idx, [True] * 4, session=f"s{k}").replica for k in range(200)}
+    assert home not in spills and len(spills) == 3
+
+
+def test_ties_rotate_over_the_usable_replicas_only():
+    # With b out of routing its turn must not fall to c: equal misses spread evenly over a, c, d.
+    router = Router(RouterConfig(), ["a", "b", "c", "d"], block_size=16)
+    idx = [ExactIndex() for _ in range(4)]
+    picks = [router.choose([1, 2], idx, [True, False, True, True]).replica for _ in range(300)]
+    assert {r: picks.count(r) for r in set(picks)} == {0: 100, 2: 100, 3: 100}
+
+
 def test_default_config_still_loads():
     cfg = KvgateConfig()
     assert cfg.router.policy == "prefix-aware" and cfg.classifier.rules[0].when == "api_key"
@@ -459,3 +487,56 @@ async def test_cli_servers_freeze_startup_objects_out_of_gc_scans():
         assert gc.get_freeze_count() >= len(kept)
     finally:
         gc.unfreeze()
+
+
+
+async def test_in_flight_load_is_released_when_a_second_cancel_lands_during_close():
+    """A client leaves while its stream is being written (first cancel) and the
+    server's stop cancels again while the replica's stream closes: the request's
+    load on the replica must still be released."""
+    import asyncio
+
+    from engine.context import RequestContext
+    from engine.request import GenerationOutput
+    from gateway.dispatch import Dispatcher, Sub, aclose
+    from gateway.metrics import GatewayMetrics
+    from gateway.observe import Observer
+    from gateway.prefix import Prompt
+
+    class SlowToCloseReplicaFixture:
+        name, kind, healthy = "slow", "engine", True
+
+        def __init__(self) -> None:
+            self.index = ExactIndex()
+
+        async def generate(self, job):
+            try:
+                while True:
+                    yield [GenerationOutput(job.request.request_id, 0, [1], "a")]
+                    await asyncio.sleep(0.01)
+            finally:
+                await asyncio.sleep(0.05)  # a remote stream's close awaits its connection
+
+    router = Router(RouterConfig(), ["slow"], block_size=16)
+    metrics = GatewayMetrics()
+    dispatcher = Dispatcher(router, [SlowToCloseReplicaFixture()], metrics, Observer(KvgateConfig(), metrics))
+    parsed = parse_request(COMPLETIONS, {"model": "m", "prompt": "hi"}, LimitsConfig())
+    gen, _ = dispatcher.run([Sub(Prompt(list(range(40)), [], [1, 2]), "hi", RequestContext(), 0)], parsed, 16)
+
+    async def writer() -> None:
+        try:
+            async for _ in gen:
+                await asyncio.sleep(1)  # writing to a slow client when the cancel lands
+        finally:
+            await aclose(gen)
+
+    task = asyncio.ensure_future(writer())
+    await asyncio.sleep(0.03)
+    assert router.inflight_requests == [1]
+    task.cancel()
+    await asyncio.sleep(0.01)
+    task.cancel()  # lands while the replica's stream is still closing
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.1)
+    assert router.inflight_requests == [0] and router.inflight_tokens == [0]
