@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 # A /kv_events consumer this far behind is cut off; it resyncs from a snapshot.
 _BACKLOG = 100_000
-_CUT = object()  # queued once a follower's backlog is full: its stream ends there
 
 
 class EngineEndpoints:
@@ -70,10 +69,9 @@ class EngineEndpoints:
         def put(item) -> None:
             nonlocal lagging
             if lagging:
-                return  # the stream ends (and the gateway resyncs): keep nothing more for it
+                return  # the writer stops at its next item (the queue is full): keep nothing more
             if queue.qsize() >= _BACKLOG:
                 lagging = True
-                queue.put_nowait(_CUT)  # the writer stops when it gets here; the queue stays bounded
                 return
             queue.put_nowait(item)
 
@@ -96,8 +94,6 @@ class EngineEndpoints:
                 queue.put_nowait(None)
             while not lagging:
                 item = await queue.get()
-                if item is _CUT:
-                    break
                 if item is None:
                     # Shutting down: the engine finishes what it holds but takes
                     # nothing new; a gateway that knows stops routing here without

@@ -147,9 +147,6 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
         req.cache_salt = salt
     _parse_sampling(req, body, limits, _MAX_TOP_LOGPROBS_CHAT if engine_mode else _MAX_LOGPROBS_COMPLETIONS)
     if endpoint == CHAT:
-        if req.sampling.n > limits.max_choices:
-            raise bad_request(f"Too many choices: n={req.sampling.n}. This server allows at most {limits.max_choices} "
-                              "(server.limits.max_choices).", "n")
         _parse_messages(req, body, limits)
         if "tools" in body or "tool_choice" in body or "response_format" in body or "functions" in body:
             _parse_chat_extras(req, body)
@@ -158,6 +155,12 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
         req.top_with_sampled = not engine_mode
         if "echo" in body or "suffix" in body or "best_of" in body:
             _parse_completion_extras(req, body)
+    # Each prompt's n choices are decoded on their own: cap one request's share.
+    n, prompts = req.sampling.n, len(req.prompts) if req.prompts is not None else 1
+    if prompts * n > limits.max_choices:
+        asked = f"{prompts} prompts x n={n}" if req.prompts is not None else f"n={n}"
+        raise bad_request(f"Too many choices: {asked}. This server allows at most {limits.max_choices} "
+                          "(server.limits.max_choices).", "n")
     return req
 
 
@@ -445,9 +448,6 @@ def _parse_prompt(req: ParsedRequest, body: dict, limits: LimitsConfig) -> None:
         raise bad_request("Invalid prompt: must be a non-empty string or array.", "prompt")
     if len(prompts) > limits.max_prompts:
         raise bad_request(f"Too many prompts: {len(prompts)}. This server allows at most {limits.max_prompts}.", "prompt")
-    if len(prompts) * req.sampling.n > limits.max_choices:
-        raise bad_request(f"Too many choices: {len(prompts)} prompts x n={req.sampling.n}. This server allows at most "
-                          f"{limits.max_choices} (server.limits.max_choices).", "n")
     req.prompts = prompts
     req.user_turns = 1
 

@@ -233,10 +233,10 @@ class Router:
         hot = self._hot.get((best, key), 0)
         if hot >= self.cfg.hot_prefix_inflight:
             # Replicate a hot prefix rather than queueing everyone on its holder.
-            alt = min(
-                (i for i in cands if i != best),
-                key=lambda i: (self._hot.get((i, key), 0), loads[i], (cands.index(i) - turn) % n),
-            )
+            alt = cands[min(
+                (pos for pos, i in enumerate(cands) if i != best),
+                key=lambda pos: (self._hot.get((cands[pos], key), 0), loads[cands[pos]], (pos - turn) % n),
+            )]
             if loads[alt] < loads[best] and self._hot.get((alt, key), 0) < hot:
                 return Decision(alt, "hot-spread", indexes[alt].match(keys))
         return Decision(best, "prefix", best_matched)
@@ -253,9 +253,8 @@ class Router:
         return hi - lo > self.cfg.imbalance_abs_tokens and hi > self.cfg.imbalance_rel * lo
 
     def _least_loaded(self, cands: Sequence[int], loads: Sequence[int]) -> int:
-        n, turn = len(cands), self._turn
-        pos = {i: p for p, i in enumerate(cands)}
-        return min(cands, key=lambda i: (loads[i], self.inflight_requests[i], (pos[i] - turn) % n))
+        n, turn, reqs = len(cands), self._turn, self.inflight_requests
+        return cands[min(range(n), key=lambda pos: (loads[cands[pos]], reqs[cands[pos]], (pos - turn) % n))]
 
     def _session(self, session: str, cands: Sequence[int]) -> Decision:
         """The session's replica by rendezvous hashing (a replica leaving moves only
@@ -265,10 +264,8 @@ class Router:
                        key=lambda i: xxhash.xxh3_64_intdigest(s, seed=xxhash.xxh3_64_intdigest(self._name_seeds[i])))
         reqs = self.inflight_requests
         cap = max(_SESSION_LOAD_FACTOR * (sum(reqs[i] for i in cands) + 1) / len(cands), self.cfg.hot_prefix_inflight)
-        for rank, i in enumerate(order):
-            if reqs[i] + 1 <= cap or rank == len(order) - 1:
-                return Decision(i, "session" if rank == 0 else "session-spill", 0)
-        raise AssertionError("unreachable: the last candidate is always taken")
+        i = next((i for i in order if reqs[i] + 1 <= cap), order[-1])
+        return Decision(i, "session" if i == order[0] else "session-spill", 0)
 
     # -- in-flight accounting
 

@@ -9,6 +9,7 @@ from typing import AsyncIterator
 import aiohttp
 import openai
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.server import start_server
 
@@ -33,4 +34,17 @@ async def sse_events(resp: aiohttp.ClientResponse) -> list:
         if line.startswith(b"data: "):
             data = line[6:].strip()
             out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+async def metric_by_replica(url: str, name: str) -> dict[str, float]:
+    """The server's /metrics samples of series ``name``, summed by replica label."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/metrics") as resp:
+            text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[sample.labels["replica"]] = out.get(sample.labels["replica"], 0.0) + sample.value
     return out

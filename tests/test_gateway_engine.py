@@ -18,7 +18,7 @@ from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, KvgateConfig, ReplicaConfig, RouterConfig, ServerConfig
 from gateway.server import start_server
 from tests.engine_procs import wait_for
-from tests.gateway_helpers import serving
+from tests.gateway_helpers import metric_by_replica, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -226,14 +226,8 @@ async def test_tenants_neither_share_nor_see_each_others_cache(tiny_model_dir, w
         # The longest salt a client may send still fits once the tenant is added (remote engines too).
         assert await cached("sk-a1", extra_body={"cache_salt": "s" * 1024}) == 0
         # The router predicted what the engine served: its keys are the engine's.
-        predicted = hits = 0.0
-        async with aiohttp.ClientSession() as session:
-            async with session.get(server.url + "/metrics") as resp:
-                for line in (await resp.text()).splitlines():
-                    if line.startswith("kvgate_router_predicted_hit_tokens_total{"):
-                        predicted += float(line.split()[-1])
-                    elif line.startswith("kvgate_prefix_cache_hits_tokens_total{"):
-                        hits += float(line.split()[-1])
+        predicted = sum((await metric_by_replica(server.url, "kvgate_router_predicted_hit_tokens_total")).values())
+        hits = sum((await metric_by_replica(server.url, "kvgate_prefix_cache_hits_tokens_total")).values())
         assert predicted == hits > 0
     finally:
         for client in clients.values():

@@ -33,7 +33,7 @@ from tests.engine_procs import (
     tiny_config,
     wait_for,
 )
-from tests.gateway_helpers import sse_events
+from tests.gateway_helpers import metric_by_replica, sse_events
 
 
 async def _engine_server(model_dir, **kw):
@@ -188,19 +188,6 @@ async def test_dead_replica_is_retried_before_first_byte_and_leaves_routing(tiny
         await s1.stop()
 
 
-async def _by_replica(url: str, name: str) -> dict[str, float]:
-    """The samples of the gateway's series ``name``, by replica label."""
-    async with aiohttp.ClientSession() as session:
-        async with session.get(url + "/metrics") as resp:
-            text = await resp.text()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                out[sample.labels["replica"]] = out.get(sample.labels["replica"], 0.0) + sample.value
-    return out
-
-
 async def test_a_failed_attempt_predicts_no_hits_on_the_replica_it_left(tiny_model_dir):
     """Predicted and served cached tokens are compared per replica to spot index
     drift: an attempt that fails over before its first output counts on neither."""
@@ -218,7 +205,7 @@ async def test_a_failed_attempt_predicts_no_hits_on_the_replica_it_left(tiny_mod
         messages = [{"role": "user", "content": "A long question about the history of the Roman empire. " * 6}]
         for _ in range(2):
             await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
-        before = await _by_replica(gw.url, predicted_name)
+        before = await metric_by_replica(gw.url, predicted_name)
         holder = next(r for r in replicas if before.get(r.name, 0) > 0)
         other = next(r for r in replicas if r is not holder)
 
@@ -229,7 +216,7 @@ async def test_a_failed_attempt_predicts_no_hits_on_the_replica_it_left(tiny_mod
         holder.generate = refuse
         resp = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
         assert resp.usage.prompt_tokens_details.cached_tokens == 0  # served by the other replica, cold
-        after = await _by_replica(gw.url, predicted_name)
+        after = await metric_by_replica(gw.url, predicted_name)
         assert after.get(holder.name, 0) == before[holder.name]
         assert after.get(other.name, 0) == 0
     finally:
@@ -350,11 +337,7 @@ async def test_external_openai_replica_process_with_approximate_index_and_metric
 
 async def _engine_series(url: str) -> set[str]:
     """The replicas that kvgate_engine_requests has series for."""
-    async with aiohttp.ClientSession() as session:
-        async with session.get(url + "/metrics") as resp:
-            text = await resp.text()
-    return {sample.labels["replica"] for family in text_string_to_metric_families(text) for sample in family.samples
-            if sample.name == "kvgate_engine_requests"}
+    return set(await metric_by_replica(url, "kvgate_engine_requests"))
 
 
 async def test_engine_figures_outlive_one_failed_fetch_but_not_an_outage(monkeypatch):
