@@ -142,8 +142,9 @@ class Gateway:
             if r.kind == "engine" and r.info_known:
                 self.replica_learnt(r)
         for i, r in enumerate(self.replicas):
-            # Backends with a metrics_url report load the gateway cannot count itself.
-            r.load_listener = lambda waiting, usage, i=i: self.router.set_external_load(i, waiting, usage)
+            # Load the gateway cannot count itself: other gateways' requests on a shared
+            # `kvgate engine`, other clients' and queueing on an external server.
+            r.load_listener = lambda load, i=i: self.router.set_external_load(i, load)
         for i, r in enumerate(self.replicas):
             self.metrics.watch_replica(
                 r.name,
@@ -578,19 +579,20 @@ def create_app(
     gw = Gateway(config, replicas, engine_mode, tokenizer)
     app[GATEWAY] = gw
     app.cleanup_ctx.append(gw.lifespan)
+    extra = EngineEndpoints(gw) if engine_mode else None
     routes = [
         ("POST", "/v1/chat/completions", functools.partial(gw.serve, endpoint=CHAT)),
         ("POST", "/v1/completions", functools.partial(gw.serve, endpoint=COMPLETIONS)),
         ("GET", "/v1/models", gw.models),
         ("GET", "/v1/models/{model:.+}", gw.model),
-        ("GET", "/health", gw.health),
+        # An engine's probe answer carries its load, for the gateways in front of it.
+        ("GET", "/health", extra.health if extra is not None else gw.health),
         ("GET", "/ready", gw.ready),
         ("GET", "/metrics", gw.metrics_endpoint),
         ("GET", "/stats", gw.stats),
         ("GET", "/dashboard", gw.dashboard),
     ]
-    if engine_mode:
-        extra = EngineEndpoints(gw)
+    if extra is not None:
         gw.drain_hooks.append(extra.announce_draining)
         app.on_shutdown.append(extra.on_shutdown)
         routes += [

@@ -4,7 +4,9 @@
 hashes prompts exactly as this engine does.  ``/kv_events``: the engine's
 block stored/removed events as server-sent events, so a gateway keeps an
 exact index of what this engine holds.  ``/kvgate/stats``: the engine's
-figures, polled by gateways for their /metrics and /stats.
+figures, polled by gateways for their /metrics and /stats.  ``/health``
+answers with the engine's load (requests running and waiting, KV usage), so
+that gateways sharing engines see each other's work.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class EngineEndpoints:
         gw = self.gateway
         gw.authenticate(request)
         return web.json_response(gw.replicas[0].engine.stats())
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Alive, and how loaded: every gateway probing this engine learns the
+        requests it holds, other gateways' included (RemoteReplica._probe)."""
+        return web.json_response({"status": "ok", **self.gateway.replicas[0].engine.load()})
 
     async def info(self, request: web.Request) -> web.Response:
         """Block identity and limits: what a gateway needs to hash prompts as this engine does."""

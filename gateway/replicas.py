@@ -33,7 +33,7 @@ import aiohttp
 from engine.request import GenerationOutput, GenerationRequest, TokenLogprob, Usage
 from gateway.config import KvgateConfig, ReplicaConfig, RouterConfig
 from gateway.protocol import CHAT, ParsedRequest
-from gateway.router import ApproxIndex, ExactIndex
+from gateway.router import ApproxIndex, BackendLoad, ExactIndex
 from gateway.startup_thread import in_daemon_thread
 
 log = logging.getLogger(__name__)
@@ -104,9 +104,9 @@ class Replica:
         self.healthy = False
         self.info: ReplicaInfo | None = None
         self.index: ExactIndex | ApproxIndex = ExactIndex()
-        # Set by the gateway: called with (waiting requests, KV usage 0..1 or None)
-        # whenever a backend reports load the gateway did not count itself.
-        self.load_listener: Callable[[float, float | None], None] | None = None
+        # Set by the gateway: called whenever a backend reports its own load
+        # (a `kvgate engine` on each probe, an external server from metrics_url).
+        self.load_listener: Callable[[BackendLoad], None] | None = None
 
     async def start(self) -> None:
         raise NotImplementedError
@@ -292,7 +292,8 @@ class RemoteReplica(Replica):
         self.info_listener: Callable[[Replica], None] | None = None
         self.events_seen = 0
         self.trips = 0
-        # Last figures from the backend's Prometheus endpoint (metrics_url).
+        # Last figures from the backend's Prometheus endpoint (metrics_url) or, for
+        # a `kvgate engine`, its KV usage from the last probe.
         self.waiting: float = 0.0
         self.kv_usage: float | None = None
 
@@ -379,9 +380,26 @@ class RemoteReplica(Replica):
         try:
             timeout = aiohttp.ClientTimeout(total=self.router_cfg.health_timeout_s)
             async with self._session.get(self.base + path, headers=self._auth(), timeout=timeout) as resp:
-                return resp.status == 200
+                if resp.status != 200:
+                    return False
+                if self.kind == "engine":
+                    self._note_engine_load(await resp.read())
+                return True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
+
+    def _note_engine_load(self, body: bytes) -> None:
+        """A `kvgate engine`'s probe answer holds every request it has, so several
+        gateways sharing engines each see the others' work (EngineEndpoints.health)."""
+        try:
+            data = json.loads(body)
+            held = int(data["running"]) + int(data["waiting"])
+            usage = float(data["kv_usage"])
+        except (ValueError, TypeError, KeyError):
+            return  # an engine that does not report load: priced by this gateway's own requests
+        self.kv_usage = usage
+        if self.load_listener is not None:
+            self.load_listener(BackendLoad(0.0, usage, held))
 
     async def _health_loop(self) -> None:
         interval = self.router_cfg.health_interval_s
@@ -526,7 +544,7 @@ class RemoteReplica(Replica):
                 if failures > _METRICS_KEEP_POLLS:
                     self.waiting, self.kv_usage = 0.0, None
             if self.load_listener is not None:
-                self.load_listener(self.waiting, self.kv_usage)
+                self.load_listener(BackendLoad(self.waiting, self.kv_usage))
             await asyncio.sleep(interval)
 
     # -- requests

@@ -10,8 +10,9 @@ Cost of sending a request to replica r (prefix-aware):
     uncached prefill blocks on r  +  load_weight * in-flight blocks on r
 
 in blocks, not fractions (fractions over-reward short prompts).  In-flight
-blocks are the gateway's own requests plus, for external backends with a
-metrics endpoint, the load they report (``set_external_load``).  Two guards keep
+blocks are the gateway's own requests plus the load replicas report
+(``set_external_load``): other gateways' requests on a shared `kvgate engine`,
+and an external backend's queue when it has a metrics endpoint.  Two guards keep
 a hot prefix or a run of misses from piling onto one replica: the imbalance
 valve (route by load alone while max-min in-flight is large) and hot-prefix
 spreading (past ``hot_prefix_inflight`` concurrent requests on one replica
@@ -42,6 +43,16 @@ _TIER_BITS = {"device": DEVICE_BIT, "host": HOST_BIT}
 # in-flight requests (the new one counted), or at most hot_prefix_inflight (a
 # few requests are no imbalance); else the session's next choice does.
 _SESSION_LOAD_FACTOR = 2.0
+
+
+class BackendLoad(NamedTuple):
+    """Load a replica reports about itself (Router.set_external_load)."""
+
+    waiting: float  # requests queued on an external server (vLLM's num_requests_waiting)
+    kv_usage: float | None  # device KV blocks held by requests, 0..1; None: not reported
+    # A `kvgate engine`'s every request, running or waiting, this gateway's included
+    # (other gateways sharing the engine send the rest); None: an external server.
+    held: int | None = None
 
 
 class PrefixIndex(Protocol):
@@ -166,8 +177,8 @@ class Router:
         self.inflight_tokens = [0] * n
         self.inflight_requests = [0] * n
         # Load a backend reports that the gateway did not send or cannot see
-        # (other clients, queueing): tokens added to the load term.  Only
-        # external replicas with a metrics_url set it (set_external_load).
+        # (other gateways and clients, queueing): tokens added to the load term.
+        # Remote engines and external replicas with a metrics_url set it (set_external_load).
         self.external_tokens = [0] * n
         # Mean tokens charged per request, to price a reported waiting request.
         self._mean_request_tokens = float(_PRIOR_REQUEST_TOKENS)
@@ -300,18 +311,27 @@ class Router:
             else:
                 self._hot.pop(slot, None)
 
-    def set_external_load(self, replica: int, waiting: float, kv_usage: float | None) -> None:
-        """A backend's own load figures (vLLM: num_requests_waiting, kv_cache_usage_perc).
+    def set_external_load(self, replica: int, load: BackendLoad) -> None:
+        """A backend's own load figures (vLLM: num_requests_waiting, kv_cache_usage_perc;
+        a `kvgate engine`: the requests it holds, from its health probe).
 
-        Each waiting request counts as an average request of this gateway's
-        traffic.  KV usage past ``_KV_PRESSURE_START`` means the next request
-        will wait for blocks or evict cached prefixes: it ramps up to
-        ``_KV_FULL_REQUESTS`` more waiting requests at 100%.  (The gateway's
-        own queued requests are in ``waiting`` too and so count twice; that
-        only happens when the backend is already queueing, where leaning
-        away from it is the right direction anyway.)
+        Each request the gateway did not send counts as an average request of
+        this gateway's traffic: a `kvgate engine`'s requests beyond this
+        gateway's in-flight ones (other gateways'), an external server's
+        waiting ones.  KV usage past ``_KV_PRESSURE_START`` means the next
+        request will wait for blocks or evict cached prefixes: it ramps up to
+        ``_KV_FULL_REQUESTS`` more requests at 100%.  (An external server's
+        waiting requests include this gateway's own queued ones, which so
+        count twice; that only happens when the backend is already queueing,
+        where leaning away from it is the right direction anyway.)
         """
-        extra = max(0.0, waiting)
+        if load.held is not None:
+            # Ours are counted already; requests in transit either way make the
+            # difference briefly small or negative, never a lasting error.
+            extra = float(max(0, load.held - self.inflight_requests[replica]))
+        else:
+            extra = max(0.0, load.waiting)
+        kv_usage = load.kv_usage
         if kv_usage is not None and kv_usage > _KV_PRESSURE_START:
             extra += _KV_FULL_REQUESTS * min(1.0, (kv_usage - _KV_PRESSURE_START) / (1.0 - _KV_PRESSURE_START))
         self.external_tokens[replica] = int(extra * self._mean_request_tokens)

@@ -335,6 +335,59 @@ async def test_external_openai_replica_process_with_approximate_index_and_metric
         proc.stop()
 
 
+async def test_gateways_sharing_engines_see_each_others_load(tiny_model_dir):
+    """Another gateway's requests hold one of two shared engines (its forward is
+    held at a gate): this gateway learns so from the engine's health probe and
+    sends its own fresh prompts to the other engine."""
+    import threading
+
+    (e1, s1), (e2, s2) = [await _engine_server(tiny_model_dir) for _ in range(2)]
+    gate = threading.Event()
+    run = e1.runner.run
+
+    def held_run(batch):
+        gate.wait(30)
+        return run(batch)
+
+    e1.runner.run = held_run
+    on_e2 = record_requests(e2)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=s1.url, name="e1"),
+                                          ReplicaConfig(kind="engine", url=s2.url, name="e2")],
+                         router=RouterConfig(health_interval_s=0.1))
+    app = create_app(config)
+    gw = await start_server(app)
+    ours, theirs = _client(gw.url), _client(s1.url)
+    others = []
+    try:
+        replicas = app[GATEWAY].replicas
+        await wait_for(lambda: all(r.healthy for r in replicas), what="replicas healthy")
+        # The other gateway's four requests, straight to e1 (as a gateway sends them).
+        others = [asyncio.create_task(theirs.completions.create(model=MODEL, prompt=f"elsewhere {i}", max_tokens=2))
+                  for i in range(4)]
+        router = app[GATEWAY].router
+        await wait_for(lambda: router.external_tokens[0] >= 4 * router._mean_request_tokens * 0.99,
+                       what="e1's load seen")
+        assert router.external_tokens[1] == 0
+        answers = await asyncio.wait_for(asyncio.gather(*(
+            ours.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"question {i}"}],
+                                         max_tokens=2) for i in range(4))), 30)
+        assert all(a.choices[0].finish_reason in ("stop", "length") for a in answers)
+        assert len(on_e2) == 4
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*others), 30)
+        await wait_for(lambda: router.external_tokens[0] == 0, what="e1's load gone")
+    finally:
+        gate.set()
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        await ours.close()
+        await theirs.close()
+        await gw.stop()
+        await s1.stop()
+        await s2.stop()
+
+
 async def _engine_series(url: str) -> set[str]:
     """The replicas that kvgate_engine_requests has series for."""
     return set(await metric_by_replica(url, "kvgate_engine_requests"))

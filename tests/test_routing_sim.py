@@ -8,6 +8,7 @@ from engine import synth
 from engine.traces import load_trace
 from gateway.cli import main
 from gateway.config import RouterConfig
+from gateway.router import BackendLoad
 from gateway.routing_sim import load_imbalance, run_routing, simulate
 from tests.engine_helpers import noting_stdout
 
@@ -79,15 +80,33 @@ def test_backend_reported_load_steers_the_router():
 
     router = Router(RouterConfig(), ["a", "b"], block_size=16)
     idx = [ExactIndex(), ExactIndex()]
-    router.set_external_load(0, waiting=4, kv_usage=0.5)
+    router.set_external_load(0, BackendLoad(waiting=4, kv_usage=0.5))
     assert router.external_tokens == [4 * 1024, 0]
     assert all(router.choose([1, 2], idx, [True, True]).replica == 1 for _ in range(4))
-    router.set_external_load(0, waiting=0, kv_usage=1.0)  # a full KV cache: 4 requests' worth
+    router.set_external_load(0, BackendLoad(waiting=0, kv_usage=1.0))  # a full KV cache: 4 requests' worth
     assert router.external_tokens[0] == 4 * 1024
-    router.set_external_load(0, waiting=0, kv_usage=None)
+    router.set_external_load(0, BackendLoad(waiting=0, kv_usage=None))
     assert router.external_tokens == [0, 0]
     # In-flight accounting is untouched by it.
     assert router.inflight_tokens == [0, 0]
+
+
+def test_a_shared_engine_prices_only_the_requests_other_gateways_sent():
+    from gateway.router import Router
+
+    router = Router(RouterConfig(), ["a", "b"], block_size=16)
+    tickets = [router.acquire(0, 100) for _ in range(3)]
+    # The engine holds 5 requests: our 3 and 2 from elsewhere.
+    router.set_external_load(0, BackendLoad(waiting=0.0, kv_usage=0.2, held=5))
+    assert router.external_tokens[0] == int(2 * router._mean_request_tokens)
+    # Ours only (or fewer: ours still in transit): nothing from elsewhere.
+    for held in (3, 1):
+        router.set_external_load(0, BackendLoad(waiting=0.0, kv_usage=0.2, held=held))
+        assert router.external_tokens[0] == 0
+    for ticket in tickets:
+        router.release(ticket)
+    router.set_external_load(0, BackendLoad(waiting=0.0, kv_usage=0.2, held=5))
+    assert router.external_tokens[0] == int(5 * router._mean_request_tokens)
 
 
 def test_cli_says_that_belady_is_skipped_across_replicas(tmp_path, capsys):
