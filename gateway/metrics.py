@@ -31,11 +31,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
+from engine.context import WORKLOADS
+from gateway.protocol import CHAT, COMPLETIONS
+
 # Seconds; TTFT on a CPU engine ranges from milliseconds to tens of seconds, and
 # a long stream may run for minutes (replicas' read_timeout_s is 300 s).  Finer
 # from 0.5 to 10 s, where GPU serving's TTFT objectives sit (vLLM's 0.75 and 7.5 too).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 4.0, 5.0, 7.5, 10.0,
                     30.0, 60.0, 120.0, 300.0, 600.0)
+# kvgate_requests_total statuses exported from zero for every endpoint and
+# workload: success, bad request, rate limited, failed, unavailable.
+_COMMON_STATUSES = ("200", "400", "429", "500", "503")
 # Gaps between streamed tokens are much shorter than whole-request latencies.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
@@ -82,6 +88,12 @@ class GatewayMetrics:
             "kvgate_requests", "Requests served, by endpoint, workload and HTTP status.",
             ["endpoint", "workload", "status"], registry=r,
         )
+        # Exported from zero, so that rate() and alerts see the first error of a
+        # kind (a series born at 1 shows no increase); rarer statuses appear as they come.
+        for endpoint in (CHAT, COMPLETIONS):
+            for workload in (*WORKLOADS, "unknown"):
+                for status in _COMMON_STATUSES:
+                    self.requests.labels(endpoint, workload, status)
         self.ttft = LoopHistogram(
             "kvgate_time_to_first_token_seconds", "Time from request arrival to the first token sent.",
             ["workload"], buckets=_LATENCY_BUCKETS, registry=r,

@@ -459,6 +459,24 @@ async def test_remote_engine_stats_reach_the_gateway_metrics(live, tiny_model_di
         await engine_server.stop()
 
 
+def test_request_counts_of_common_statuses_start_at_zero():
+    """An alert on rate(kvgate_requests_total{status="500"}) must see the first 500:
+    a series born at 1 shows no increase, so the common ones exist from the start."""
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+
+    found = {
+        (s.labels["endpoint"], s.labels["workload"], s.labels["status"]): s.value
+        for fam in text_string_to_metric_families(generate_latest(GatewayMetrics().registry).decode())
+        for s in fam.samples if s.name == "kvgate_requests_total"
+    }
+    for endpoint in ("chat", "completions"):
+        for workload in ("to-c", "to-b", "multimodal", "unknown"):
+            for status in ("200", "400", "429", "500", "503"):
+                assert found[endpoint, workload, status] == 0
+
+
 def test_loop_series_export_what_prometheus_client_exports():
     """The request-path series (lock-free, loop thread only) must read on a
     scrape exactly like prometheus_client's own Counter and Histogram fed the
