@@ -79,6 +79,12 @@ class EngineEndpoints:
                 return  # the writer stops at its next item (the queue is full): keep nothing more
             if queue.qsize() >= _BACKLOG:
                 lagging = True
+                # A follower this far behind has most likely stopped reading, and the
+                # writer then waits on a send that never drains: cut the connection
+                # (the writer's wait ends at once) rather than hold it until TCP gives up.
+                transport = request.transport
+                if transport is not None:
+                    transport.abort()
                 return
             queue.put_nowait(item)
 

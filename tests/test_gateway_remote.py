@@ -152,6 +152,45 @@ async def test_remote_disconnect_aborts_upstream(tiny_model_dir):
         await server.stop()
 
 
+async def test_a_kv_events_follower_that_stops_reading_is_cut_off(tiny_model_dir, monkeypatch):
+    """A follower that stops reading leaves the engine's writer waiting on a send
+    that never drains (here: every event write waits forever, a stand-in for a full
+    socket).  Once its backlog is full the engine cuts the connection, the writer
+    and its listener go, and the engine keeps serving."""
+    import gateway.engine_endpoints as endpoints
+
+    monkeypatch.setattr(endpoints, "_BACKLOG", 5)
+    real_write = web.StreamResponse.write
+
+    async def write_stalled_on_events(self, data):
+        if self._req is not None and self._req.path == "/kv_events" and bytes(data).startswith(b"data: "):
+            await asyncio.Event().wait()  # the follower's socket never drains
+        return await real_write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write_stalled_on_events)
+    engine, server = await _engine_server(tiny_model_dir, device_blocks=48, host_multiplier=0)
+    app_replica = server.runner.app[GATEWAY].replicas[0]
+    listeners = len(app_replica._listeners)
+    client = _client(server.url)
+    try:
+        async with aiohttp.ClientSession() as session:
+            follower = await session.get(server.url + "/kv_events")
+            assert (await follower.content.readline()).startswith(b"event: snapshot")
+            assert len(app_replica._listeners) == listeners + 1
+            for i in range(8):  # distinct prompts: stored blocks, then removals
+                await client.completions.create(model=MODEL, prompt=[(5 * i + j) % 300 + 10 for j in range(200)],
+                                                max_tokens=1)
+            # Cut mid-stream (an unfinished chunked body), not left hanging.
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await asyncio.wait_for(follower.content.read(), 10)
+        await wait_for(lambda: len(app_replica._listeners) == listeners, what="listener detached")
+        again = await client.completions.create(model=MODEL, prompt="Still serving", max_tokens=1)
+        assert again.usage.completion_tokens == 1
+    finally:
+        await client.close()
+        await server.stop()
+
+
 async def test_dead_replica_is_retried_before_first_byte_and_leaves_routing(tiny_model_dir):
     (e1, s1), (e2, s2) = [await _engine_server(tiny_model_dir) for _ in range(2)]
     seen = record_requests(e1)
