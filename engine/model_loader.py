@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ModelConfig
+
+# torch is imported by the functions that load weights, not here: a gateway whose
+# engines are all remote uses this module (served_name, ModelLoadError, its
+# tokenizer) and never needs torch, ~2 s of start-up and ~370 MB of memory.
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +40,17 @@ DEFAULT_CACHE_SUBDIR = "smollm2-135m-instruct"
 # bfloat16 wins where oneDNN has native bf16 kernels (avx512_bf16 or AMX);
 # without them bf16 is emulated and far slower, so float32 stays the choice.
 # (Plain HF forward showed the same for prefill, 2.56 s vs 1.13 s.)
-CUDA_DTYPE = torch.bfloat16
+CUDA_DTYPE = "bfloat16"  # a torch attribute name, as model.dtype's values are
 
 
 def _cpu_dtype() -> torch.dtype:
+    import torch
+
     try:
         native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         native_bf16 = False
     return torch.bfloat16 if native_bf16 else torch.float32
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelLoadError(RuntimeError):
@@ -69,15 +73,19 @@ class LoadedModel:
 
 
 def resolve_device(cfg: ModelConfig) -> torch.device:
+    import torch
+
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")
     return torch.device("cpu")
 
 
 def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    import torch
+
     if cfg.dtype != "auto":
-        return _DTYPES[cfg.dtype]
-    return CUDA_DTYPE if device.type == "cuda" else _cpu_dtype()
+        return getattr(torch, cfg.dtype)
+    return getattr(torch, CUDA_DTYPE) if device.type == "cuda" else _cpu_dtype()
 
 
 def default_gguf_path() -> str:
@@ -110,12 +118,14 @@ def _is_complete(folder: str) -> bool:
     return all(os.path.exists(os.path.join(folder, name)) for name in names)
 
 
-def load_gguf(gguf_file: str, dtype: torch.dtype = torch.float32):
+def load_gguf(gguf_file: str, dtype: torch.dtype | None = None):
     """(model, tokenizer) from a GGUF file, dequantised.
 
     Built from the GGUF's config and state dict directly: transformers'
     ``from_pretrained(gguf_file=)`` insists on accelerate, which we do not need.
+    ``dtype`` defaults to float32.
     """
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -123,7 +133,7 @@ def load_gguf(gguf_file: str, dtype: torch.dtype = torch.float32):
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
         tensors = load_gguf_checkpoint(gguf_file, return_tensors=True, model_to_load=model)["tensors"]
         missing, unexpected = model.load_state_dict(tensors, strict=False)
     except Exception as exc:  # noqa: BLE001 - one message for every cause
@@ -166,8 +176,44 @@ def served_name(cfg: ModelConfig) -> str:
     return name.removesuffix(".gguf") if name.endswith(".gguf") else (cfg.path if not os.path.exists(cfg.path) else name)
 
 
+def load_tokenizer(cfg: ModelConfig):
+    """The configured model's tokenizer alone, for a gateway whose engines are all remote."""
+    if cfg.path is None:
+        folder = default_model_dir(cfg.cache_dir)
+        if _saved_class(folder) == "TokenizersBackend":
+            # AutoTokenizer imports torch whenever torch is installed (its module
+            # imports configuration_utils, which imports modeling_rope_utils, which
+            # imports torch), only to pick the class from per-model rules.  For the
+            # bundled model (Llama) saved as TokenizersBackend it picks that very
+            # class (tests/test_remote_gateway_imports.py holds it to that), which
+            # loads without torch.
+            from transformers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(folder)
+        source, kwargs = folder, {}
+    else:
+        source, kwargs = os.path.expanduser(cfg.path), {}
+        if source.endswith(".gguf"):
+            source, kwargs["gguf_file"] = os.path.split(os.path.abspath(source))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source, **kwargs)
+
+
+def _saved_class(folder: str) -> str | None:
+    """The tokenizer class a saved directory names (None if it names none);
+    a copy converted by an older transformers may name another."""
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+            return json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load the configured model and tokenizer; raises ModelLoadError on any failure."""
+    import torch
+
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     if device.type == "cuda" and not torch.cuda.is_available():

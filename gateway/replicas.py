@@ -21,7 +21,6 @@ import contextlib
 import inspect
 import json
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -877,13 +876,6 @@ def default_model_name(config: KvgateConfig) -> str:
 
 def load_tokenizer(config: KvgateConfig):
     """The model's tokenizer alone, for a gateway whose engines are all remote."""
-    from transformers import AutoTokenizer
+    from engine.model_loader import load_tokenizer as load
 
-    from engine.model_loader import default_model_dir
-
-    cfg = config.model
-    source = cfg.path if cfg.path is not None else default_model_dir(cfg.cache_dir)
-    kwargs = {}
-    if source.endswith(".gguf"):
-        source, kwargs["gguf_file"] = os.path.split(os.path.abspath(source))
-    return AutoTokenizer.from_pretrained(os.path.expanduser(source), **kwargs)
+    return load(config.model)
