@@ -124,7 +124,9 @@ def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
             # In arrival order, so a parent is always seen before its child; a
             # recording is written as requests complete, which need not be that order.
             ctx = request.context
-            ctx.session = str(sessions.setdefault(ctx.chat_id, sessions.get(ctx.parent_chat_id, ctx.chat_id)))
+            session = str(sessions.setdefault(ctx.chat_id, sessions.get(ctx.parent_chat_id, ctx.chat_id)))
+            if ctx.session is None:  # a recording names the engine's own session
+                ctx.session = session
     block_tokens = BAILIAN_BLOCK_TOKENS if fmt == "bailian" else MOONCAKE_BLOCK_TOKENS
     return Trace(source, fmt, block_tokens, requests)
 
@@ -311,13 +313,17 @@ def _bailian_request(
         full = min(len(keys), input_length // max(block_tokens, 1))
         output_keys = _chain(_hash_ids(record, where, "output_hash_ids"), keys[full - 1] if full else 0, chain)
     cacheable = _field(record, "cacheable_blocks", int, where, default=-1)
+    # Recordings name the session the engine's policy keyed on (gateway/recorder.py).
+    session = _field(record, "session_id", (int, str), where) if "session_id" in record else None
     ctx = RequestContext(
         workload=workload,
         type=request_type,
         turn=turn,
         timestamp=timestamp,
         prompt_tokens=input_length,
-        prompt_blocks=len(keys),
+        # The engine's context counts full prompt blocks only (gateway: len(prompt.keys)).
+        prompt_blocks=cacheable if 0 <= cacheable < len(keys) else len(keys),
+        session=f"s{session}" if session is not None else None,
         chat_id=chat_id,
         parent_chat_id=parent,
     )

@@ -25,7 +25,11 @@ so that replay does what the engine did rather than approximately so:
   cached (in-process replicas, whose outputs carry token ids); a later turn
   that resends the answer hits them, so replay caches them after the prompt,
   uncounted;
-- ``block_tokens``: the engine's block size when it is not 16.
+- ``block_tokens``: the engine's block size when it is not 16;
+- ``session_id``: the request's session as the engine's policy saw it (the
+  ``user`` field when given, else the conversation), a small per-file id; the
+  workload-aware policy keys its topic-switch detector and its shared class on
+  it, and chat ids alone only rebuild conversations.
 
 Past ``max_bytes`` the file rotates (FILE -> FILE.1 -> ...; ``keep`` files)
 and the id maps start afresh, so each file is a self-contained trace and
@@ -93,6 +97,13 @@ class TraceRecorder:
         if full < len(ids):
             # The engine never caches a partial block: replay counts it, but does not insert it.
             fields["cacheable_blocks"] = full
+        if ctx.session is not None:
+            # The session the engine's policy keyed on (the `user` field when given, else the
+            # conversation), as a small per-file id: replay cannot rebuild it from chat ids.
+            session = self._sessions.get(ctx.session)
+            if session is None:
+                session = self._sessions[ctx.session] = len(self._sessions) + 1
+            fields["session_id"] = session
         if output_keys:
             fields["output_hash_ids"] = self._ids_of(output_keys)
             if self.block_tokens != 16:
@@ -129,6 +140,7 @@ class TraceRecorder:
         self._ids: dict[int, int] = {}
         self._next_id = 0
         self._next_chat = 0
+        self._sessions: dict[str, int] = {}
         self._bytes = 0
         self._file = open(self.path, "w", encoding="ascii")
 

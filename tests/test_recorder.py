@@ -17,7 +17,8 @@ at once (their blocks are pinned while replay handles one request at a time;
 a prefix shared by requests in flight together is computed twice) and it
 inserts and releases blocks when it computes and finishes them, not at
 arrival.  Sequential traffic reproduced within 0.3 points (lru and wa); four
-clients within about 1 point.
+clients within 0.5 points in most runs, and the engine's wa ratio itself spreads
+by ~2 points from run to run (see the test's comment).
 """
 
 from __future__ import annotations
@@ -64,6 +65,26 @@ def test_lines_hold_remapped_ids_and_no_content(tmp_path):
     trace = load_trace(path)
     assert [r.context.workload for r in trace.requests] == ["to-c", "to-b"]
     assert trace.requests[0].keys[:2] == trace.requests[1].keys[:2] != trace.requests[1].keys
+
+
+def test_replay_keys_the_policy_on_the_sessions_the_engine_saw(tmp_path):
+    """The gateway's session is the `user` field when given: one user's separate
+    conversations are one session to the workload-aware policy (its topic-switch
+    detector and shared class key on it), which chat ids alone cannot rebuild."""
+    path = tmp_path / "trace.jsonl"
+    rec = TraceRecorder(path, clock=lambda: 0.0)
+    rec.record(RequestContext(chat_id=1, session="alice@example.com"), [11, 12], 40, 4, arrival=0.0)
+    rec.record(RequestContext(chat_id=2, session="alice@example.com"), [21], 20, 4, arrival=1.0)  # a new conversation
+    rec.record(RequestContext(chat_id=3, session="bob"), [31], 16, 4, arrival=2.0)
+    rec.record(RequestContext(chat_id=4), [41], 16, 4, arrival=3.0)  # no session: its conversation is one
+    rec.record(RequestContext(chat_id=5, parent_chat_id=4, turn=2), [41, 42], 32, 4, arrival=4.0)
+    rec.close()
+    assert "alice" not in path.read_text()  # a small id per file, not the user
+    alice1, alice2, bob, conv1, conv2 = load_trace(path).requests
+    assert alice1.context.session == alice2.context.session != bob.context.session
+    assert conv1.context.session == conv2.context.session not in (alice1.context.session, bob.context.session)
+    # As the engine's context counts them: full blocks only (40 tokens: 2 full + a partial one).
+    assert (alice1.context.prompt_blocks, len(alice1.keys)) == (2, 3)
 
 
 def test_generated_keys_are_the_blocks_the_engine_publishes():
@@ -211,6 +232,10 @@ async def test_replay_of_a_recording_reproduces_the_engine_hit_ratio(tiny_model_
     print(f"{policy}: {len(usages)} requests, {engine_blocks} prompt blocks, {evictions} evictions; "
           f"engine hit ratio {engine_ratio:.4f}, replay {result.hit_ratio:.4f}")
     assert 0.2 < engine_ratio < 0.9
-    # lru agrees within ~0.3 points; wa within 0.1-2.0 points over nine runs, as the engine's
-    # interleaving of the four clients decides which prefix parents are protected when.
+    # lru agrees within ~0.3 points, wa within ~0.5 in most runs.  The engine's wa ratio
+    # spreads by ~2 points from run to run: with 80 blocks and four clients, which of two
+    # near-simultaneous requests is admitted first decides whether a conversation's tail
+    # is evicted before its next turn, mostly while the policy still runs on its default
+    # model (the first refit).  Replay admits one request at a time and stays in the
+    # lower mode, so a lucky engine run lands up to ~1.5 points above it.
     assert result.hit_ratio == pytest.approx(engine_ratio, abs=0.03)
