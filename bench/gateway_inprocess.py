@@ -44,6 +44,8 @@ if ROOT not in sys.path:
 from aiohttp import web  # noqa: E402
 
 from bench.gateway import REQUEST, _servers, profiled, write_json  # noqa: E402
+from gateway.config import LimitsConfig  # noqa: E402
+from gateway.http_protocol import KvgateRunner  # noqa: E402
 
 _END_OF_CHUNKED = b"0\r\n\r\n"
 
@@ -83,7 +85,9 @@ class RecordingTransportBenchFixture(asyncio.Transport):
 
 
 async def _measure(app: web.Application, raw: bytes, concurrency: int, requests: int, rounds: int) -> list[float]:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # The protocol kvgate serves with (gateway/http_protocol.py), for both contenders, as bench/gateway.py.
+    runner = KvgateRunner(app, header_timeout_s=LimitsConfig().header_timeout_s, handler_cancellation=True,
+                          access_log=None)
     await runner.setup()
     loop = asyncio.get_running_loop()
     conns = []

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from engine.chat_tokens import ChatTokenizer
 from engine.config import ConfigError
@@ -274,21 +275,25 @@ class Gateway:
     async def read_body(self, request: web.Request) -> dict:
         limit = self.limits.max_body_bytes
         content = request.content
-        if content.is_eof():
-            # The whole body came with the headers (any small request): take it
-            # as it lies, without request.read()'s copy and its two awaits.
-            raw = content.read_nowait()
-            if len(raw) > limit:
-                raise errors.too_large(limit)
-            return parse_json(raw)
-        if request.content_length is not None and request.content_length > limit:
-            raise errors.too_large(limit)
         try:
+            if content.is_eof():
+                # The whole body came with the headers (any small request): take it
+                # as it lies, without request.read()'s copy and its two awaits.
+                raw = content.read_nowait()
+                if len(raw) > limit:
+                    raise errors.too_large(limit)
+                return parse_json(raw)
+            if request.content_length is not None and request.content_length > limit:
+                raise errors.too_large(limit)
             raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise errors.too_large(limit) from None
         except asyncio.TimeoutError:
             raise errors.body_timeout(self.limits.body_timeout_s) from None
+        except RequestPayloadError:
+            # aiohttp decodes a compressed body as it reads it; one that does not decode is the client's.
+            raise bad_request("The request body could not be read: it does not decode as its Content-Encoding "
+                              "says, or its framing is broken.") from None
         return parse_json(raw)
 
     # -- completions

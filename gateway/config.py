@@ -46,6 +46,13 @@ class LimitsConfig(Section):
     # A request body must arrive within this many seconds (408 after): a client
     # trickling its body holds no server slot for longer.
     body_timeout_s: float = Field(60.0, gt=0)
+    # A request's headers must arrive within this many seconds of its first byte
+    # (a new connection's first request: of the connection's opening); the
+    # connection is closed after, with a 408 if part of a request came.  A client
+    # trickling its headers (slow-loris) holds a connection no longer.  The idle
+    # wait between requests on a keep-alive connection is not counted.  0 or
+    # null: no limit.
+    header_timeout_s: float | None = Field(10.0, ge=0)
     # Completion requests this server holds at once (in flight or queued in its
     # engines); more get 429 with Retry-After, which OpenAI's SDKs retry.  None
     # queues without bound, as vLLM does; set it to shed load rather than let

@@ -9,6 +9,7 @@ a capped number of fuzzed examples, each with a tiny max_tokens.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import http.client
 import json
 import threading
@@ -37,10 +38,11 @@ class Server:
     def call(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def post(self, path: str, body: bytes, content_type: str = "application/json") -> tuple[int, dict | None]:
+    def post(self, path: str, body: bytes, content_type: str = "application/json",
+             headers: dict | None = None) -> tuple[int, dict | None]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         try:
-            conn.request("POST", path, body=body, headers={"Content-Type": content_type})
+            conn.request("POST", path, body=body, headers={"Content-Type": content_type, **(headers or {})})
             resp = conn.getresponse()
             raw = resp.read()
         finally:
@@ -122,6 +124,20 @@ def test_bad_request_is_a_4xx_openai_error(server, what, path, body):
     _assert_4xx(status, data, what)
     if what == "10 MB body":
         assert status == 413
+
+
+@pytest.mark.parametrize("encoding,body,says", [
+    ("gzip", b"this is not gzip at all", "Content-Encoding"),
+    ("deflate", b"\x00\x01 nor deflate", "Content-Encoding"),
+    ("gzip", gzip.compress(_chat())[:-12], "JSON"),  # cut short: what decodes is no whole JSON
+])
+def test_a_body_that_does_not_decode_is_a_400(server, encoding, body, says):
+    status, data = server.post("/v1/chat/completions", body, headers={"Content-Encoding": encoding})
+    _assert_4xx(status, data, f"bad {encoding} body")
+    assert status == 400 and says in data["error"]["message"]
+    # A body that does decode is served.
+    status, data = server.post("/v1/chat/completions", gzip.compress(_chat()), headers={"Content-Encoding": "gzip"})
+    assert status == 200 and data["choices"], data
 
 
 def test_server_still_serving_after_the_bad_cases(server):

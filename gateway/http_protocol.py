@@ -1,0 +1,198 @@
+"""aiohttp's HTTP/1.1 server protocol with two gaps closed, below the app's handlers.
+
+- A request aiohttp cannot parse (a bad request line, an invalid header, broken
+  chunked framing, a line over the size limit) gets an OpenAI error body with a
+  message of ours.  aiohttp's own answer is a text/plain page quoting the
+  offending bytes, an Authorization header (an API key) included.
+- A request's headers must arrive within ``header_timeout_s`` of its first byte
+  (a new connection's first request: of the connection's opening).  aiohttp
+  has no such deadline, so a client sending its headers a byte at a time
+  (slow-loris) would hold a connection, and a file descriptor, for aiohttp's
+  keep-alive hour.  The idle wait between requests stays aiohttp's
+  ``keepalive_timeout``.
+
+aiohttp internals relied on (checked against 3.14): ``AppRunner._make_server``
+(runs the app's startup and returns the ``web.Server`` the sites use as their
+protocol factory); ``Server._loop`` and ``Server._kwargs`` (what
+``Server.__call__`` passes to the protocol); and in ``RequestHandler``,
+``handle_error``'s signature, ``_waiter`` (set only while ``start()`` waits for
+the next request), ``_messages`` (requests parsed and not yet taken, a parse
+error among them) and ``_loop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from http import HTTPStatus
+
+from aiohttp import web
+from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError, InvalidHeader, InvalidURLError, LineTooLong
+from aiohttp.http_parser import HttpRequestParser, HttpRequestParserPy
+from aiohttp.web_protocol import RequestHandler
+
+from gateway import errors
+from gateway.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+# The first match names the error; all are the client's (400, as aiohttp answers them).
+_PARSE_ERRORS = (
+    (LineTooLong, "HTTP request line or header field too long", "line_too_long"),
+    (InvalidHeader, "Malformed HTTP request header", "invalid_header"),
+    (InvalidURLError, "Malformed request URL", "invalid_url"),
+    (BadStatusLine, "Malformed HTTP request line", "invalid_request_line"),
+    (HttpProcessingError, "Malformed HTTP request", "malformed_request"),
+)
+
+# llhttp's reason, a fixed string, before aiohttp's quote of the bytes: "Invalid header token:\n\n  b'...'".
+# Only the C parser's: some of the pure-Python parser's messages begin with the bytes.
+_LLHTTP_REASON = re.compile(r"([A-Za-z][A-Za-z0-9_ '/.-]{0,79}):\n\n  ")
+_C_PARSER = HttpRequestParser is not HttpRequestParserPy
+# aiohttp's own messages that quote nothing the client sent.
+_FIXED_REASONS = frozenset({
+    "Too many headers received",
+    "Missing 'Host' header in request.",
+    "Received HTTPS traffic on an HTTP port",
+})
+
+
+def parse_error(exc: HttpProcessingError, status: int = 400) -> ApiError:
+    """The OpenAI error for a request aiohttp could not parse; its message
+    never repeats the request's bytes."""
+    summary, code = next((s, c) for kind, s, c in _PARSE_ERRORS if isinstance(exc, kind))
+    detail = ""
+    if isinstance(exc, LineTooLong):
+        if isinstance(exc.args[1], int):
+            detail = f"the limit is {exc.args[1]} bytes"
+    elif exc.message in _FIXED_REASONS:
+        detail = exc.message.rstrip(".")
+    elif _C_PARSER and (reason := _LLHTTP_REASON.match(exc.message)):
+        detail = reason.group(1)
+    message = f"{summary}: {detail}." if detail else f"{summary}."
+    return ApiError(status, message, "invalid_request_error", None, code)
+
+
+def _server_error(status: int) -> ApiError:
+    if status == 500:
+        return errors.internal_error()
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return ApiError(status, f"{HTTPStatus(status).phrase}.", kind)
+
+
+def _header_timeout_response(seconds: float) -> bytes:
+    """A whole 408 response, written by hand: there is no request object to answer."""
+    error = ApiError(408, f"The request headers did not arrive within {seconds:g} s.", code="request_timeout")
+    body = json.dumps(error.body())
+    head = ("HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    return (head + body).encode()
+
+
+class KvgateRequestHandler(RequestHandler):
+    """aiohttp's protocol, one per connection, plus OpenAI parse errors and a header deadline.
+
+    The deadline costs no timer per request: a head that comes in one read
+    touches none, one that comes in pieces sets ``_header_deadline``, and the
+    connection's one timer, when it fires early, moves itself to the deadline
+    then in force (as aiohttp's keep-alive timer does).
+    """
+
+    __slots__ = ("_header_timeout", "_header_deadline", "_header_started", "_header_timer")
+
+    def __init__(self, manager: web.Server, *, header_timeout_s: float | None = None, **kwargs) -> None:
+        super().__init__(manager, **kwargs)
+        self._header_timeout = header_timeout_s or 0.0
+        self._header_deadline = 0.0  # 0: no request's headers awaited
+        self._header_started = False  # some of them arrived
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self._header_timeout:
+            self._arm_header_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        awaiting = self._waiter is not None  # start() idle: these bytes begin or continue a request's head
+        super().data_received(data)
+        if self._messages:  # a request's head is in (or a parse error queued): the handler's limits take over
+            self._header_deadline = 0.0
+            self._header_started = False
+        elif awaiting and self._header_timeout:
+            if not self._header_deadline:
+                self._arm_header_deadline()
+            self._header_started = True
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().connection_lost(exc)
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        # aiohttp's own: its logging (server.py filters out the bytes) and its
+        # ConnectionError when a response is already under way; its page is dropped.
+        super().handle_error(request, status, exc, message)
+        error = parse_error(exc, status) if isinstance(exc, HttpProcessingError) else _server_error(status)
+        response = error.response()
+        response.force_close()
+        # Said outright: aiohttp leaves it implicit in the HTTP/1.0 it answers a parse error in.
+        response.headers["Connection"] = "close"
+        return response
+
+    def _arm_header_deadline(self) -> None:
+        self._header_deadline = self._loop.time() + self._header_timeout
+        if self._header_timer is None:
+            self._header_timer = self._loop.call_at(self._header_deadline, self._check_header_deadline)
+
+    def _check_header_deadline(self) -> None:
+        self._header_timer = None
+        deadline = self._header_deadline
+        if not deadline or self.transport is None:
+            return  # the next request's first byte arms it again
+        if self._loop.time() < deadline:
+            self._header_timer = self._loop.call_at(deadline, self._check_header_deadline)
+            return
+        if self._waiter is None or self._messages:  # a request is being handled after all
+            self._header_deadline = 0.0
+            self._header_started = False
+            return
+        log.debug("closing a connection whose request headers took over %g s", self._header_timeout)
+        if self._header_started:
+            # The previous response is complete (start() waits for a request), so this
+            # cannot interleave with one.  None for a connection that sent nothing: a
+            # client may be about to reuse it, and would read a 408 as its answer.
+            self.transport.write(_header_timeout_response(self._header_timeout))
+        self.force_close()  # the transport sends what is buffered, then closes
+
+
+class KvgateServer(web.Server):
+    """``web.Server`` (the protocol factory) building KvgateRequestHandler."""
+
+    def __init__(self, *args, header_timeout_s: float | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+
+    def __call__(self) -> KvgateRequestHandler:
+        return KvgateRequestHandler(self, loop=self._loop, header_timeout_s=self.header_timeout_s, **self._kwargs)
+
+
+class KvgateRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections get KvgateRequestHandler; takes AppRunner's arguments."""
+
+    __slots__ = ("_header_timeout_s",)
+
+    def __init__(self, app: web.Application, *, header_timeout_s: float | None, **kwargs) -> None:
+        super().__init__(app, **kwargs)
+        self._header_timeout_s = header_timeout_s
+
+    async def _make_server(self) -> web.Server:
+        # AppRunner's own runs the app's startup and builds the app's Server;
+        # the same one is built again here, as ours, from the same arguments.
+        plain = await super()._make_server()
+        return KvgateServer(plain.request_handler, request_factory=plain.request_factory,
+                            handler_cancellation=plain.handler_cancellation, loop=plain._loop,
+                            header_timeout_s=self._header_timeout_s, **plain._kwargs)

@@ -1,0 +1,284 @@
+"""Below the handlers: requests aiohttp cannot parse get OpenAI errors, and
+headers that trickle in are cut off (gateway/http_protocol.py).
+
+A real gateway (one tiny in-process engine) runs in a background thread with
+limits.header_timeout_s 0.5, spoken to over raw loopback sockets.  Time bounds
+are several times the deadline, for a loaded two-core machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+from aiohttp import ClientSession, web
+from aiohttp.http_exceptions import BadStatusLine, InvalidHeader, LineTooLong, TransferEncodingError
+from pydantic import ValidationError
+
+from gateway.app import create_app
+from gateway.config import LimitsConfig, ReplicaConfig
+from gateway import http_protocol
+from gateway.http_protocol import parse_error
+from gateway.server import start_server
+from tests.engine_procs import MODEL, EngineProcess, tiny_config
+
+HEADER_TIMEOUT_S = 0.5
+# How long a connection the deadline should end may take to end here.
+BOUND_S = 5.0
+SECRET = b"sk-kvgate-secret-4711"
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+class Gateway:
+    """A gateway on its own loop in a thread, so tests can use blocking sockets."""
+
+    def __init__(self, model_dir: str, **limits) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        config = tiny_config(model_dir, [ReplicaConfig(kind="inprocess")], limits=LimitsConfig(**limits))
+        self.server = self._call(start_server(create_app(config)), 120)
+        self.port = int(self.server.url.rsplit(":", 1)[1])
+
+    def _call(self, coro, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self._call(self.server.stop(), 30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_model_dir):
+    gw = Gateway(tiny_model_dir, header_timeout_s=HEADER_TIMEOUT_S)
+    yield gw
+    gw.close()
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    out = b""
+    try:
+        while chunk := sock.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def _split(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+
+
+def _read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One Content-Length response off a connection that stays open."""
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed after {raw!r}"
+        raw += chunk
+    status, headers, body = _split(raw)
+    while len(body) < int(headers["content-length"]):
+        body += sock.recv(65536)
+    return status, headers, body
+
+
+def _health(port: int) -> bytes:
+    return f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+
+
+def _assert_serving(port: int) -> None:
+    """A normal chat completion on a new connection."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 1})
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}").encode()
+    with _connect(port) as sock:
+        sock.sendall(request)
+        status, _, data = _split(_read_until_closed(sock))
+    assert status == 200 and json.loads(data)["choices"], data
+
+
+MALFORMED = {
+    "not HTTP at all": (b"HELLO " + SECRET + b"\r\n\r\n", "invalid_request_line"),
+    "invalid method": (b"G@T /" + SECRET + b" HTTP/1.1\r\nHost: x\r\n\r\n", "invalid_request_line"),
+    "HTTPS on the HTTP port": (b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + SECRET, "invalid_request_line"),
+    "invalid header name": (b"GET /health HTTP/1.1\r\nHost: x\r\nX " + SECRET + b": v\r\n\r\n", "malformed_request"),
+    "control byte in a header value": (
+        b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + SECRET + b"\x01\r\n\r\n", "malformed_request"),
+    "invalid chunk size": (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + SECRET + b"\r\n{}\r\n0\r\n\r\n", "malformed_request"),
+    "header over the size limit": (
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Api-Key: " + SECRET + b"a" * 9000 + b"\r\n\r\n", "line_too_long"),
+    "request line over the size limit": (
+        b"GET /" + SECRET + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", "line_too_long"),
+    "too many headers": (
+        b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n",
+        "malformed_request"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_unparsable_request_gets_an_openai_error_without_its_bytes(gateway, case, caplog):
+    request, code = MALFORMED[case]
+    caplog.set_level("DEBUG")
+    with _connect(gateway.port) as sock:
+        sock.sendall(request)
+        raw = _read_until_closed(sock)  # and the server closes the connection
+    status, headers, body = _split(raw)
+    assert status == 400, raw
+    assert headers["content-type"].startswith("application/json") and headers["connection"] == "close", headers
+    error = json.loads(body)["error"]
+    assert set(error) == ERROR_KEYS and error["type"] == "invalid_request_error" and error["param"] is None
+    assert error["code"] == code and error["message"], error
+    assert SECRET not in raw and b"aaaaaaaa" not in raw, raw
+    assert SECRET.decode() not in caplog.text
+    _assert_serving(gateway.port)
+
+
+def test_header_bytes_trickling_in_are_cut_off(gateway):
+    """Slow-loris: a byte every 0.2 s; the server ends the connection about
+    header_timeout_s after it opened, long before the head is complete."""
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + SECRET + b"\r\n")
+    started = time.monotonic()
+    answer = None
+    with _connect(gateway.port) as sock:
+        sock.settimeout(0.2)
+        for byte in head:
+            try:
+                sock.sendall(bytes([byte]))
+                answer = sock.recv(65536)  # b"" or the 408: the server is done with us
+                break
+            except socket.timeout:
+                pass
+            except (BrokenPipeError, ConnectionResetError):
+                answer = b""
+                break
+            assert time.monotonic() - started < 2 * BOUND_S, "the server is still reading the head"
+    elapsed = time.monotonic() - started
+    assert answer is not None, "the whole head went through"
+    assert HEADER_TIMEOUT_S * 0.9 <= elapsed < BOUND_S, elapsed
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 408 "), answer
+    _assert_serving(gateway.port)
+
+
+def test_unfinished_head_gets_408_and_close(gateway):
+    with _connect(gateway.port) as sock:
+        started = time.monotonic()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer ")
+        raw = _read_until_closed(sock)
+        elapsed = time.monotonic() - started
+    assert HEADER_TIMEOUT_S * 0.9 <= elapsed < BOUND_S, elapsed
+    status, headers, body = _split(raw)
+    assert status == 408 and headers["connection"] == "close" and headers["content-type"] == "application/json"
+    error = json.loads(body)["error"]
+    assert set(error) == ERROR_KEYS and error["code"] == "request_timeout", error
+
+
+def test_connection_that_sends_nothing_is_closed_without_an_answer(gateway):
+    """A new connection's first request counts from the connection's opening.  No
+    408 there: a pooling client may be about to send on it, and would read that
+    408 as its answer; a plain close it retries."""
+    with _connect(gateway.port) as sock:
+        started = time.monotonic()
+        raw = _read_until_closed(sock)
+        elapsed = time.monotonic() - started
+    assert raw == b"" and HEADER_TIMEOUT_S * 0.9 <= elapsed < BOUND_S, (raw, elapsed)
+
+
+def test_keep_alive_idle_is_not_counted_but_the_next_head_is(gateway):
+    """Between requests the wait is aiohttp's keepalive_timeout (an hour); the
+    deadline starts again with the next request's first byte."""
+    with _connect(gateway.port) as sock:
+        for wait in (2 * HEADER_TIMEOUT_S, 0):
+            sock.sendall(_health(gateway.port))
+            status, _, body = _read_response(sock)
+            assert status == 200, body
+            time.sleep(wait)
+        started = time.monotonic()
+        sock.sendall(_health(gateway.port)[:20])
+        raw = _read_until_closed(sock)
+        elapsed = time.monotonic() - started
+    assert raw.startswith(b"HTTP/1.1 408 ") and HEADER_TIMEOUT_S * 0.9 <= elapsed < BOUND_S, (raw, elapsed)
+
+
+def test_deadline_off_with_zero_and_never_negative(tiny_model_dir):
+    assert LimitsConfig().header_timeout_s == 10.0
+    assert LimitsConfig(header_timeout_s=None).header_timeout_s is None
+    with pytest.raises(ValidationError, match="header_timeout_s"):
+        LimitsConfig(header_timeout_s=-1.0)
+    gw = Gateway(tiny_model_dir, header_timeout_s=0)
+    try:
+        with _connect(gw.port) as sock:
+            request = _health(gw.port)
+            sock.sendall(request[:20])
+            time.sleep(3 * HEADER_TIMEOUT_S)
+            sock.sendall(request[20:])
+            status, _, body = _read_response(sock)
+        assert status == 200, body
+    finally:
+        gw.close()
+
+
+async def test_handler_exception_outside_the_gateway_routes_is_an_openai_500():
+    """aiohttp's own 500 page (a handler with no openai_errors wrapper) is JSON too."""
+    async def broken(request: web.Request) -> web.Response:
+        raise RuntimeError("bug")
+
+    app = web.Application()
+    app.router.add_get("/broken", broken)
+    server = await start_server(app)
+    try:
+        async with ClientSession() as session, session.get(server.url + "/broken") as resp:
+            body = await resp.json()
+        assert resp.status == 500 and resp.headers["Connection"] == "close", resp.headers
+        assert body["error"]["type"] == "server_error" and set(body["error"]) == ERROR_KEYS, body
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("error, secret", [
+    # The pure-Python parser's (AIOHTTP_NO_EXTENSIONS=1) messages quote the bytes, some first.
+    (TransferEncodingError(SECRET.decode() + ":\n\n  x"), SECRET.decode()),
+    (BadStatusLine(SECRET.decode()), SECRET.decode()),
+    (InvalidHeader(SECRET), SECRET.decode()),
+    (LineTooLong(SECRET + b"...", 8190), SECRET.decode()),
+])
+def test_parse_error_messages_quote_nothing(error, secret, monkeypatch):
+    monkeypatch.setattr(http_protocol, "_C_PARSER", False)
+    api_error = parse_error(error)
+    assert api_error.status == 400 and api_error.message and secret not in api_error.message
+
+
+def test_kvgate_engine_server_has_both(tiny_model_dir, tmp_path):
+    """`kvgate engine` (and `kvgate serve`, the same _serve) runs with the new protocol and the config's deadline."""
+    proc = EngineProcess(tiny_config(tiny_model_dir, limits=LimitsConfig(header_timeout_s=HEADER_TIMEOUT_S)),
+                         str(tmp_path))
+    proc.start()
+    try:
+        asyncio.run(proc.wait_ready())
+        with _connect(proc.port) as sock:
+            sock.sendall(MALFORMED["invalid header name"][0])
+            status, headers, body = _split(_read_until_closed(sock))
+        assert status == 400 and json.loads(body)["error"]["code"] == "malformed_request", body
+        with _connect(proc.port) as sock:
+            started = time.monotonic()
+            sock.sendall(_health(proc.port)[:20])
+            raw = _read_until_closed(sock)
+        assert raw.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < BOUND_S, raw
+    finally:
+        proc.stop()
