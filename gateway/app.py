@@ -152,6 +152,7 @@ class Gateway:
                 lambda i=i: self.router.inflight_requests[i],
                 lambda r=r: 1.0 if r.healthy else 0.0,
                 lambda r=r: len(r.index),
+                lambda i=i: self.router.external_tokens[i],
             )
         self.observer.start(self.replicas, lambda i: self.router.inflight_requests[i], self.hasher.block_size, self.hasher.salt)
 

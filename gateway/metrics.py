@@ -145,6 +145,11 @@ class GatewayMetrics:
         self.index_blocks = Gauge(
             "kvgate_router_index_blocks", "Block keys in the router's index of a replica.", ["replica"], registry=r
         )
+        self.external_load = Gauge(
+            "kvgate_router_external_load_tokens", "Load a replica reported that this gateway did not send (other "
+            "gateways' requests on a shared engine, an external server's queue), in the router's tokens.",
+            ["replica"], registry=r,
+        )
 
     def request_series(self, workload: str, replica: str) -> RequestSeries:
         series = self._request_series.get((workload, replica))
@@ -162,11 +167,13 @@ class GatewayMetrics:
         return int(sum(child.value for values, child in self.requests._exported() if values[2] != "200"))
 
     def watch_replica(
-        self, name: str, inflight: Callable[[], float], healthy: Callable[[], float], index_blocks: Callable[[], float]
+        self, name: str, inflight: Callable[[], float], healthy: Callable[[], float], index_blocks: Callable[[], float],
+        external_load: Callable[[], float],
     ) -> None:
         self.inflight.labels(name).set_function(inflight)
         self.healthy.labels(name).set_function(healthy)
         self.index_blocks.labels(name).set_function(index_blocks)
+        self.external_load.labels(name).set_function(external_load)
         for stage in ("before_first_token", "mid_stream"):
             self.replica_failures.labels(name, stage)  # exported from zero, so rate() sees the first one
 

@@ -407,6 +407,9 @@ async def test_gateways_sharing_engines_see_each_others_load(tiny_model_dir):
         await wait_for(lambda: router.external_tokens[0] >= 4 * router._mean_request_tokens * 0.99,
                        what="e1's load seen")
         assert router.external_tokens[1] == 0
+        # Operators see it too.
+        seen = await metric_by_replica(gw.url, "kvgate_router_external_load_tokens")
+        assert seen["e1"] >= 4 * 0.99 * router._mean_request_tokens and seen["e2"] == 0
         answers = await asyncio.wait_for(asyncio.gather(*(
             ours.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"question {i}"}],
                                          max_tokens=2) for i in range(4))), 30)
