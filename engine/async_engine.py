@@ -444,12 +444,14 @@ class AsyncEngine:
         return view
 
     def load(self) -> dict:
-        """What a gateway prices a replica by, cheap enough for every health probe:
-        requests running and waiting (every client's) and the device KV usage
-        (blocks held by requests, as vLLM's kv_cache_usage_perc).  Read while the
-        worker steps, like ``stats``: counts may be mid-step."""
+        """What a gateway prices a replica by, O(1) for every health probe: the
+        requests this engine holds (every client's; a request of n choices is one),
+        its sequences running and waiting, and the device KV usage (blocks held by
+        requests, as vLLM's kv_cache_usage_perc).  Read while the worker steps,
+        like ``stats``: counts may be mid-step."""
         pool = self.pool
         return {
+            "requests": len(self._requests),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + len(self._pending_adds),
             "kv_usage": pool.num_in_use() / pool.num_device if pool.num_device else 0.0,

@@ -392,9 +392,9 @@ class RemoteReplica(Replica):
         gateways sharing engines each see the others' work (EngineEndpoints.health)."""
         try:
             data = json.loads(body)
-            held = int(data["running"]) + int(data["waiting"])
+            held = int(data["requests"])  # requests, not sequences: one of n choices is one
             usage = float(data["kv_usage"])
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, OverflowError):
             return  # an engine that does not report load: priced by this gateway's own requests
         self.kv_usage = usage
         if self.load_listener is not None:

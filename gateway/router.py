@@ -320,20 +320,26 @@ class Router:
         gateway's in-flight ones (other gateways'), an external server's
         waiting ones.  KV usage past ``_KV_PRESSURE_START`` means the next
         request will wait for blocks or evict cached prefixes: it ramps up to
-        ``_KV_FULL_REQUESTS`` more requests at 100%.  (An external server's
+        ``_KV_FULL_REQUESTS`` more requests at 100% (for a `kvgate engine`, in
+        proportion to the others' share of its requests).  (An external server's
         waiting requests include this gateway's own queued ones, which so
         count twice; that only happens when the backend is already queueing,
         where leaning away from it is the right direction anyway.)
         """
+        kv_usage = load.kv_usage
+        pressure = 0.0
+        if kv_usage is not None and kv_usage > _KV_PRESSURE_START:
+            pressure = _KV_FULL_REQUESTS * min(1.0, (kv_usage - _KV_PRESSURE_START) / (1.0 - _KV_PRESSURE_START))
         if load.held is not None:
             # Ours are counted already; requests in transit either way make the
             # difference briefly small or negative, never a lasting error.
             extra = float(max(0, load.held - self.inflight_requests[replica]))
+            # Our own requests' share of the KV pressure is in their in-flight
+            # tokens already: only the others' share is added.
+            if extra:
+                extra += pressure * extra / load.held
         else:
-            extra = max(0.0, load.waiting)
-        kv_usage = load.kv_usage
-        if kv_usage is not None and kv_usage > _KV_PRESSURE_START:
-            extra += _KV_FULL_REQUESTS * min(1.0, (kv_usage - _KV_PRESSURE_START) / (1.0 - _KV_PRESSURE_START))
+            extra = max(0.0, load.waiting) + pressure
         self.external_tokens[replica] = int(extra * self._mean_request_tokens)
 
     def load_tokens(self, prompt_tokens: int, max_tokens: int, n: int) -> int:

@@ -218,3 +218,29 @@ def test_a_block_taken_again_after_release_is_in_use(policy):
     other = pool.allocate(1, 3.0)
     assert other != [block] and pool.cached[7] == block
     pool.release([block, *other], ctx, 4.0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo", "wa", "wa-paper"])
+def test_blocks_in_use_are_counted_in_constant_time_and_exactly(policy):
+    """num_in_use (every health probe reports it) is the device blocks requests hold,
+    whatever the policy keeps cached, pinned or ready to evict."""
+    import random
+
+    rng = random.Random(3)
+    pool = BlockPool(24, host_blocks=8, policy=policy)
+    held: list[tuple[list[int], RequestContext]] = []
+    for step in range(400):
+        now = float(step)
+        if held and (rng.random() < 0.45 or pool.num_free_device() < 6):
+            blocks, ctx = held.pop(rng.randrange(len(held)))
+            pool.release(blocks, ctx, now)
+        else:
+            ctx = RequestContext(workload=rng.choice(("to-c", "to-b")), session=f"s{rng.randrange(5)}")
+            base = rng.randrange(6) * 100
+            keys = [base + i for i in range(rng.randint(1, 5))]
+            blocks = pool.acquire_prefix(keys, ctx, now)
+            fresh = pool.allocate(len(keys) - len(blocks), now)
+            for offset, (block, key) in enumerate(zip(fresh, keys[len(blocks):]), len(blocks)):
+                pool.cache_block(block, key, ctx, offset, now)
+            held.append((blocks + fresh, ctx))
+        assert pool.num_in_use() == sum(1 for count in pool.ref_count[: pool.num_device] if count)

@@ -375,9 +375,10 @@ async def test_external_openai_replica_process_with_approximate_index_and_metric
 
 
 async def test_gateways_sharing_engines_see_each_others_load(tiny_model_dir):
-    """Another gateway's requests hold one of two shared engines (its forward is
-    held at a gate): this gateway learns so from the engine's health probe and
-    sends its own fresh prompts to the other engine."""
+    """Another gateway's requests hold one of two shared engines (its decoding is
+    held at a gate): this gateway learns so from the engine's health probe, counts
+    requests rather than their choices, and sends its own fresh prompts to the
+    other engine."""
     import threading
 
     (e1, s1), (e2, s2) = [await _engine_server(tiny_model_dir) for _ in range(2)]
@@ -385,7 +386,9 @@ async def test_gateways_sharing_engines_see_each_others_load(tiny_model_dir):
     run = e1.runner.run
 
     def held_run(batch):
-        gate.wait(30)
+        # Prompts are computed (so each request's second choice joins), decoding waits.
+        if all(seq.num_computed >= seq.num_prompt_tokens for seq, _ in batch):
+            gate.wait(30)
         return run(batch)
 
     e1.runner.run = held_run
@@ -400,13 +403,17 @@ async def test_gateways_sharing_engines_see_each_others_load(tiny_model_dir):
     try:
         replicas = app[GATEWAY].replicas
         await wait_for(lambda: all(r.healthy for r in replicas), what="replicas healthy")
-        # The other gateway's four requests, straight to e1 (as a gateway sends them).
-        others = [asyncio.create_task(theirs.completions.create(model=MODEL, prompt=f"elsewhere {i}", max_tokens=2))
+        # The other gateway's four requests of two choices each, straight to e1 (as a
+        # gateway sends them): four requests, not eight.
+        others = [asyncio.create_task(theirs.completions.create(model=MODEL, prompt=f"elsewhere {i}", max_tokens=4,
+                                                                n=2))
                   for i in range(4)]
         router = app[GATEWAY].router
-        await wait_for(lambda: router.external_tokens[0] >= 4 * router._mean_request_tokens * 0.99,
-                       what="e1's load seen")
-        assert router.external_tokens[1] == 0
+        mean = router._mean_request_tokens
+        await wait_for(lambda: e1.stats()["running"] == 8, what="both choices of each running on e1")
+        await wait_for(lambda: router.external_tokens[0] >= 4 * mean * 0.99, what="e1's load seen")
+        await asyncio.sleep(0.3)  # a few more probes
+        assert router.external_tokens[0] <= 4 * mean * 1.01 and router.external_tokens[1] == 0
         # Operators see it too.
         seen = await metric_by_replica(gw.url, "kvgate_router_external_load_tokens")
         assert seen["e1"] >= 4 * 0.99 * router._mean_request_tokens and seen["e2"] == 0

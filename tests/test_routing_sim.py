@@ -99,10 +99,14 @@ def test_a_shared_engine_prices_only_the_requests_other_gateways_sent():
     # The engine holds 5 requests: our 3 and 2 from elsewhere.
     router.set_external_load(0, BackendLoad(waiting=0.0, kv_usage=0.2, held=5))
     assert router.external_tokens[0] == int(2 * router._mean_request_tokens)
-    # Ours only (or fewer: ours still in transit): nothing from elsewhere.
-    for held in (3, 1):
-        router.set_external_load(0, BackendLoad(waiting=0.0, kv_usage=0.2, held=held))
+    # Ours only (or fewer: ours still in transit): nothing from elsewhere, and the KV
+    # pressure of a full cache is our requests', priced by their own tokens already.
+    for held, usage in ((3, 0.2), (1, 0.2), (3, 1.0)):
+        router.set_external_load(0, BackendLoad(waiting=0.0, kv_usage=usage, held=held))
         assert router.external_tokens[0] == 0
+    # A full cache that others share: their share of its pressure (3 of the 6 requests: 2 of 4 requests' worth).
+    router.set_external_load(0, BackendLoad(waiting=0.0, kv_usage=1.0, held=6))
+    assert router.external_tokens[0] == int((3 + 4 * 3 / 6) * router._mean_request_tokens)
     for ticket in tickets:
         router.release(ticket)
     router.set_external_load(0, BackendLoad(waiting=0.0, kv_usage=0.2, held=5))
