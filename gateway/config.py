@@ -53,6 +53,10 @@ class LimitsConfig(Section):
     # wait between requests on a keep-alive connection is not counted.  0 or
     # null: no limit.
     header_timeout_s: float | None = Field(10.0, ge=0)
+    # An idle keep-alive connection closes after this many seconds.  Above a load
+    # balancer's idle timeout (60 s on AWS's), so that the balancer, not kvgate,
+    # ends a pooled connection (aiohttp's own 3630 s held one open for an hour).
+    keepalive_timeout_s: float = Field(75.0, gt=0)
     # Completion requests this server holds at once (in flight or queued in its
     # engines); more get 429 with Retry-After, which OpenAI's SDKs retry.  None
     # queues without bound, as vLLM does; set it to shed load rather than let

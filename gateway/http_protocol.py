@@ -2,7 +2,8 @@
 
 - A request aiohttp cannot parse (a bad request line, an invalid header, broken
   chunked framing, a line over the size limit) gets an OpenAI error body with a
-  message of ours.  aiohttp's own answer is a text/plain page quoting the
+  message of ours; broken framing inside a body already being read fails that
+  body, which the handler answers with a 400, rather than leave it waiting.  aiohttp's own answer is a text/plain page quoting the
   offending bytes, an Authorization header (an API key) included.
 - A request's headers must arrive within ``header_timeout_s`` of its first byte
   (a new connection's first request: of the connection's opening).  aiohttp
@@ -17,7 +18,8 @@ protocol factory); ``Server._loop`` and ``Server._kwargs`` (what
 ``Server.__call__`` passes to the protocol); and in ``RequestHandler``,
 ``handle_error``'s signature, ``_waiter`` (set only while ``start()`` waits for
 the next request), ``_messages`` (requests parsed and not yet taken, a parse
-error among them) and ``_loop``.
+error among them, as an ``_ErrInfo``), ``_current_request``, ``close()`` and
+``_loop``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from http import HTTPStatus
 from aiohttp import web
 from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError, InvalidHeader, InvalidURLError, LineTooLong
 from aiohttp.http_parser import HttpRequestParser, HttpRequestParserPy
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
 from gateway import errors
 from gateway.errors import ApiError
@@ -116,14 +118,32 @@ class KvgateRequestHandler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         awaiting = self._waiter is not None  # start() idle: these bytes begin or continue a request's head
+        queued = len(self._messages)
         super().data_received(data)
+        if len(self._messages) > queued and not awaiting:
+            self._fail_unfinished_body()
         if self._messages:  # a request's head is in (or a parse error queued): the handler's limits take over
             self._header_deadline = 0.0
             self._header_started = False
-        elif awaiting and self._header_timeout:
+        elif awaiting and self._header_timeout and data.strip(b"\r\n"):
+            # Bare line ends between requests are ignored (RFC 9112 2.2), not timed.
             if not self._header_deadline:
                 self._arm_header_deadline()
             self._header_started = True
+
+    def _fail_unfinished_body(self) -> None:
+        """Broken framing inside the body being read (a bad chunk size, say):
+        aiohttp queues the error as a request of its own and leaves that body
+        waiting for bytes that will never come right, until body_timeout_s.
+        The body fails instead (the handler answers 400) and the connection
+        closes after that answer."""
+        message = self._messages[-1][0]
+        request = self._current_request
+        if not isinstance(message, _ErrInfo) or request is None or request.content.is_eof():
+            return  # a broken request behind a whole one: answered in its turn
+        self._messages.pop()
+        request.content.set_exception(RequestPayloadError("broken framing in the request body"))
+        self.close()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._header_timer is not None:

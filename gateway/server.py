@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.app import GATEWAY, create_app
 from gateway.config import KvgateConfig, LimitsConfig, ServerConfig
@@ -36,10 +37,15 @@ class _MalformedRequestFilter(logging.Filter):
     """aiohttp logs a request it cannot parse at ERROR, with a traceback that
     quotes the offending bytes: an Authorization header (an API key) included,
     and anyone can fill the log that way.  Such a request is the client's
-    mistake and already got its 400: one DEBUG line, without the bytes."""
+    mistake and already got its 400: one DEBUG line, without the bytes.  So is
+    a body that does not decode (aiohttp re-raises its error when it drains
+    the rest of that body after the 400)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, RequestPayloadError):
+            log.debug("drained a request body that does not decode (%s)", type(exc.__cause__).__name__)
+            return False
         if not isinstance(exc, HttpProcessingError):
             return True
         log.debug("refused a malformed HTTP request (%s %s)", exc.code, type(exc).__name__)
@@ -60,7 +66,8 @@ class RunningServer(NamedTuple):
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
     """Start ``app`` on host:port (0: any free port) and return its base URL."""
     limits = app[GATEWAY].limits if GATEWAY in app else LimitsConfig()
-    runner = KvgateRunner(app, header_timeout_s=limits.header_timeout_s, handler_cancellation=True, access_log=None)
+    runner = KvgateRunner(app, header_timeout_s=limits.header_timeout_s, keepalive_timeout=limits.keepalive_timeout_s,
+                          handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -173,7 +180,8 @@ async def _serve(app: web.Application, sockets: list[socket.socket], cfg: Server
     drain_timeout_s for what is in flight, then the rest ended with an error."""
     app.on_startup.append(freeze_startup_objects)  # after the app's own startup (model loading)
     access_log = logging.getLogger("aiohttp.access") if cfg.access_log else None
-    runner = KvgateRunner(app, header_timeout_s=cfg.limits.header_timeout_s, handler_cancellation=True,
+    runner = KvgateRunner(app, header_timeout_s=cfg.limits.header_timeout_s,
+                          keepalive_timeout=cfg.limits.keepalive_timeout_s, handler_cancellation=True,
                           access_log=access_log, handle_signals=False, shutdown_timeout=_CLEANUP_TIMEOUT_S)
     await _start_or_stop(runner)
     signals = _Signals()

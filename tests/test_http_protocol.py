@@ -53,9 +53,12 @@ class Gateway:
         self.thread.join(10)
 
 
+KEEPALIVE_TIMEOUT_S = 2.5
+
+
 @pytest.fixture(scope="module")
 def gateway(tiny_model_dir):
-    gw = Gateway(tiny_model_dir, header_timeout_s=HEADER_TIMEOUT_S)
+    gw = Gateway(tiny_model_dir, header_timeout_s=HEADER_TIMEOUT_S, keepalive_timeout_s=KEEPALIVE_TIMEOUT_S)
     yield gw
     gw.close()
 
@@ -201,8 +204,8 @@ def test_connection_that_sends_nothing_is_closed_without_an_answer(gateway):
 
 
 def test_keep_alive_idle_is_not_counted_but_the_next_head_is(gateway):
-    """Between requests the wait is aiohttp's keepalive_timeout (an hour); the
-    deadline starts again with the next request's first byte."""
+    """Between requests the wait is limits.keepalive_timeout_s; the deadline
+    starts again with the next request's first byte."""
     with _connect(gateway.port) as sock:
         for wait in (2 * HEADER_TIMEOUT_S, 0):
             sock.sendall(_health(gateway.port))
@@ -214,6 +217,58 @@ def test_keep_alive_idle_is_not_counted_but_the_next_head_is(gateway):
         raw = _read_until_closed(sock)
         elapsed = time.monotonic() - started
     assert raw.startswith(b"HTTP/1.1 408 ") and HEADER_TIMEOUT_S * 0.9 <= elapsed < BOUND_S, (raw, elapsed)
+
+
+def test_an_idle_keep_alive_connection_closes_after_keepalive_timeout(gateway):
+    """Bare line ends between requests (RFC 9112 allows them) neither start the
+    header deadline nor keep the connection open past keepalive_timeout_s."""
+    with _connect(gateway.port) as sock:
+        sock.sendall(_health(gateway.port))
+        assert _read_response(sock)[0] == 200
+        sock.sendall(b"\r\n")
+        time.sleep(3 * HEADER_TIMEOUT_S)  # no 408 for the line end
+        sock.sendall(_health(gateway.port))
+        assert _read_response(sock)[0] == 200
+        started = time.monotonic()
+        raw = _read_until_closed(sock)
+        elapsed = time.monotonic() - started
+    assert raw == b"" and KEEPALIVE_TIMEOUT_S * 0.9 <= elapsed < KEEPALIVE_TIMEOUT_S + BOUND_S, (raw, elapsed)
+    assert LimitsConfig().keepalive_timeout_s == 75.0
+
+
+def test_broken_framing_inside_a_body_being_read_is_a_400_at_once(gateway):
+    """A bad chunk size after the head and a first good chunk, in a later packet:
+    the body being read fails (400) instead of waiting out body_timeout_s."""
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+    with _connect(gateway.port) as sock:
+        sock.sendall(head + b"5\r\n{\"mod\r\n")
+        time.sleep(0.3)  # the handler is reading the body by now
+        started = time.monotonic()
+        sock.sendall(b"zz" + SECRET + b"\r\n")
+        raw = _read_until_closed(sock)  # the answer, then the server closes
+        elapsed = time.monotonic() - started
+    status, headers, body = _split(raw)
+    assert status == 400 and elapsed < BOUND_S, (raw, elapsed)
+    error = json.loads(body)["error"]
+    assert set(error) == ERROR_KEYS and "framing" in error["message"] and SECRET not in raw, error
+    _assert_serving(gateway.port)
+
+
+def test_a_body_that_does_not_decode_is_a_400_and_no_error_in_the_log(gateway, caplog):
+    """The gzip header, then (in a later packet) no gzip: a 400, and when aiohttp
+    drains the rest of the body its decoding error logs no traceback at ERROR."""
+    caplog.set_level("DEBUG")
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Encoding: gzip\r\nContent-Length: 64\r\n\r\n")
+    with _connect(gateway.port) as sock:
+        sock.sendall(head + b"\x1f\x8b\x08\x00")
+        time.sleep(0.3)
+        sock.sendall(b"\xff" * 60)
+        status, _, body = _read_response(sock)
+    assert status == 400 and "Content-Encoding" in json.loads(body)["error"]["message"], body
+    _assert_serving(gateway.port)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
 
 def test_deadline_off_with_zero_and_never_negative(tiny_model_dir):
