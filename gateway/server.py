@@ -39,12 +39,16 @@ class _MalformedRequestFilter(logging.Filter):
     and anyone can fill the log that way.  Such a request is the client's
     mistake and already got its 400: one DEBUG line, without the bytes.  So is
     a body that does not decode (aiohttp re-raises its error when it drains
-    the rest of that body after the 400)."""
+    the rest of that body after the 400), and a client that went away while
+    its body was arriving (counted as status 499, as any client that leaves)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, RequestPayloadError):
             log.debug("drained a request body that does not decode (%s)", type(exc.__cause__).__name__)
+            return False
+        if isinstance(exc, ConnectionResetError):
+            log.debug("the client went away before its request was read")
             return False
         if not isinstance(exc, HttpProcessingError):
             return True

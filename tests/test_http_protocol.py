@@ -271,6 +271,18 @@ def test_a_body_that_does_not_decode_is_a_400_and_no_error_in_the_log(gateway, c
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
 
+def test_a_client_leaving_mid_body_logs_no_error(gateway, caplog):
+    caplog.set_level("DEBUG")
+    with _connect(gateway.port) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\"")
+        time.sleep(0.3)  # the handler waits for the rest of the body
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # a reset
+    _assert_serving(gateway.port)
+    time.sleep(0.2)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
 def test_deadline_off_with_zero_and_never_negative(tiny_model_dir):
     assert LimitsConfig().header_timeout_s == 10.0
     assert LimitsConfig(header_timeout_s=None).header_timeout_s is None
