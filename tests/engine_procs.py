@@ -21,9 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_config(model_dir: str, replicas: list[ReplicaConfig] | None = None, *, device_blocks: int = 256,
-                host_multiplier: float = 3.0, router: RouterConfig | None = None, **server) -> KvgateConfig:
+                host_multiplier: float = 3.0, router: RouterConfig | None = None, max_model_len: int = 1024,
+                **server) -> KvgateConfig:
     return KvgateConfig(
-        model=ModelConfig(path=model_dir, served_name=MODEL, device="cpu", max_model_len=1024),
+        model=ModelConfig(path=model_dir, served_name=MODEL, device="cpu", max_model_len=max_model_len),
         engine=EngineConfig(block_size=16, device_blocks=device_blocks, host_blocks_multiplier=host_multiplier,
                             max_num_seqs=16, max_batched_tokens=1024, threads=1),
         server=ServerConfig(**server),

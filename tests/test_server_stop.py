@@ -19,8 +19,11 @@ import pytest
 from tests.engine_procs import MODEL, EngineProcess, tiny_config
 from tests.gateway_helpers import sse_events
 
-# ~3 s of generation for the tiny model on one thread: outlives every wait below.
-LONG = 900
+# ~3.3 s of generation for the tiny model on one thread here (900 tokens took
+# ~1.45 s, and CI once saw the stream end before the 1.5 s drain deadline):
+# outlives every wait below with room to spare.  Needs max_model_len 2048.
+LONG = 2000
+MAX_MODEL_LEN = 2048
 
 
 def _stream_body(max_tokens: int) -> dict:
@@ -40,7 +43,7 @@ def engine_factory(tiny_model_dir, tmp_path):
     started = []
 
     def make(**server) -> EngineProcess:
-        engine = EngineProcess(tiny_config(tiny_model_dir, **server), str(tmp_path))
+        engine = EngineProcess(tiny_config(tiny_model_dir, max_model_len=MAX_MODEL_LEN, **server), str(tmp_path))
         started.append(engine)
         engine.start()
         return engine

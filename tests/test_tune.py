@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -144,22 +145,37 @@ def test_sigint_to_a_running_tune_prints_the_report(tmp_path):
     assert "stopped: interrupted" in out and "wa, tuned" in out
 
 
-def test_time_limit_abandons_a_replay_that_runs_past_it(tmp_path):
+def test_time_limit_abandons_a_replay_that_runs_past_it(tmp_path, monkeypatch):
+    """On a clock where each replayed request takes one second, so that the
+    outcome does not hang on how fast this machine replays (wall-clock limits
+    sized from a timed baseline came out either side of the candidate's end)."""
+    import engine.tune as tune_module
+
     path = tmp_path / "slow.jsonl"
     synth.write_trace(synth.synthesize("mixed", 300.0, 4.0, 5), path)
     trace = load_trace(path)
     capacity = max(1, round(0.05 * trace.unique_blocks()))
-    began = time.monotonic()
-    replay(trace, "lru", capacity)
-    replay(trace, "wa", capacity)
-    baselines = time.monotonic() - began
-    # Room for the baselines; the first candidate, as long as a baseline wa replay, would end past the limit.
-    limit = 1.5 * baselines
+    clock = [0.0]
+
+    def replay_one_second_a_request(*args, progress=None, **kwargs):
+        def step(requests_done: int) -> None:
+            clock[0] += requests_done
+            if progress is not None:
+                progress(requests_done)
+        return replay(*args, progress=step, **kwargs)
+
+    monkeypatch.setattr(tune_module, "replay", replay_one_second_a_request)
+    monkeypatch.setattr(tune_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    one_replay = len(trace.requests)
+    assert one_replay > 1000  # replay checks the deadline every 1000 requests: one check inside it
+    # Room for the two baselines, and not a second more.
+    limit = 2 * one_replay + 1
     result = tune(trace, capacity, CacheConfig(), time_limit_s=limit, space=SMALL_SPACE)
     assert result.stopped == "time limit"
     assert result.evaluations == 2  # the candidate cut short is not counted
     assert not result.first_round_done
-    assert result.elapsed_s < limit + 0.5 * baselines
+    # Abandoned at its first deadline check past the limit, not at its end.
+    assert limit <= result.elapsed_s < 3 * one_replay
 
 
 def test_cli_time_limit_before_the_baselines_finish(trace_path, capsys):
