@@ -276,6 +276,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="runs per concurrency (medians are reported)")
     parser.add_argument("--client-poll", action="store_true",
                         help="the client polls instead of sleeping between responses (see the module notes)")
+    parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop",
+                        help="the servers' event loop, both alike (kvgate serve's default: uvloop)")
     parser.add_argument("--client", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
@@ -285,11 +287,15 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.WARNING)
     levels = [int(x) for x in args.concurrency.split(",")]
-    results = asyncio.run(_bench(levels, args.requests, args.seconds, args.profile, max(1, args.repeat), args.client_poll))
+    from gateway.server import run_on_event_loop
+
+    results = run_on_event_loop(_bench(levels, args.requests, args.seconds, args.profile, max(1, args.repeat),
+                                       args.client_poll), args.loop)
     payload = {
         "what": "full gateway vs bare aiohttp handler, same SSE bytes, InstantBenchEngine, loopback",
         "client": "separate process, raw HTTP/1.1 keep-alive over asyncio streams"
                   + (", polling (never sleeps)" if args.client_poll else ""),
+        "event_loop": args.loop,
         "cpus": os.cpu_count(),
         "pinned": "servers on CPU 0, client on CPU 1" if PIN else "no",
         "python": sys.version.split()[0],

@@ -94,6 +94,10 @@ class ServerConfig(Section):
     drain_timeout_s: float = Field(30.0, ge=0)
     # One log line per request (aiohttp's access log format) on logger aiohttp.access.
     access_log: bool = False
+    # The event loop `kvgate serve` and `kvgate engine` run on: uvloop (libuv, as
+    # vLLM's API server) took 2-13% less CPU per request than asyncio's own loop
+    # (bench/RESULTS.md, "Gateway overhead"); asyncio where uvloop is missing.
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     # A status line every this many seconds while busy (requests, token rates,
     # cache hits, engine queues and KV use), as vLLM logs one.  0: none.
     log_stats_interval_s: float = Field(10.0, ge=0)

@@ -102,7 +102,7 @@ class KvgateRequestHandler(RequestHandler):
     then in force (as aiohttp's keep-alive timer does).
     """
 
-    __slots__ = ("_header_timeout", "_header_deadline", "_header_started", "_header_timer")
+    __slots__ = ("_header_timeout", "_header_deadline", "_header_started", "_header_timer", "_no_request_yet")
 
     def __init__(self, manager: web.Server, *, header_timeout_s: float | None = None, **kwargs) -> None:
         super().__init__(manager, **kwargs)
@@ -110,6 +110,10 @@ class KvgateRequestHandler(RequestHandler):
         self._header_deadline = 0.0  # 0: no request's headers awaited
         self._header_started = False  # some of them arrived
         self._header_timer: asyncio.TimerHandle | None = None
+        # start() may not have run yet when the first bytes come (uvloop hands
+        # them over in the same turn as the accept), so its waiter is not there
+        # to say the connection is idle.
+        self._no_request_yet = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -117,12 +121,14 @@ class KvgateRequestHandler(RequestHandler):
             self._arm_header_deadline()
 
     def data_received(self, data: bytes) -> None:
-        awaiting = self._waiter is not None  # start() idle: these bytes begin or continue a request's head
+        # start() idle: these bytes begin or continue a request's head
+        awaiting = self._waiter is not None or (self._no_request_yet and not self._messages)
         queued = len(self._messages)
         super().data_received(data)
         if len(self._messages) > queued and not awaiting:
             self._fail_unfinished_body()
         if self._messages:  # a request's head is in (or a parse error queued): the handler's limits take over
+            self._no_request_yet = False
             self._header_deadline = 0.0
             self._header_started = False
         elif awaiting and self._header_timeout and data.strip(b"\r\n"):

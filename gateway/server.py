@@ -89,7 +89,7 @@ def run_gateway(
     sockets = bind_sockets(host, port)  # before the model loads: a taken port fails at once
     app = create_app(config, replica_urls=list(replica_urls or ()))
     warn_if_open(app, sockets)
-    asyncio.run(_serve(app, sockets, config.server, "gateway"))
+    run_on_event_loop(_serve(app, sockets, config.server, "gateway"), config.server.event_loop)
 
 
 def run_engine_server(config: KvgateConfig, host: str | None = None, port: int | None = None) -> None:
@@ -99,7 +99,19 @@ def run_engine_server(config: KvgateConfig, host: str | None = None, port: int |
     sockets = bind_sockets(host, port)
     app = create_app(config, engine_mode=True)
     warn_if_open(app, sockets)
-    asyncio.run(_serve(app, sockets, config.server, "engine"))
+    run_on_event_loop(_serve(app, sockets, config.server, "engine"), config.server.event_loop)
+
+
+def run_on_event_loop(main, event_loop: str):
+    """``asyncio.run(main)``, on uvloop when asked for and installed; ``main``'s result."""
+    if event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.warning("uvloop is not installed: running on asyncio's own event loop (pip install uvloop)")
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
 
 
 def _is_loopback(address: str) -> bool:
@@ -194,7 +206,8 @@ async def _serve(app: web.Application, sockets: list[socket.socket], cfg: Server
         for site in sites:
             await site.start()
         host, port = sockets[0].getsockname()[:2]
-        log.info("kvgate %s listening on http://%s:%d", what, host if ":" not in host else f"[{host}]", port)
+        log.info("kvgate %s listening on http://%s:%d (event loop: %s)", what, host if ":" not in host else f"[{host}]",
+                 port, type(asyncio.get_running_loop()).__module__.split(".")[0])
         await signals.first.wait()
         gw = app[GATEWAY]
         log.info("%s: stopping; /ready answers 503; %d requests in flight (drain up to %g s, a second signal "

@@ -2,7 +2,8 @@
 headers that trickle in are cut off (gateway/http_protocol.py).
 
 A real gateway (one tiny in-process engine) runs in a background thread with
-limits.header_timeout_s 0.5, spoken to over raw loopback sockets.  Time bounds
+limits.header_timeout_s 0.5, spoken to over raw loopback sockets, once on
+uvloop (what `kvgate serve` runs on) and once on asyncio's own loop.  Time bounds
 are several times the deadline, for a loaded two-core machine.
 """
 
@@ -15,6 +16,7 @@ import threading
 import time
 
 import pytest
+import uvloop
 from aiohttp import ClientSession, web
 from aiohttp.http_exceptions import BadStatusLine, InvalidHeader, LineTooLong, TransferEncodingError
 from pydantic import ValidationError
@@ -36,8 +38,8 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 class Gateway:
     """A gateway on its own loop in a thread, so tests can use blocking sockets."""
 
-    def __init__(self, model_dir: str, **limits) -> None:
-        self.loop = asyncio.new_event_loop()
+    def __init__(self, model_dir: str, event_loop: str = "asyncio", **limits) -> None:
+        self.loop = uvloop.new_event_loop() if event_loop == "uvloop" else asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         config = tiny_config(model_dir, [ReplicaConfig(kind="inprocess")], limits=LimitsConfig(**limits))
@@ -56,9 +58,10 @@ class Gateway:
 KEEPALIVE_TIMEOUT_S = 2.5
 
 
-@pytest.fixture(scope="module")
-def gateway(tiny_model_dir):
-    gw = Gateway(tiny_model_dir, header_timeout_s=HEADER_TIMEOUT_S, keepalive_timeout_s=KEEPALIVE_TIMEOUT_S)
+@pytest.fixture(scope="module", params=["uvloop", "asyncio"])
+def gateway(tiny_model_dir, request):
+    gw = Gateway(tiny_model_dir, request.param, header_timeout_s=HEADER_TIMEOUT_S,
+                 keepalive_timeout_s=KEEPALIVE_TIMEOUT_S)
     yield gw
     gw.close()
 
@@ -347,5 +350,6 @@ def test_kvgate_engine_server_has_both(tiny_model_dir, tmp_path):
             sock.sendall(_health(proc.port)[:20])
             raw = _read_until_closed(sock)
         assert raw.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < BOUND_S, raw
+        assert "(event loop: uvloop)" in proc.tail()  # server.event_loop's default
     finally:
         proc.stop()
