@@ -131,19 +131,19 @@ async def test_gateway_follows_remote_engine_kv_events(tiny_model_dir):
 
 
 async def test_remote_disconnect_aborts_upstream(tiny_model_dir):
-    engine, server = await _engine_server(tiny_model_dir)
+    engine, server = await _engine_server(tiny_model_dir, max_model_len=2048)
     aborted = count_aborts(engine)
-    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=server.url)]))
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=server.url)], max_model_len=2048))
     gw = await start_server(app)
     try:
         await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
-                "max_tokens": 900, "ignore_eos": True, "stream": True}
+                "max_tokens": 2000, "ignore_eos": True, "stream": True}
         async with aiohttp.ClientSession() as session:
             resp = await session.post(gw.url + "/v1/chat/completions", json=body)
             await resp.content.readline()
             resp.close()
-        # 900 tokens take far longer than this: only an abort frees the blocks in time.
+        # 2,000 tokens take ~3 s on one thread: the abort is what frees the blocks (counted below).
         await wait_for(lambda: engine_idle(engine) and app[GATEWAY].router.inflight_requests == [0], timeout=5,
                        what="upstream aborted")
         assert len(aborted) == 1
