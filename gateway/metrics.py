@@ -84,6 +84,9 @@ class GatewayMetrics:
         info = Gauge("kvgate_build_info", "Always 1: kvgate's version and this process's role (gateway or engine).",
                      ["version", "role"], registry=r)
         info.labels(_kvgate_version(), role).set(1)
+        # A `kvgate engine` routes to itself alone: its routing and replica series
+        # would say nothing; they are the gateways' to export, a series per replica.
+        routing = r if role == "gateway" else None
         self.requests = LoopCounter(
             "kvgate_requests", "Requests served, by endpoint, workload and HTTP status.",
             ["endpoint", "workload", "status"], registry=r,
@@ -120,7 +123,7 @@ class GatewayMetrics:
         )
         self.predicted_hits = LoopCounter(
             "kvgate_router_predicted_hit_tokens", "Prompt tokens the router expected to hit when it chose the replica.",
-            ["workload", "replica"], registry=r,
+            ["workload", "replica"], registry=routing,
         )
         self.prompt_tokens = LoopCounter(
             "kvgate_prompt_tokens", "Prompt tokens of completed engine requests (vLLM's prompt_tokens_total).",
@@ -133,22 +136,22 @@ class GatewayMetrics:
         )
         self.decisions = LoopCounter(
             "kvgate_router_decisions", "Routing decisions, by chosen replica and reason.",
-            ["replica", "reason"], registry=r,
+            ["replica", "reason"], registry=routing,
         )
         self.replica_failures = LoopCounter(
             "kvgate_replica_failures", "Requests a replica failed (refused, cut, timed out, 5xx): before_first_token ones "
             "were retried on another replica, mid_stream ones ended with an error event.",
-            ["replica", "stage"], registry=r,
+            ["replica", "stage"], registry=routing,
         )
-        self.inflight = Gauge("kvgate_replica_inflight", "Requests in flight on a replica.", ["replica"], registry=r)
-        self.healthy = Gauge("kvgate_replica_healthy", "1 if the replica takes traffic.", ["replica"], registry=r)
+        self.inflight = Gauge("kvgate_replica_inflight", "Requests in flight on a replica.", ["replica"], registry=routing)
+        self.healthy = Gauge("kvgate_replica_healthy", "1 if the replica takes traffic.", ["replica"], registry=routing)
         self.index_blocks = Gauge(
-            "kvgate_router_index_blocks", "Block keys in the router's index of a replica.", ["replica"], registry=r
+            "kvgate_router_index_blocks", "Block keys in the router's index of a replica.", ["replica"], registry=routing
         )
         self.external_load = Gauge(
             "kvgate_router_external_load_tokens", "Load a replica reported that this gateway did not send (other "
             "gateways' requests on a shared engine, an external server's queue), in the router's tokens.",
-            ["replica"], registry=r,
+            ["replica"], registry=routing,
         )
 
     def request_series(self, workload: str, replica: str) -> RequestSeries:

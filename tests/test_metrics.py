@@ -477,6 +477,26 @@ def test_request_counts_of_common_statuses_start_at_zero():
                 assert found[endpoint, workload, status] == 0
 
 
+def test_an_engine_exports_no_routing_series():
+    """A `kvgate engine` routes only to itself: router and replica series belong to gateways."""
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+
+    def names(role: str) -> set[str]:
+        metrics = GatewayMetrics(role)
+        metrics.watch_replica("engine", lambda: 1, lambda: 1, lambda: 0, lambda: 0)
+        metrics.decisions.labels("engine", "prefix").inc()
+        return {fam.name for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+
+    routing = {"kvgate_router_decisions", "kvgate_router_predicted_hit_tokens", "kvgate_router_index_blocks",
+               "kvgate_router_external_load_tokens", "kvgate_replica_inflight", "kvgate_replica_healthy",
+               "kvgate_replica_failures"}
+    assert routing <= names("gateway")
+    engine = names("engine")
+    assert not routing & engine and {"kvgate_requests", "kvgate_build_info"} <= engine
+
+
 def test_loop_series_export_what_prometheus_client_exports():
     """The request-path series (lock-free, loop thread only) must read on a
     scrape exactly like prometheus_client's own Counter and Histogram fed the
