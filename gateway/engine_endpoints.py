@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from gateway.replicas import KV_EVENTS_HEARTBEAT_S
 from gateway.respond import SSE_HEADERS
 
 if TYPE_CHECKING:
@@ -106,7 +107,14 @@ class EngineEndpoints:
             if gw.draining:  # a gateway that reconnects while this engine stops
                 queue.put_nowait(None)
             while not lagging:
-                item = await queue.get()
+                if not queue.empty():
+                    item = queue.get_nowait()  # busy: no timer (wait_for makes a task per call)
+                else:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), KV_EVENTS_HEARTBEAT_S)
+                    except asyncio.TimeoutError:
+                        await resp.write(b": idle\n\n")  # an SSE comment: followers know the stream lives
+                        continue
                 if item is None:
                     # Shutting down: the engine finishes what it holds but takes
                     # nothing new; a gateway that knows stops routing here without

@@ -278,6 +278,7 @@ class RemoteReplica(Replica):
         self._open_until = 0.0
         self._following = False
         self._live: set[aiohttp.ClientResponse] = set()
+        self._events_resp: aiohttp.ClientResponse | None = None  # the /kv_events stream being followed
         # Resolved when the breaker opens: requests still waiting for their
         # response headers give up then (and go to another replica).
         self._cut: asyncio.Future | None = None
@@ -439,6 +440,13 @@ class RemoteReplica(Replica):
             self.index.clear()  # a restarted server holds none of it
         if not self.draining:
             self._cut_live()
+            if self.kind == "engine":
+                # Whatever comes back after the breaker (this engine or a restarted
+                # one) rejoins on a fresh snapshot and /kvgate/info, not on the
+                # view of a stream that may be dead without knowing it.
+                self._following = False
+                if self._events_resp is not None:
+                    self._events_resp.close()  # its reader fails at once: a resync
 
     def _cut_live(self) -> None:
         # Closing a response makes its reader fail at once (-> an error event).
@@ -463,9 +471,14 @@ class RemoteReplica(Replica):
         backoff = 0.2
         while True:
             try:
-                async with self._session.get(self.base + "/kv_events", headers=self._auth()) as resp:
+                async with self._session.get(
+                    self.base + "/kv_events", headers=self._auth(),
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
+                                                  sock_read=_KV_EVENTS_SILENT_S),
+                ) as resp:
                     if resp.status != 200:
                         raise ReplicaUnavailable(f"/kv_events answered {resp.status}")
+                    self._events_resp = resp
                     last = None
                     async for event, data in _sse_events(resp.content):
                         if event == "draining":
@@ -514,6 +527,8 @@ class RemoteReplica(Replica):
                 if not self.draining:  # a stopping engine ends the stream on purpose
                     log.info("replica %s: kv event stream lost (%s); resyncing", self.name,
                              exc if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc))
+            finally:
+                self._events_resp = None
             self._following = False
             self.index.reset({})
             await asyncio.sleep(_KV_EVENTS_MAX_BACKOFF_S if self.draining else backoff)
@@ -742,6 +757,16 @@ def _plain_reason(exc: BaseException) -> str:
 
 # Longest wait before reopening /kv_events; also the wait while the engine drains.
 _KV_EVENTS_MAX_BACKOFF_S = 2.0
+# A `kvgate engine` sends an SSE comment down an idle /kv_events this often, so
+# that its followers can tell a quiet engine from a connection that died without
+# a FIN or RST (a host that rebooted, a proxy that dropped an idle stream): one
+# silent for _KV_EVENTS_SILENT_S is given up and the follower resyncs.
+KV_EVENTS_HEARTBEAT_S = 5.0
+_KV_EVENTS_SILENT_S = 4 * KV_EVENTS_HEARTBEAT_S
+# An SSE line may be this long.  A `kvgate engine`'s snapshot lists every block
+# key it holds on one line (~21 bytes a key: 2M blocks make ~42 MB); aiohttp's
+# readline stops at twice its read buffer (512 KiB, ~24k keys).
+_SSE_MAX_LINE_BYTES = 256 * 1024 * 1024
 
 # Delta fields the gateway writes itself; the rest of an external server's delta is relayed.
 _DELTA_OWN = frozenset(("content", "role"))
@@ -813,13 +838,29 @@ def _seconds(header: str | None) -> float | None:
     return value if value is not None and 0 <= value < float("inf") else None
 
 
+async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[bytearray]:
+    """The body's lines (without their ``\n``), each up to _SSE_MAX_LINE_BYTES (ValueError past it)."""
+    pending = bytearray()
+    async for chunk in stream.iter_any():
+        pending += chunk
+        if b"\n" in chunk:
+            lines = pending.split(b"\n")
+            pending = lines.pop()
+            for line in lines:
+                yield line
+        if len(pending) > _SSE_MAX_LINE_BYTES:  # the line still open: a broken or endless frame
+            raise ValueError(f"an SSE line longer than {_SSE_MAX_LINE_BYTES} bytes")
+    if pending:
+        yield pending
+
+
 async def _sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[str, Any]]:
     """(event name, decoded data) of each SSE event until ``[DONE]`` (yielded as
     ``DONE_EVENT``, so callers can tell a finished stream from a cut one) or EOF."""
     event = "message"
-    data: list[bytes] = []
-    async for line in stream:
-        line = line.rstrip(b"\r\n")
+    data: list[bytearray] = []
+    async for line in _lines(stream):
+        line = line.rstrip(b"\r")
         if not line:
             if data:
                 payload = b"\n".join(data)

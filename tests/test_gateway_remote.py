@@ -671,6 +671,56 @@ async def test_a_replica_at_capacity_passes_the_request_on(tiny_model_dir):
         await good.stop()
 
 
+async def test_long_sse_frames_pass_and_endless_ones_go_to_another_replica(tiny_model_dir):
+    """A frame longer than aiohttp's readline allows (512 KiB: an echoed long prompt,
+    many logprobs) reaches the client; one that never ends is a broken answer once
+    past the gateway's bound, retried on another replica before the first byte
+    rather than a 500 or a wait without end."""
+    import gateway.replicas as replicas_module
+
+    state = {"endless": False}
+
+    def answer(size: int):
+        async def chat(request):
+            await request.read()
+            if state["endless"] and size > 4:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                await resp.write(b"data: " + b"x" * 150_000)
+                await asyncio.sleep(30)
+                return resp
+            chunk = {"choices": [{"index": 0, "delta": {"content": "x" * size}, "finish_reason": "stop"}]}
+            return web.Response(body=b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n",
+                                content_type="text/event-stream")
+        return chat
+
+    healthy = _models_while({"healthy": True})
+    long, short = await _scripted_upstream(healthy, answer(600_000)), await _scripted_upstream(healthy, answer(4))
+    replicas = [ReplicaConfig(kind="openai", url=long.url, name="long"),
+                ReplicaConfig(kind="openai", url=short.url, name="short")]
+    app = create_app(tiny_config(tiny_model_dir, replicas, router=RouterConfig(policy="round-robin")))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+        sizes = {len((await client.chat.completions.create(model=MODEL, messages=messages)).choices[0].message.content)
+                 for _ in range(2)}
+        assert sizes == {600_000, 4}
+        state["endless"] = True
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(replicas_module, "_SSE_MAX_LINE_BYTES", 100_000)
+            for _ in range(2):  # one of the two meets the endless replica first
+                out = await asyncio.wait_for(client.chat.completions.create(model=MODEL, messages=messages), 10)
+                assert out.choices[0].message.content == "xxxx"
+        assert app[GATEWAY].router.inflight_requests == [0, 0]
+    finally:
+        await client.close()
+        await gw.stop()
+        await long.stop()
+        await short.stop()
+
+
 async def test_mixed_fleet_sends_tool_requests_to_the_external_server(tiny_model_dir):
     """A kvgate engine beside an external server: requests with tools or JSON output
     go to the external server only (the engine would ignore them); the rest go

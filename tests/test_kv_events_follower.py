@@ -1,0 +1,190 @@
+"""How a gateway follows a `kvgate engine`'s /kv_events when the stream is not tidy.
+
+Scripted engines (aiohttp apps on loopback answering /kvgate/info, /health and
+/kv_events as `kvgate engine` does) drive a real ``RemoteReplica``: a snapshot
+far larger than aiohttp's line limit, a stream that goes silent without closing
+(a rebooted host or a proxy that dropped it leaves no FIN or RST), and an engine
+that restarts behind the breaker.  The real engine's side (heartbeats on an idle
+stream) is checked against its own app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from unittest import mock
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+import gateway.engine_endpoints as engine_endpoints
+import gateway.replicas as replicas
+from gateway.app import GATEWAY, create_app
+from gateway.config import ReplicaConfig, RouterConfig
+from gateway.replicas import RemoteReplica, ReplicaInfo
+from gateway.server import start_server
+from tests.engine_procs import MODEL, tiny_config, wait_for
+
+INFO = {"model": MODEL, "block_size": 16, "hash_salt": MODEL, "max_model_len": 1024}
+
+
+class ScriptedEngine:
+    """/kvgate/info, /health and /kv_events: a snapshot of ``keys``, then silence
+    (the connection stays open and nothing more is sent, heartbeats included)."""
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []
+        self.up = True
+        self.opened = 0
+        self.server = None
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_get("/kvgate/info", self._info)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/kv_events", self._kv_events)
+        self.server = await start_server(app)
+        return self.server.url
+
+    async def _info(self, request):
+        return web.json_response(INFO)
+
+    async def _health(self, request):
+        if not self.up:
+            return web.json_response({"error": {"message": "down"}}, status=503)
+        return web.json_response({"status": "ok", "requests": 0, "kv_usage": 0.0})
+
+    async def _kv_events(self, request):
+        self.opened += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        snapshot = {"seq": 0, "model": MODEL, "keys": {"device": list(self.keys)}, "draining": False}
+        await resp.write(b"event: snapshot\ndata: " + json.dumps(snapshot).encode() + b"\n\n")
+        await asyncio.sleep(3600)
+        return resp
+
+
+@pytest.fixture
+async def scripted():
+    engine = ScriptedEngine()
+    url = await engine.start()
+    followers = []
+
+    async def follow(**router) -> RemoteReplica:
+        replica = RemoteReplica(ReplicaConfig(kind="engine", url=url, connect_timeout_s=2),
+                                RouterConfig(**router), ReplicaInfo(MODEL, 16, MODEL, 1024))
+        followers.append(replica)
+        await replica.start()
+        return replica
+
+    yield engine, follow
+    for replica in followers:
+        await replica.close()
+    await engine.server.stop()
+
+
+async def test_a_snapshot_far_past_aiohttps_line_limit_is_followed(scripted):
+    """100,000 held blocks make a 2 MB snapshot line; aiohttp's readline stops at 512 KiB."""
+    engine, follow = scripted
+    engine.keys = [random.getrandbits(63) for _ in range(100_000)]
+    replica = await follow(health_interval_s=0.2)
+    await wait_for(lambda: replica.healthy, what="in routing")
+    assert len(replica.index) == 100_000 and engine.opened == 1
+
+
+async def test_after_the_breaker_an_engine_rejoins_on_a_fresh_snapshot(scripted):
+    """The old stream never ends (no FIN reached the gateway); the engine that answers
+    the probes again is a restarted one with other blocks.  It must rejoin with
+    those, never with the dead stream's view."""
+    engine, follow = scripted
+    engine.keys = [111, 222, 333]
+    replica = await follow(health_interval_s=0.1, breaker_failures=2, breaker_reset_s=0.5)
+    await wait_for(lambda: replica.healthy, what="in routing")
+    assert sorted(replica.index.tiers) == [111, 222, 333]
+    engine.up = False
+    await wait_for(lambda: not replica.healthy, what="breaker open")
+    engine.keys, engine.up = [777, 888], True
+    await wait_for(lambda: replica.healthy, what="back in routing")
+    assert sorted(replica.index.tiers) == [777, 888] and engine.opened == 2
+
+
+async def test_a_silent_stream_is_given_up_and_resynced(scripted, monkeypatch):
+    """Probes pass, but the stream carries nothing, not even a heartbeat: after
+    _KV_EVENTS_SILENT_S the follower reopens it and takes the engine's state anew."""
+    monkeypatch.setattr(replicas, "_KV_EVENTS_SILENT_S", 0.5)
+    engine, follow = scripted
+    engine.keys = [1, 2]
+    replica = await follow(health_interval_s=0.1)
+    await wait_for(lambda: replica.healthy, what="in routing")
+    engine.keys = [3]
+    await wait_for(lambda: engine.opened >= 2 and sorted(replica.index.tiers) == [3], timeout=5, what="resynced")
+
+
+async def test_an_idle_engine_keeps_its_followers(tiny_model_dir, monkeypatch, caplog):
+    """A `kvgate engine` with nothing to report sends heartbeats, so a follower with a
+    read deadline of a few heartbeats stays on one stream, in routing."""
+    monkeypatch.setattr(engine_endpoints, "KV_EVENTS_HEARTBEAT_S", 0.1)
+    monkeypatch.setattr(replicas, "_KV_EVENTS_SILENT_S", 0.5)
+    engine_server = await start_server(create_app(tiny_config(tiny_model_dir), engine_mode=True))
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine_server.url)],
+                                 router=RouterConfig(health_interval_s=0.1)))
+    gw = await start_server(app)
+    try:
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy, what="in routing")
+        async with aiohttp.ClientSession() as session:
+            async with session.get(engine_server.url + "/kv_events") as resp:
+                assert (await resp.content.readline()).startswith(b"event: snapshot")
+                await resp.content.readline()  # the snapshot's data line
+                await resp.content.readline()
+                assert await asyncio.wait_for(resp.content.readline(), 2) == b": idle\n"
+        caplog.set_level(logging.INFO, logger="gateway.replicas")
+        caplog.clear()
+        await asyncio.sleep(1.5)  # three read deadlines
+        assert replica.healthy and replica._following and replica.trips == 0
+        assert not [r for r in caplog.records if "kv event stream lost" in r.getMessage()]
+        out = await _chat(gw.url)
+        assert out["usage"]["completion_tokens"] == 1
+    finally:
+        await gw.stop()
+        await engine_server.stop()
+
+
+async def _chat(url: str) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            return await resp.json()
+
+
+async def test_sse_lines_of_any_length_and_split_anywhere():
+    """The SSE reader takes lines split across reads and longer than aiohttp's
+    readline allows, and refuses one past _SSE_MAX_LINE_BYTES (a broken frame)."""
+    async def lines(chunks: list[bytes]) -> list[bytes]:
+        return [bytes(line) async for line in replicas._lines(_fed(chunks))]
+
+    big = b"x" * 3_000_000
+    assert await lines([b"da", b"ta: 1\r\n\r", b"\n", big[:10], big[10:] + b"\nlast"]) == \
+        [b"data: 1\r", b"\r", big, b"last"]
+    events = [e async for e in replicas._sse_events(_fed([b'event: a\ndata: {"k":\ndata: 1}\n\ndata: [DONE]\n\n']))]
+    assert events == [("a", {"k": 1}), ("message", replicas.DONE_EVENT)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(replicas, "_SSE_MAX_LINE_BYTES", 1000)
+        with pytest.raises(ValueError, match="longer than 1000 bytes"):
+            await lines([b"a" * 600, b"b" * 600])
+        with pytest.raises(ValueError, match="longer than 1000 bytes"):
+            await lines([b"ok\n" + b"a" * 1001])
+
+
+def _fed(chunks: list[bytes]) -> aiohttp.StreamReader:
+    """A response body as aiohttp's client hands it over, these chunks then EOF
+    (the protocol, which only sees flow control, is a mock)."""
+    stream = aiohttp.StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=asyncio.get_running_loop())
+    for chunk in chunks:
+        stream.feed_data(chunk)
+    stream.feed_eof()
+    return stream
