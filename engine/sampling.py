@@ -10,6 +10,8 @@ import torch
 from engine.request import SamplingParams, TokenLogprob
 from engine.token_pieces import TokenPieces
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # temperatures under this sample greedily
+
 # Prompt tokens the detokeniser starts from: tokenizers that merge a leading
 # space into the first piece decode a lone continuation token differently.
 _DETOK_CONTEXT = 6
@@ -84,7 +86,9 @@ class SequenceSampler:
 
     @property
     def greedy(self) -> bool:
-        return self.params.temperature <= 0 or self.params.top_k == 1
+        # As vLLM's _SAMPLING_EPS: dividing by a temperature this small
+        # overflows the logits to inf and the probabilities to NaN.
+        return self.params.temperature < GREEDY_BELOW_TEMPERATURE or self.params.top_k == 1
 
     @property
     def plain_greedy(self) -> bool:

@@ -124,6 +124,10 @@ class Scheduler:
         except NoFreeBlocks:
             self.pool.release(blocks[::-1], ctx, now)
             return None
+        except BaseException:
+            # No sequence owns the prefix yet: give it back, or it stays held for good.
+            self.pool.release(blocks[::-1], ctx, now)
+            raise
         seq.block_table = blocks + fresh
         seq.num_computed = cached
         seq.num_published = len(blocks)

@@ -201,6 +201,34 @@ def test_a_request_waiting_for_blocks_leaves_its_cached_prefix_untouched():
     assert waiting not in scheduler.waiting and len(hits) == waiting.cached_tokens // bs > 0
 
 
+def test_a_failed_allocation_gives_the_acquired_prefix_back():
+    """Allocating the first chunk may fail for more than a lack of blocks (an
+    eviction's device-to-host copy can run out of memory); the prefix blocks
+    admission took must go back or they stay held for the engine's life."""
+    from engine.request import GenerationRequest
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    bs = 4
+    pool = BlockPool(8, 0, "lru")
+    scheduler = Scheduler(pool, bs, max_num_seqs=4, max_batched_tokens=64, clock=lambda: 0.0)
+    prefix = [1, 2, 3, 4, 5, 6, 7, 8]
+    first = Sequence(0, GenerationRequest("first", prefix + [9]), 0, bs, "x")
+    scheduler.add(first)
+    scheduler.after_step(scheduler.schedule())
+    scheduler.finish(first, "stop")
+    assert pool.num_in_use() == 0 and pool.num_cached() == 2
+
+    def out_of_memory(count, now):
+        raise RuntimeError("CUDA out of memory")
+
+    pool.allocate = out_of_memory
+    scheduler.add(Sequence(1, GenerationRequest("second", prefix + [10, 11]), 0, bs, "x"))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        scheduler.schedule()
+    assert pool.num_in_use() == 0
+
+
 @pytest.mark.parametrize("policy", ["lru", "fifo", "s3fifo", "wa", "wa-paper"])
 def test_a_block_taken_again_after_release_is_in_use(policy):
     """Another choice of the same request (same context, same offset) takes the

@@ -196,6 +196,18 @@ async def test_seed_gives_same_sample(engines):
     assert a != c
 
 
+async def test_a_vanishing_temperature_is_greedy_and_harms_no_neighbour(engines, reference):
+    # logits / 1e-45 overflows to inf and NaN probabilities; as vLLM, a
+    # temperature under 1e-5 means greedy, and the batch it shares goes on.
+    engine = engines()
+    prompt = prompt_of(30, seed=12)
+    tiny = GenerationRequest("tiny", prompt, SamplingParams(max_tokens=10, temperature=1e-45, ignore_eos=True))
+    neighbour = GenerationRequest("next", prompt_of(20, seed=13), SamplingParams(max_tokens=10, temperature=1.0, seed=3))
+    tiny_out, neighbour_out = await asyncio.gather(collect(engine, tiny), collect(engine, neighbour))
+    assert tokens(tiny_out[0]) == hf_greedy(reference, prompt, 10)
+    assert neighbour_out[0][-1].finish_reason in ("length", "stop")
+
+
 async def test_stop_string_cuts_text(engines):
     engine = engines()
     prompt = prompt_of(12, seed=7)

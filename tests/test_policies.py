@@ -132,6 +132,20 @@ def test_s3fifo_ghost_hit_goes_to_main():
     assert victim in policy._main and victim not in policy._ghost
 
 
+def test_s3fifo_evicts_from_small_when_every_main_key_is_in_use():
+    # Main is over its share and every key in it is held by a running
+    # request; the only evictable key waits in the small queue.  The CLOCK
+    # over main must give up after one pass instead of spinning forever.
+    policy = S3FIFOPolicy(10)  # small 1, main 9
+    for key in range(11):
+        policy.insert(key, CTX, 0, 0.0)  # key 0 fills small, the rest go to main
+    policy.release(0, CTX, 0.0)
+    assert len(policy._main) > policy._main_size and 0 in policy._small
+    assert policy.evict(1.0) == 0
+    with pytest.raises(NoEvictableBlock):
+        policy.evict(1.0)
+
+
 def test_belady_beats_or_ties_every_online_policy():
     rng = random.Random(7)
     stream = [[rng.randrange(40)] for _ in range(3000)]

@@ -138,9 +138,17 @@ class S3FIFOPolicy(EvictionPolicy):
         if self.num_evictable() <= 0:
             raise NoEvictableBlock("every cached block is in use")
         self._has_evicted = True
+        # Main keys passed over in a row because a request holds them.  Once
+        # a whole lap of main is in use, main cannot shrink however far over
+        # its share it is, so the victim must come from small; without this
+        # the CLOCK spins forever while small holds the only evictable key.
+        in_use_run = 0
         while True:
-            if len(self._main) > self._main_size or not self._small:
+            main_can_shrink = in_use_run < len(self._main)
+            if not self._small or (len(self._main) > self._main_size and main_can_shrink):
+                key = next(iter(self._main))
                 victim = self._evict_main()
+                in_use_run = in_use_run + 1 if key in self._in_use else 0
             else:
                 victim = self._evict_small()
             if victim is not None:
