@@ -292,8 +292,21 @@ def format_config_error(exc: ValidationError, source: str, model: type[BaseModel
                 why = f"unknown key; allowed keys here: {', '.join(allowed)}"
         elif "input" in err and err["type"] not in ("missing",):
             why = f"{why} (got {err['input']!r})"
+            if _yaml_number_as_text(err["input"]):
+                why += "; YAML reads 1e3 as text: write 1000, or 1.0e+3 where a fraction is allowed"
         lines.append(f"{source}: {loc}: {why}")
     return "\n".join(lines)
+
+
+def _yaml_number_as_text(value: Any) -> bool:
+    """'1e3', '5E-2': numbers to Python and to people, strings to PyYAML."""
+    if not isinstance(value, str) or "e" not in value.lower():
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _allowed_keys(model: type[BaseModel], path: tuple[Any, ...]) -> list[str]:

@@ -229,6 +229,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if source.startswith(("/", ".", "~")) or os.path.exists(source):
         # A local path; anything else ("org/name") is a hub id.
         source = folder = os.path.expanduser(source)
+        if os.path.isfile(source):
+            raise ModelLoadError(source, "is a file; give a model directory (config.json, weights, tokenizer) "
+                                         "or a .gguf file")
         if not os.path.isdir(source):
             raise ModelLoadError(source, "directory not found")
     from transformers import AutoModelForCausalLM, AutoTokenizer

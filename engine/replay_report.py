@@ -121,6 +121,12 @@ def table_footer(summary: dict, results: Sequence[ReplayResult]) -> str:
     return "\n".join(lines)
 
 
+def cannot_write(flag: str, path: str | Path, exc: OSError) -> str:
+    """The one line for an output that failed late (a full disk, a quota):
+    the results are already on screen, a traceback would bury them."""
+    return f"{flag}: cannot write {path}: {exc.strerror or exc}"
+
+
 def write_json(path: str | Path, summary: dict, results: Sequence[ReplayResult], extra: dict | None = None) -> None:
     payload = {"trace": summary, "results": [r.to_json() for r in results]}
     payload["capacity_planning"] = capacity_answers(results, summary["ideal_hit_ratio"])

@@ -523,7 +523,11 @@ def _measure(trace: Trace) -> dict:
     sessions = np.array(
         [session_names.setdefault(_session_of(r), len(session_names)) for r in requests], dtype=np.int64
     )
-    keys = np.fromiter((k for r in requests for k in r.keys), dtype=np.int64, count=int(lengths.sum()))
+    # Keys as dense ids in first-seen order: Mooncake hash ids are any JSON
+    # integer (a 64-bit hash may exceed int64), and only their identity counts.
+    key_ids: dict[int, int] = {}
+    keys = np.fromiter((key_ids.setdefault(k, len(key_ids)) for r in requests for k in r.keys), dtype=np.int64,
+                       count=int(lengths.sum()))
     owner = np.repeat(np.arange(n), lengths)  # request index of each access
     stats: dict = {"format": trace.format, "requests": n, "accesses": int(keys.size)}
     span = float(times[-1] - times[0]) if n else 0.0
@@ -550,9 +554,8 @@ def _measure(trace: Trace) -> dict:
     stats["multi_turn_sessions"] = stats["next_turn_after_first"]
 
     # Per-access bookkeeping, grouped by key in access (= time) order.
-    _, inverse = np.unique(keys, return_inverse=True)
-    order = np.argsort(inverse, kind="stable")
-    grouped_key = inverse[order]
+    order = np.argsort(keys, kind="stable")
+    grouped_key = keys[order]
     grouped_req = owner[order]
     grouped_t = times[grouped_req]
     starts = np.ones(keys.size, dtype=bool)

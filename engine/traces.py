@@ -7,11 +7,14 @@ count a hit as the leading run of cached keys.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from engine.context import WORKLOADS, RequestContext
 
@@ -82,6 +85,9 @@ def workload_of(request_type: str) -> str:
     return "to-c"
 
 
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
 def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
     if fmt not in FORMATS:
         raise TraceError(f"unknown trace format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -90,29 +96,39 @@ def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
         handle = open(path, "rb")
     except OSError as exc:
         raise TraceError(f"{source}: cannot read: {exc.strerror}") from None
+    # Published traces ship gzipped; peek, not seek, so a pipe works too.
+    if handle.peek(2)[:2] == _GZIP_MAGIC:
+        handle = gzip.GzipFile(fileobj=handle, mode="rb")
+    with handle:
+        try:
+            return _read_records(handle, source, fmt)
+        except (OSError, EOFError, zlib.error) as exc:  # a truncated or corrupt gzip stream
+            raise TraceError(f"{source}: cannot read: {exc}") from None
+
+
+def _read_records(handle: BinaryIO, source: str, fmt: str) -> Trace:
     requests: list[TraceRequest] = []
     chain: dict[tuple[int, int], int] = {}
     sessions: dict[int, int] = {}  # chat id -> id of the conversation's first turn
     notes = _Notes()
     first_looks = ""  # the format the first record looks like
-    with handle:
-        for line_no, raw in enumerate(handle, 1):
-            text = raw.strip()
-            if not text:
-                continue
-            where = f"{source}:{line_no}"
-            record = _parse_line(text, where, first=not requests)
-            looks = _looks_like(record)
-            if not requests:
-                first_looks, fmt = looks, _check_format(record, fmt, where)
-            elif looks != first_looks:
-                notes.add("mixed", where, _mixed_note(first_looks, fmt))
-            if fmt == "bailian":
-                requests.append(_bailian_request(record, where, chain, len(requests)))
-            else:
-                requests.append(_mooncake_request(record, where, len(requests)))
-                if looks == "mooncake":  # a stray Bailian record has had its warning
-                    _check_mooncake_blocks(requests[-1], where, notes)
+    for line_no, raw in enumerate(handle, 1):
+        text = raw.strip()
+        if not text:
+            continue
+        where = f"{source}:{line_no}"
+        record = _parse_line(text, where, first=not requests)
+        looks = _looks_like(record)
+        if not requests:
+            first_looks, fmt = looks, _check_format(record, fmt, where)
+        elif looks != first_looks:
+            notes.add("mixed", where, _mixed_note(first_looks, fmt))
+        if fmt == "bailian":
+            requests.append(_bailian_request(record, where, chain, len(requests)))
+        else:
+            requests.append(_mooncake_request(record, where, len(requests)))
+            if looks == "mooncake":  # a stray Bailian record has had its warning
+                _check_mooncake_blocks(requests[-1], where, notes)
     notes.log()
     if not requests:
         raise TraceError(f"{source}: the trace holds no requests")
@@ -206,6 +222,9 @@ def _check_format(first: dict, fmt: str, where: str) -> str:
     return looks if fmt == "auto" else fmt
 
 
+_INT64 = 2**63
+
+
 def _field(record: dict, name: str, kind: type | tuple, where: str, default=None):
     if name not in record:
         if default is not None:
@@ -214,6 +233,9 @@ def _field(record: dict, name: str, kind: type | tuple, where: str, default=None
     value = record[name]
     if isinstance(value, bool) or not isinstance(value, kind):
         raise TraceError(f"{where}: field {name!r} must be {_kind_name(kind)}, got {value!r}"[:300])
+    if kind is int and not -_INT64 <= value < _INT64:
+        # JSON integers are unbounded; a length, turn or chat id past 64 bits is a broken record.
+        raise TraceError(f"{where}: field {name!r} is out of range, got {value}"[:300])
     return value
 
 

@@ -158,6 +158,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     config = _load_config(args.config)
     if args.record_trace:
         config.server.record_trace = args.record_trace
+    recording = config.server.record_trace
+    if recording and os.path.isdir(recording):  # now, not after the model has loaded
+        raise CliError(f"{'--record-trace' if args.record_trace else 'server.record_trace'}: {recording} is a directory; "
+                       "give a file path")
     from gateway.server import run_gateway
 
     with _startup_errors():
@@ -211,13 +215,26 @@ def _port(text: str) -> int:
 
 def _writable(path: str | None, flag: str) -> None:
     """Refuse an output path that cannot be written before a long run, not after."""
-    if not path:
+    if path is None:
         return
+    if not path:  # `--json ""`: the run would end and write nothing, silently
+        raise CliError(f"{flag}: give a file path")
     if os.path.isdir(path):
         raise CliError(f"{flag}: {path} is a directory")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise CliError(f"{flag}: cannot write into {parent}")
+
+
+@contextlib.contextmanager
+def _writing(path: str, flag: str):
+    """An output that fails as it is written (a full disk) is one line, not a traceback."""
+    from engine.replay_report import cannot_write
+
+    try:
+        yield
+    except OSError as exc:
+        raise CliError(cannot_write(flag, path, exc)) from None
 
 
 # More blocks than this is no cache anyone has, and the replay's pool would
@@ -297,9 +314,11 @@ def _run_replay(args: argparse.Namespace) -> int:
     results, interrupted = collect_until_interrupted(runs, on_result=lambda r: print_row(table_row(r, ideal)))
     print(table_footer(summary, results))
     if args.json:
-        write_json(args.json, summary, results, {"interrupted": True} if interrupted else None)
+        with _writing(args.json, "--json"):
+            write_json(args.json, summary, results, {"interrupted": True} if interrupted else None)
     if args.plot and results:
-        write_plot(args.plot, summary, results, partial=interrupted)
+        with _writing(args.plot, "--plot"):
+            write_plot(args.plot, summary, results, partial=interrupted)
     if interrupted:
         print(interrupted_note(len(results), len(policies) * len(capacities)), file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -321,13 +340,19 @@ def _check_replay_args(args: argparse.Namespace) -> None:
     _writable(args.plot, "--plot")
     if args.plot and os.path.splitext(args.plot)[1].lower() not in ("", ".png", ".pdf", ".svg", ".jpg", ".jpeg"):
         raise CliError("--plot: write .png, .pdf, .svg or .jpg")
-    if args.host_blocks < 0:
-        raise CliError("--host-blocks: give a number >= 0")
+    _check_host_blocks(args.host_blocks)
     if args.replicas < 1:
         raise CliError("--replicas: give a positive number")
     if args.routing is not None and args.replicas < 2:
         # One replica has nothing to route: the run would be a plain replay in disguise.
         raise CliError("--routing compares routings across replicas: give --replicas N (N >= 2) too")
+
+
+def _check_host_blocks(blocks: int) -> None:
+    if blocks < 0:
+        raise CliError("--host-blocks: give a number >= 0")
+    if blocks > MAX_BLOCKS:
+        raise CliError(f"--host-blocks: {blocks} is too large (at most {MAX_BLOCKS:,} blocks)")
 
 
 def _replay_policies(text: str) -> list[str]:
@@ -424,8 +449,7 @@ def _check_tune_args(args: argparse.Namespace) -> None:
         raise CliError("--time-limit: give a positive number of seconds")
     if args.max_evals is not None and args.max_evals < 1:
         raise CliError("--max-evals: give at least 1 replay")
-    if args.host_blocks < 0:
-        raise CliError("--host-blocks: give a number >= 0")
+    _check_host_blocks(args.host_blocks)
 
 
 def _tune_capacity(args: argparse.Namespace, unique: int) -> int:
@@ -487,7 +511,8 @@ def _run_synth(args: argparse.Namespace) -> int:
         # An empty file is no trace: replay and tune would only refuse it later.
         raise CliError(f"synth: {args.duration:g} s at {args.rate:g} requests/s gave no requests; "
                        "raise --duration or --rate (nothing written)")
-    synth.write_trace(records, args.output)
+    with _writing(args.output, "-o"):
+        synth.write_trace(records, args.output)
     print(f"wrote {len(records)} requests to {args.output}", file=sys.stderr)
     return 0
 

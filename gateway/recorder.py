@@ -39,6 +39,7 @@ reason: appending new ids to an old recording would alias unrelated blocks.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -59,6 +60,9 @@ class TraceRecorder:
         self.lines = 0
         self._clock = clock
         self._start = clock()
+        if self.path.is_dir():
+            # Rotation would rename the directory itself out of the way.
+            raise IsADirectoryError(errno.EISDIR, "is a directory, give a file path", str(self.path))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists() and self.path.stat().st_size > 0:
             self._shift_old_files()

@@ -239,3 +239,68 @@ def test_synth_stats_refuses_an_output_file_it_would_not_write(tmp_path, capsys)
     assert captured.err == ("kvgate: synth: --stats prints a trace's statistics and writes no file: drop -o "
                             "(or drop --stats to generate a trace)\n")
     assert captured.out == "" and not out.exists()
+
+
+def test_serve_refuses_a_recording_path_that_is_a_directory(tmp_path, capsys, monkeypatch):
+    """Rotating the old recording away would rename the directory itself (to DIR.1)."""
+    import gateway.server
+
+    monkeypatch.setattr(gateway.server, "run_gateway", lambda *a: pytest.fail("the server started"))
+    folder = tmp_path / "recordings"
+    folder.mkdir()
+    assert main(["serve", "--record-trace", str(folder)]) == 2
+    assert capsys.readouterr().err == f"kvgate: --record-trace: {folder} is a directory; give a file path\n"
+    config = tmp_path / "config.yaml"
+    config.write_text(f"server:\n  record_trace: {folder}\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert capsys.readouterr().err == f"kvgate: server.record_trace: {folder} is a directory; give a file path\n"
+    assert folder.is_dir() and not (tmp_path / "recordings.1").exists()
+
+
+@pytest.mark.parametrize("command", ["replay", "tune"])
+def test_a_host_tier_beyond_any_machine_is_refused(tmp_path, capsys, command):
+    """Its bookkeeping would be allocated up front: an OverflowError or the machine's memory."""
+    path = mooncake_trace(tmp_path / "m.jsonl")
+    assert main([command, str(path), "--capacity-blocks", "4", "--host-blocks", str(10**20), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"kvgate: --host-blocks: {10**20} is too large (at most 100,000,000 blocks)\n")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux) to fill a disk")
+@pytest.mark.parametrize("argv, flag", [
+    (["replay", "{trace}", "--capacity-blocks", "4", "--json", "/dev/full"], "--json"),
+    (["replay", "{trace}", "--capacity-blocks", "4", "--replicas", "2", "--json", "/dev/full"], "--json"),
+    (["synth", "--duration", "60", "-o", "/dev/full"], "-o"),
+])
+def test_a_full_disk_is_one_line_not_a_traceback(tmp_path, capsys, argv, flag):
+    trace = str(mooncake_trace(tmp_path / "m.jsonl"))
+    assert main([part.format(trace=trace) for part in argv] + ["--no-progress"] * (argv[0] == "replay")) == 2
+    assert capsys.readouterr().err.endswith(f"kvgate: {flag}: cannot write /dev/full: No space left on device\n")
+
+
+def test_synth_stats_takes_64_bit_hash_ids(tmp_path, capsys):
+    """Mooncake hash ids are any JSON integer; a 64-bit hash can pass int64."""
+    small = mooncake_trace(tmp_path / "small.jsonl")
+    big = write_jsonl(tmp_path / "big.jsonl", [
+        dict(r, hash_ids=[2**64 - i for i in r["hash_ids"]]) for r in map(json.loads, small.read_text().splitlines())
+    ])
+    assert main(["synth", "--stats", str(small)]) == 0
+    expected = capsys.readouterr().out.replace("small.jsonl", "big.jsonl")
+    assert main(["synth", "--stats", str(big)]) == 0
+    assert capsys.readouterr().out == expected
+
+
+@pytest.mark.parametrize("field, value", [("turn", 2**70), ("input_length", 10**400), ("chat_id", -2**64)])
+def test_a_trace_integer_past_64_bits_is_a_line_error(tmp_path, capsys, field, value):
+    record = {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0, "input_length": 16, "output_length": 1,
+              "type": "text", "turn": 1, "hash_ids": [1]}
+    path = write_jsonl(tmp_path / "t.jsonl", [record, {**record, "chat_id": 2, field: value}])
+    assert main(["synth", "--stats", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvgate: {path}:2: field {field!r} is out of range, got {str(value)[:20]}")
+
+
+def test_an_empty_output_path_is_refused_not_ignored(tmp_path, capsys):
+    path = mooncake_trace(tmp_path / "m.jsonl")
+    assert main(["replay", str(path), "--capacity-blocks", "4", "--json", "", "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == "kvgate: --json: give a file path\n" and captured.out == ""

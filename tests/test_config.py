@@ -72,6 +72,16 @@ def test_cli_reports_config_errors_without_traceback(tmp_path, capsys):
     assert "engine.block_size" in err and "Traceback" not in err
 
 
+def test_a_number_yaml_reads_as_text_gets_a_hint(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("engine:\n  device_blocks: 1e3\n")
+    with pytest.raises(ConfigError, match=r"engine.device_blocks: .*\(got '1e3'\); YAML reads 1e3 as text"):
+        load_config(path)
+    path.write_text("engine:\n  device_blocks: 1000\n  kv_memory_fraction: 5.0e-1\n")
+    config = load_config(path)
+    assert (config.engine.device_blocks, config.engine.kv_memory_fraction) == (1000, 0.5)
+
+
 @pytest.mark.parametrize("url", ["10.0.0.5:8001", "ftp://host:8001", "http://", "http://host:99999", "http://[::1"])
 def test_replica_url_must_be_http_with_a_host(tmp_path, url):
     path = tmp_path / "c.yaml"

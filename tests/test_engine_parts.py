@@ -23,6 +23,13 @@ def test_missing_directory_names_path_and_reason(tmp_path):
         load_model(ModelConfig(path=missing, device="cpu"))
 
 
+def test_a_model_path_to_a_weights_file_says_to_give_the_directory(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0" * 16)
+    with pytest.raises(ModelLoadError, match="model.safetensors.*is a file; give a model directory"):
+        load_model(ModelConfig(path=str(weights), device="cpu"))
+
+
 def test_broken_model_directory_is_one_clear_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": "big"}))
     with pytest.raises(ModelLoadError) as info:

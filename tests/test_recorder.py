@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from pathlib import Path
 
 import openai
 import pytest
@@ -239,3 +240,10 @@ async def test_replay_of_a_recording_reproduces_the_engine_hit_ratio(tiny_model_
     # model (the first refit).  Replay admits one request at a time and stays in the
     # lower mode, so a lucky engine run lands up to ~1.5 points above it.
     assert result.hit_ratio == pytest.approx(engine_ratio, abs=0.03)
+
+
+def test_a_recording_path_that_is_a_directory_is_refused(tmp_path):
+    """Rotation at start would otherwise rename the directory to DIR.1."""
+    with pytest.raises(IsADirectoryError):
+        TraceRecorder(tmp_path)
+    assert tmp_path.is_dir() and not Path(f"{tmp_path}.1").exists()

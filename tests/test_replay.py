@@ -101,6 +101,24 @@ def test_bailian_lru_matches_an_independent_simulator(tmp_path):
         assert round(replay(trace, "lru", capacity).hit_ratio, 3) == round(independent_lru_prefix(trace, capacity), 3)
 
 
+def test_a_gzipped_trace_reads_as_the_plain_one(tmp_path):
+    import gzip
+
+    from engine.traces import TraceError
+
+    plain = write_bailian(tmp_path / "b.jsonl")
+    packed = tmp_path / "b.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    a, b = load_trace(plain), load_trace(packed)
+    assert [(r.timestamp, r.keys, r.input_length) for r in a.requests] == \
+        [(r.timestamp, r.keys, r.input_length) for r in b.requests]
+    assert replay(a, "lru", 60).hit_ratio == replay(b, "lru", 60).hit_ratio
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed.read_bytes()[:-20])
+    with pytest.raises(TraceError, match=r"cut.jsonl.gz: cannot read: Compressed file ended"):
+        load_trace(cut)
+
+
 def test_bailian_ids_are_chained_into_prefix_keys(tmp_path):
     path = tmp_path / "chain.jsonl"
     rows = [
