@@ -163,6 +163,14 @@ class Gateway:
         matches a prompt."""
         info = replica.info
         if replica.kind == "openai":
+            if any(r.kind != "openai" for r in self.replicas):
+                # A mixed fleet keeps the name and length its own replicas gave it
+                # (clients already use them); the server is sent its own name.
+                self.max_model_len = min(self.max_model_len, info.max_model_len)
+                if info.model != self.model_name:
+                    log.info("replica %s serves the model as %r; the gateway keeps serving it as %r", replica.name,
+                             info.model, self.model_name)
+                return
             if self.config.model.served_name is None and info.model != self.model_name:
                 log.info("serving the model as %r, the name replica %s gives it", info.model, replica.name)
                 self.model_name = self.responder.model_name = info.model

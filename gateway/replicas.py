@@ -600,7 +600,8 @@ class RemoteReplica(Replica):
             path = "/v1/completions"
         else:
             body = dict(parsed.body)
-            body["model"] = self.cfg.model or parsed.model
+            # The server's own name once learnt: the gateway may serve it under an alias.
+            body["model"] = self.cfg.model or (self.info.model if self.info_known else parsed.model)
             if parsed.cache_salt and self.cfg.send_cache_salt:
                 body["cache_salt"] = parsed.cache_salt  # vLLM (V1) keeps salted prompts' blocks apart too
             body["max_tokens"] = job.max_tokens
@@ -661,51 +662,38 @@ class RemoteReplica(Replica):
                 if resp.status >= 500 or not isinstance(err, dict) or "error" not in err:
                     raise ReplicaUnavailable(f"replica {self.name} answered {resp.status}")  # counted below
                 raise UpstreamError(resp.status, err)
-            self._failures = 0
             if isinstance(self.index, ApproxIndex):
                 # Only a prompt the server accepted can be in its cache.
                 self.index.record(job.keys)
             ended = False
+            finished: set[int] = set()  # choice indexes with a finish_reason
             queue_time = _seconds(resp.headers.get(QUEUE_TIME_HEADER)) if self.kind == "engine" else None
             async for _event, chunk in _sse_events(resp.content):
                 if chunk is DONE_EVENT:
                     ended = True
                     break
-                if "error" in chunk:
-                    raise UpstreamError(500, chunk)
-                batch = []
-                for choice in chunk.get("choices") or ():
-                    index = choice.get("index", 0)
-                    extra = None
-                    if chat:
-                        delta = choice.get("delta") or {}
-                        text = delta.get("content") or ""
-                        lps = _chat_logprobs(choice.get("logprobs"))
-                        # Tool calls, reasoning text and the like pass through as they came.
-                        extra = {k: v for k, v in delta.items() if v is not None and k not in _DELTA_OWN} or None
-                    else:
-                        text = choice.get("text") or ""
-                        lps = _completion_logprobs(choice.get("logprobs"))
-                    finish = choice.get("finish_reason")
-                    if not text and finish is None and not lps and extra is None:
-                        continue  # the role chunk
-                    batch.append(GenerationOutput(rid, index, [], text, lps, finish, extra=extra))
-                usage = chunk.get("usage")
-                if usage:
-                    details = usage.get("prompt_tokens_details") or {}
-                    batch.append(GenerationOutput(
-                        rid, USAGE_ALL, [], "", None, None,
-                        Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), details.get("cached_tokens") or 0),
-                    ))
+                if isinstance(chunk, dict) and "error" in chunk:
+                    status = _in_stream_error_status(chunk)
+                    if status >= 500 and not produced:
+                        # Failed before a token (vLLM and SGLang answer 200, then the
+                        # error): another replica may well succeed, and this one's
+                        # failures must count toward its breaker.
+                        raise ReplicaUnavailable(f"replica {self.name} failed before its first token: "
+                                                 f"{UpstreamError(status, chunk)}")
+                    raise UpstreamError(status, chunk)
+                batch = _outputs_of(chunk, rid, chat)
+                finished.update(o.index for o in batch if o.finish_reason is not None)
                 if batch:
-                    if not produced and queue_time is not None:
-                        batch[0].queue_time_s = queue_time
+                    if not produced:
+                        self._failures = 0  # a 200 alone is not success: an error event may follow
+                        if queue_time is not None:
+                            batch[0].queue_time_s = queue_time
                     produced = True
                     yield batch
-            if not ended:
-                # EOF without [DONE]: the server went away; a silent truncation
-                # would look like a complete answer to the client.
-                raise ReplicaUnavailable(f"replica {self.name} closed the stream before [DONE]")
+            if not ended and len(finished) < job.request.sampling.n:
+                # EOF without [DONE] before every choice finished: a silent
+                # truncation would look like a complete answer to the client.
+                raise _EndedEarly(f"replica {self.name} closed the stream before [DONE]")
         except aiohttp.ServerTimeoutError as exc:
             # A request silent that long while the replica may be serving others
             # (a deep queue delays several at once): not counted toward the breaker,
@@ -717,9 +705,14 @@ class RemoteReplica(Replica):
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, ReplicaUnavailable) as exc:
             # ValueError: a broken frame (JSONDecodeError) from a dying server.
             reason = str(exc) if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc)
-            if produced:
-                self._trip(f"failed mid-request: {reason}")
+            if produced and not isinstance(exc, (ValueError, _EndedEarly)):
+                # The connection broke mid-answer: the replica is likely gone, and
+                # its other streams with it.  (Unless the breaker is what broke it.)
+                if not self.breaker_open:
+                    self._trip(f"failed mid-request: {reason}")
             else:
+                # One malformed or cut-short answer from a replica that still talks
+                # HTTP: counted, but not worth cutting every stream it serves.
                 self._note_failure()
             if isinstance(exc, ReplicaUnavailable):
                 raise
@@ -826,6 +819,52 @@ def _completion_logprobs(lp: dict | None) -> list[TokenLogprob] | None:
     ]
 
 
+class _EndedEarly(ReplicaUnavailable):
+    """A stream that ended cleanly (no broken connection) before [DONE]."""
+
+
+def _in_stream_error_status(chunk: dict) -> int:
+    """The HTTP status an error event stands for: its ``code`` when that is one
+    (vLLM sends 400 for a request it refuses mid-stream), else 500."""
+    error = chunk.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599 else 500
+
+
+def _outputs_of(chunk: Any, rid: str, chat: bool) -> list[GenerationOutput]:
+    """One OpenAI stream chunk as engine outputs; ValueError if it is not one."""
+    try:
+        batch = []
+        for choice in chunk.get("choices") or ():
+            index = choice.get("index", 0)
+            extra = None
+            if chat:
+                delta = choice.get("delta") or {}
+                text = delta.get("content") or ""
+                lps = _chat_logprobs(choice.get("logprobs"))
+                # Tool calls, reasoning text and the like pass through as they came.
+                extra = {k: v for k, v in delta.items() if v is not None and k not in _DELTA_OWN} or None
+            else:
+                text = choice.get("text") or ""
+                lps = _completion_logprobs(choice.get("logprobs"))
+            finish = choice.get("finish_reason")
+            if not text and finish is None and not lps and extra is None:
+                continue  # the role chunk
+            if not isinstance(index, int) or not isinstance(text, str):
+                raise TypeError("index or text of the wrong type")
+            batch.append(GenerationOutput(rid, index, [], text, lps, finish, extra=extra))
+        usage = chunk.get("usage")
+        if usage:
+            details = usage.get("prompt_tokens_details") or {}
+            batch.append(GenerationOutput(
+                rid, USAGE_ALL, [], "", None, None,
+                Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), details.get("cached_tokens") or 0),
+            ))
+    except (AttributeError, TypeError, KeyError) as exc:  # `data: null`, a choice that is a string, ...
+        raise ValueError(f"not an OpenAI stream chunk: {exc}") from None
+    return batch
+
+
 # What _sse_events yields for ``data: [DONE]`` (then it stops).
 DONE_EVENT: Any = object()
 
@@ -875,8 +914,9 @@ async def _sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[str, 
             data.append(line[5:].lstrip(b" "))
         elif line.startswith(b"event:"):
             event = line[6:].strip().decode()
-    if data and b"\n".join(data) != b"[DONE]":
-        yield event, json.loads(b"\n".join(data))
+    if data:  # the last event, its blank line cut off by EOF
+        payload = b"\n".join(data)
+        yield event, DONE_EVENT if payload == b"[DONE]" else json.loads(payload)
 
 
 # ----------------------------------------------------------------------------- construction

@@ -1034,3 +1034,148 @@ async def test_replicas_that_answer_after_the_gateway_started(tiny_model_dir, un
         await gw.stop()
         if upstream is not None:
             await upstream.stop()
+
+
+def _sse(*events) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+
+async def test_an_answer_that_fails_before_its_first_token_goes_to_another_replica(tiny_model_dir):
+    """vLLM and SGLang answer 200 and then an error event when generation fails;
+    a server in trouble may send a frame that is no chunk at all.  Before the first
+    token either is retried elsewhere and counts toward the replica's breaker (a
+    200 alone is no success); an in-stream 4xx is the client's and is relayed."""
+    answers = iter([
+        _sse(None),  # `data: null`
+        _sse({"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError", "code": 500}}),
+        _sse({"choices": "broken"}),
+    ])
+    state = {"client_error": False}
+
+    async def failing(request):
+        await request.read()
+        if state["client_error"]:
+            body = _sse({"error": {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": 400}})
+        else:
+            body = next(answers)
+        return web.Response(body=body + b"data: [DONE]\n\n", content_type="text/event-stream")
+
+    healthy = _models_while({"healthy": True})
+    bad, good = await _scripted_upstream(healthy, failing), await _scripted_upstream(healthy, _answer_fine)
+    replicas = [ReplicaConfig(kind="openai", url=bad.url, name="bad"),
+                ReplicaConfig(kind="openai", url=good.url, name="good")]
+    # Probes far apart: a good probe between the failures would forgive them.
+    router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=3)
+    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+        bad_replica = app[GATEWAY].replicas[0]
+        for stream in (False, True, False, True, False, True):
+            if stream:
+                parts = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+                text = "".join([c.choices[0].delta.content or "" async for c in parts if c.choices])
+            else:
+                text = (await client.chat.completions.create(model=MODEL, messages=messages)).choices[0].message.content
+            assert text == "Fine"
+        assert not bad_replica.healthy and bad_replica.trips == 1  # three failures in a row
+        assert app[GATEWAY].router.inflight_requests == [0, 0]
+    finally:
+        await client.close()
+        await gw.stop()
+    state["client_error"] = True
+    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+        outcomes = set()
+        for _ in range(2):  # one to each replica
+            try:
+                outcomes.add((await client.chat.completions.create(model=MODEL, messages=messages)).choices[0].message.content)
+            except openai.BadRequestError as exc:
+                outcomes.add(exc.body["message"])
+        assert outcomes == {"Fine", "prompt too long"}
+        assert all(r.healthy for r in app[GATEWAY].replicas)
+    finally:
+        await client.close()
+        await gw.stop()
+        await bad.stop()
+        await good.stop()
+
+
+async def test_a_finished_answer_without_done_is_whole_and_leaves_the_replica_in(tiny_model_dir):
+    """A server that closes the stream after every choice's finish_reason but
+    without [DONE] (or with a [DONE] whose blank line EOF cut off) gave a whole
+    answer: no 502, no error event, no breaker cutting its other streams."""
+    endings = {"none": b"", "no blank line": b"data: [DONE]\n"}
+    state = {"ending": "none"}
+
+    async def chat(request):
+        await request.read()
+        chunk = {"choices": [{"index": 0, "delta": {"content": "Fine"}, "finish_reason": "stop"}]}
+        return web.Response(body=_sse(chunk) + endings[state["ending"]], content_type="text/event-stream")
+
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), chat)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="x")]))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+        for ending in endings:
+            state["ending"] = ending
+            assert (await client.chat.completions.create(model=MODEL, messages=messages)).choices[0].message.content == "Fine"
+            async with aiohttp.ClientSession() as session:
+                async with session.post(gw.url + "/v1/chat/completions",
+                                        json={"model": MODEL, "messages": messages, "stream": True}) as resp:
+                    events = await sse_events(resp)
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), ending
+        replica = app[GATEWAY].replicas[0]
+        assert replica.healthy and replica.trips == 0
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
+
+
+async def test_an_external_server_gets_its_own_model_name_and_a_mixed_fleet_keeps_the_gateways(
+        tiny_model_dir, unused_tcp_port_factory):
+    """The gateway may serve a model under another name (model.served_name, or
+    its in-process engine's): an external server is sent the name it gave in
+    /v1/models, and one that joins late does not rename what clients already use."""
+    seen = []
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "org/real-model", "object": "model",
+                                                              "max_model_len": 32768}]})
+
+    async def chat(request):
+        seen.append((await request.json())["model"])
+        return await _answer_fine(request)
+
+    port = unused_tcp_port_factory()
+    router = RouterConfig(policy="round-robin", health_interval_s=0.2)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="inprocess", name="local"),
+                                                  ReplicaConfig(kind="openai", url=f"http://127.0.0.1:{port}")],
+                                 router=router))
+    gw = await start_server(app)
+    gateway = app[GATEWAY]
+    client = _client(gw.url)
+    upstream = None
+    try:
+        await wait_for(lambda: gateway.replicas[0].healthy, what="in-process replica")
+        assert (gateway.model_name, gateway.max_model_len) == (MODEL, 1024)
+        upstream = await _scripted_upstream(models, chat, port=port)
+        await wait_for(lambda: gateway.replicas[1].healthy, what="late external server")
+        assert (gateway.model_name, gateway.max_model_len) == (MODEL, 1024)
+        for _ in range(2):  # one to each replica
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert seen == ["org/real-model"]
+    finally:
+        await client.close()
+        await gw.stop()
+        if upstream is not None:
+            await upstream.stop()
