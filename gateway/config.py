@@ -111,7 +111,7 @@ class ReplicaConfig(Section):
     url: str | None = None
     # Label in metrics and logs; None: "inprocess-N" or the URL's host:port.
     name: str | None = None
-    # Model name the upstream serves (openai kind); None sends the gateway's model name.
+    # Model name the upstream serves (openai kind); None: the name its /v1/models gives.
     model: str | None = None
     # Bearer token sent to the upstream (any remote kind), if it needs one.
     api_key: str | None = None
