@@ -653,3 +653,51 @@ def test_host_tier_policy_logs_nothing_and_never_falls_back(caplog):
     assert pool.host_policy.shadow_lru is None
     # Its calls are demotions, not requests: no rhythm, no topic switches.
     assert pool.host_policy.rhythm is None and pool.host_policy.topics is None
+
+
+def test_the_choices_of_one_request_and_its_readmission_are_one_arrival():
+    """The scheduler takes a request's cached prefix once per choice (n > 1) and
+    again when a preempted request is admitted anew, each time from offset 0 with
+    the same context: one arrival, not a topic switch on a session's first turn
+    nor a to-B burst counted n times."""
+    pool = BlockPool(64, 0, "wa", CacheConfig())
+    policy = pool.device_policy
+    warm = ctx(session="old", blocks=2, tokens=32)
+    request(pool, [1, 2], warm, 0.0)
+    arrivals = policy._requests
+    fresh = ctx(session="brand-new", blocks=3, tokens=48)
+    held = [pool.acquire_prefix([1, 2, 3], fresh, 100.0) for _ in range(3)]
+    assert policy._requests == arrivals + 1
+    assert policy.topic_switches == 0 and list(policy.topics.sessions["brand-new"]) == [100.0]
+    for blocks in held:
+        pool.release(blocks[::-1], fresh, 101.0)
+    api = ctx(workload="to-b", rtype="api", blocks=2, tokens=32)
+    counted = policy.rhythm.count
+    for _ in range(4):
+        pool.release(pool.acquire_prefix([1, 2], api, 102.0)[::-1], api, 102.0)
+    assert policy._requests == arrivals + 2 and policy.rhythm.count == counted + 1
+
+
+@pytest.mark.parametrize("policy", ["wa", "wa-paper"])
+def test_a_block_held_through_a_long_decode_is_last_used_at_its_release(policy):
+    """The engine reads a running request's blocks on every step.  Scored by
+    their admission time instead, a block held long would sit in its queue behind
+    younger ones (queues are in release order) and the head-only scan would
+    never see that it is the oldest; each queue must stay in last-use order."""
+    cache = CacheConfig(workload_aware=quiet())
+    pool = BlockPool(400, 0, policy, cache)
+    core = pool.device_policy.core
+    rng = random.Random(5)
+    held = []
+    now = 0.0
+    for step in range(300):
+        now += rng.random()
+        if held and rng.random() < 0.5:
+            blocks, context = held.pop(rng.randrange(len(held)))
+            pool.release(blocks[::-1], context, now)
+        else:
+            context = ctx(session=f"s{step}", blocks=2, tokens=32)
+            held.append((request(pool, [2 * step + 1, 2 * step + 2], context, now, hold=True)[0], context))
+    for q in core.queues:
+        last_use = [core.rec[key][1] for key in q]
+        assert last_use == sorted(last_use)

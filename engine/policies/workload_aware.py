@@ -306,7 +306,7 @@ class CategoryQueues:
         if parent is not None and self.protect and key not in self.parent:
             self._link(key, parent)
 
-    def release(self, key: int) -> None:
+    def release(self, key: int, now: float) -> None:
         rec = self.rec.get(key)
         if rec is None:
             return
@@ -320,6 +320,12 @@ class CategoryQueues:
             return
         if key in self.orphans:
             return
+        # A block is read on every step of the request that holds it: its last
+        # use is now, not its admission.  (It also keeps each queue in last-use
+        # order, which the head-only scoring needs: a block held through a long
+        # decode would otherwise queue behind younger ones and never be scored.)
+        if now > rec[1]:
+            rec[1] = now
         if self.leaf and key in self.children and not self.fifo[cat]:
             # Leaf-only eviction: a block with cached children waits for them.
             self.pinned.add(key)
@@ -673,7 +679,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
         self._access(key, ctx, offset, now, True)
 
     def release(self, key: int, ctx: RequestContext, now: float) -> None:
-        self.core.release(key)
+        self.core.release(key, now)
         if key == self._key:
             # A later hit on this key (another choice of the request, or the
             # request back after preemption) is a new use, not the second half of
@@ -685,7 +691,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
             if key in shadow:
                 shadow.move_to_end(key)
             if self.shadow_wa is not None:
-                self.shadow_wa.q.release(key)
+                self.shadow_wa.q.release(key, now)
         if self.lru_active:
             self.lru[key] = None
 
@@ -836,7 +842,9 @@ class WorkloadAwarePolicy(EvictionPolicy):
         self._ctx = ctx
         self._offset = offset - 1
         self._key = None
-        known = recent.get(id(ctx)) if offset > 0 else None
+        # At any offset: the n choices of one request, and a preempted request
+        # admitted again, take its prefix from offset 0 once more.
+        known = recent.get(id(ctx))
         if known is not None and known[0] is ctx:
             _, self._session, self._switch, self._base, last_offset, last_key = known
             if last_offset == offset - 1:
