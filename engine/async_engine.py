@@ -498,7 +498,7 @@ class AsyncEngine:
             "waiting": len(sched.waiting) + len(self._pending_adds),
             "preemptions": sched.num_preemptions,
             "policy_name": pool.policy_name,
-            "policy": pool.device_policy.state(),
+            "policy": pool.device_policy.state(sched.clock()),
         }
 
 

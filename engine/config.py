@@ -113,7 +113,7 @@ class WAModelConfig(Section):
     # Metadata-only access history (recently seen and evicted keys): how long a
     # key is remembered, so reuses after eviction are still observed ...
     history_horizon_s: float = Field(600.0, gt=0)
-    # ... and at most this many keys (about 100 bytes each).
+    # ... and at most this many keys (about 300 bytes each, per tier: 2M keys ~0.6 GB).
     history_max_blocks: int = Field(2_000_000, ge=1000)
     # EM iterations per refit (warm-started from the previous fit).
     em_iterations: int = Field(6, ge=1, le=100)

@@ -109,15 +109,29 @@ class StatsHistory:
         }
 
     def _point(self, end: float, partial: bool) -> dict:
-        elapsed = max(end - self._period_start, 1e-3)
         return {
             "t": end,
             "partial": partial,
             "hit_ratio": {w: cached / prompt for w, (prompt, cached) in self._tokens.items() if prompt},
             "ttft_p50": percentile(self._ttfts, 0.50),
             "ttft_p99": percentile(self._ttfts, 0.99),
-            "rps": {name: count / elapsed for name, count in self._per_replica.items()},
+            "rps": self._rates(end),
         }
+
+    def _rates(self, end: float) -> dict[str, float]:
+        """Requests per second per replica over the trailing ``sample_s``.  A
+        period still under way fills the rest of that span with the previous
+        period's rate (when it ran up to this one): divided by its own short
+        span, a request 20 ms in would read as 50 per second."""
+        elapsed = end - self._period_start
+        if elapsed >= self.sample_s:
+            return {name: count / elapsed for name, count in self._per_replica.items()}
+        previous: dict[str, float] = {}
+        if self.history and self._period_start - self.history[-1]["t"] < self.sample_s:
+            previous = self.history[-1]["rps"]
+        rest = self.sample_s - max(elapsed, 0.0)
+        names = set(self._per_replica) | set(previous)
+        return {name: (self._per_replica[name] + previous.get(name, 0.0) * rest) / self.sample_s for name in names}
 
     def _roll(self, now: float) -> None:
         if self._period_start is None:

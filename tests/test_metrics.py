@@ -554,6 +554,22 @@ def test_status_line_reports_the_interval_then_starts_over():
     assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7) is None
 
 
+def test_the_dashboards_rate_of_a_period_under_way_is_over_the_sample_span():
+    """/stats ends with the period still under way; its requests over its own
+    few milliseconds would plot a steady 1 request/s as 50."""
+    history = StatsHistory(sample_s=5.0)
+    for second in range(11):  # one request a second
+        history.finished("to-c", "r", 10, 0, 1, now=float(second))
+    points = history.snapshot([], now=10.02)["history"]
+    assert [p["partial"] for p in points] == [False, False, True]
+    assert [p["rps"]["r"] for p in points[:2]] == [1.0, 1.0]
+    assert points[2]["rps"]["r"] == pytest.approx(1.0, rel=0.25)  # one request 20 ms in: an estimate
+    # After a quiet spell the period under way stands alone.
+    history.finished("to-c", "r", 10, 0, 1, now=100.0)
+    last = history.snapshot([], now=100.5)["history"][-1]
+    assert last["partial"] and last["rps"]["r"] == pytest.approx(1 / 5.0)
+
+
 async def test_status_line_in_the_log_while_busy(tiny_model_dir, caplog):
     config = _config(tiny_model_dir)
     config.server.log_stats_interval_s = 0.3

@@ -444,6 +444,24 @@ def test_rhythm_detects_hourly_spikes_and_prearms():
     assert all(states[t] for t in quiet_rates)  # rate is still low there: pre-armed, not measured
 
 
+def test_rhythm_finds_spikes_of_traffic_that_comes_only_on_the_hour():
+    """Cron-like API traffic, 100 requests a minute at :00 and :01 and none
+    between: the median minute is empty, yet those minutes are the spikes."""
+    rhythm = TrafficRhythm(spike_factor=2.0, rate_window_s=10.0, min_baseline_minutes=10, prearm=True,
+                           prearm_lead_minutes=1)
+    flagged = []
+    for minute in range(4 * 60):
+        if minute % 60 in (0, 1):
+            for i in range(100):
+                rhythm.arrival(minute * 60 + (i + 0.5) * 0.6)
+                if minute >= 60:
+                    flagged.append(rhythm.spiking)
+        else:
+            rhythm.update(minute * 60 + 30.0)
+    assert rhythm.baseline > 0 and rhythm.recurring == {0, 1}
+    assert sum(flagged) / len(flagged) > 0.95
+
+
 def test_policy_relaxes_to_b_window_while_spiking():
     policy = WorkloadAwarePolicy(100, WorkloadAwareConfig(fallback={"enabled": False}))
     c = ctx(workload="to-b", rtype="api", blocks=1)
@@ -701,3 +719,21 @@ def test_a_block_held_through_a_long_decode_is_last_used_at_its_release(policy):
     for q in core.queues:
         last_use = [core.rec[key][1] for key in q]
         assert last_use == sorted(last_use)
+
+
+def test_an_idle_policy_reports_no_alarm_and_no_spike():
+    """Windows roll as requests arrive; the engine's /metrics reads state() on
+    every scrape, and an idle engine must not report the last busy minute's
+    alarm for ever (an alert on it would never clear)."""
+    pool = BlockPool(100, 0, "wa", CacheConfig())
+    policy = pool.device_policy
+    now = 0.0
+    for i in range(3000):  # ten minutes of prompts that never hit
+        now = i * 0.2
+        request(pool, [4 * i + j for j in range(4)], ctx(session=f"s{i}", blocks=4, tokens=64), now)
+    busy = policy.state(now)
+    assert busy["reuse_alarm"] and busy["window_hit_ratio"] == 0.0
+    idle = policy.state(now + 3600)
+    assert not idle["reuse_alarm"] and idle["window_hit_ratio"] is None and not idle["traffic_spike"]
+    assert policy.state(now + 1) == busy  # not yet idle for a window
+    assert policy.state() == busy  # replay's read, no clock

@@ -54,6 +54,7 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def num_evictable(self) -> int: ...
 
-    def state(self) -> dict:
-        """Run-time state for metrics (active sub-policy, alarms); empty by default."""
+    def state(self, now: float | None = None) -> dict:
+        """Run-time state for metrics (active sub-policy, alarms); empty by default.
+        ``now``: the policy clock's time, for figures that go stale while idle."""
         return {}

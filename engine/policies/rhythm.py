@@ -66,7 +66,9 @@ class TrafficRhythm:
                 self.recurring.discard(slot)
             if self.minutes_seen >= self.min_minutes:
                 means = sorted(self.sums[m] / self.hours[m] for m in range(60) if self.hours[m])
-                self.baseline = means[len(means) // 2]
+                # The median minute; the mean when most minutes are empty (API
+                # traffic that comes only on the hour), or nothing would ever spike.
+                self.baseline = means[len(means) // 2] or sum(means) / len(means)
             if minute - self.minute > _MAX_IDLE_MINUTES:
                 # A longer silence (a gap in a trace) adds nothing but more empty
                 # minutes: a week of them stands for all, instead of stepping

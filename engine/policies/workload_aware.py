@@ -717,14 +717,25 @@ class WorkloadAwarePolicy(EvictionPolicy):
         # Pinned parents count: they become evictable as their children go.
         return self.core.evictable + len(self.core.pinned)
 
-    def state(self) -> dict:
+    def state(self, now: float | None = None) -> dict:
+        # The windows roll only when requests arrive.  Read-only here (a scrape
+        # runs beside the engine's step), an idle policy's figures are what its
+        # next arrival would find: windows that saw nothing since, no spike.
         window = self._window_sums(self._nbuckets)
+        alarm, spiking = self.reuse_alarm, self.spiking
+        if now is not None:
+            if now >= self._bucket_end + self.cfg.fallback.window_s:
+                window = [0, 0, 0, 0]
+            if now >= self._bucket_end + self.cfg.alarm.window_s:
+                alarm = False
+            if self.rhythm is not None and now >= self._bucket_end + self.rhythm.rate_window:
+                spiking = False
         acc = window[0]
         return {
             "active": self.active,
             "fallbacks": self.fallbacks,
-            "reuse_alarm": self.reuse_alarm,
-            "traffic_spike": self.spiking,
+            "reuse_alarm": alarm,
+            "traffic_spike": spiking,
             "categories": len(self.table),
             "window_hit_ratio": window[1] / acc if acc else None,
             "shadow_lru_hit_ratio": window[2] / acc if acc and self.shadow_lru is not None else None,
