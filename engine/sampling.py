@@ -151,12 +151,19 @@ class SequenceSampler:
         if p.top_p < 1.0:
             sorted_logits, order = torch.sort(logits, descending=True)
             cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-            # Drop a token when the ones before it already reach top_p (the first always stays).
+            # Drop a token when the ones before it already reach top_p (the first always stays:
+            # a top_p that rounds to 0 in float32 would otherwise drop every token).
             drop = cum - torch.softmax(sorted_logits, -1) >= p.top_p
+            drop[0] = False
             logits = logits.clone()
             logits[order[drop]] = float("-inf")
         probs = torch.softmax(logits, -1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        try:
+            return int(torch.multinomial(probs, 1, generator=self.generator))
+        except RuntimeError:
+            # NaN probabilities: extreme settings (repetition_penalty near 0) took
+            # logits to inf.  The likeliest token, rather than failing the batch.
+            return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))))
 
     def _logprob(self, raw: torch.Tensor, token: int) -> TokenLogprob:
         logprobs = torch.log_softmax(raw.float(), -1)

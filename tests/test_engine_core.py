@@ -208,6 +208,19 @@ async def test_a_vanishing_temperature_is_greedy_and_harms_no_neighbour(engines,
     assert neighbour_out[0][-1].finish_reason in ("length", "stop")
 
 
+@pytest.mark.parametrize("extreme", [{"top_p": 1e-46}, {"repetition_penalty": 1e-39}])
+async def test_extreme_sampling_settings_harm_no_neighbour(engines, extreme):
+    """A top_p that rounds to 0 in float32, or a repetition penalty that takes
+    logits to inf, used to make NaN probabilities and fail the whole batch."""
+    engine = engines()
+    odd = GenerationRequest("odd", prompt_of(30, seed=14), SamplingParams(max_tokens=10, temperature=1.0, seed=1,
+                                                                           ignore_eos=True, **extreme))
+    neighbour = GenerationRequest("next", prompt_of(20, seed=15), SamplingParams(max_tokens=10, temperature=1.0, seed=3,
+                                                                                 ignore_eos=True))
+    odd_out, neighbour_out = await asyncio.gather(collect(engine, odd), collect(engine, neighbour))
+    assert len(tokens(odd_out[0])) == len(tokens(neighbour_out[0])) == 10
+
+
 async def test_stop_string_cuts_text(engines):
     engine = engines()
     prompt = prompt_of(12, seed=7)
