@@ -53,6 +53,12 @@ class LimitsConfig(Section):
     # wait between requests on a keep-alive connection is not counted.  0 or
     # null: no limit.
     header_timeout_s: float | None = Field(10.0, ge=0)
+    # A client that takes none of a response for this many seconds (its
+    # receive window and the server's send buffer full) is disconnected, and its
+    # request aborted: otherwise it holds its engine work, its in-flight count
+    # and its slot under max_inflight_requests for as long as it stays connected.
+    # 0 or null: no limit.
+    send_timeout_s: float | None = Field(60.0, ge=0)
     # An idle keep-alive connection closes after this many seconds.  Above a load
     # balancer's idle timeout (60 s on AWS's), so that the balancer, not kvgate,
     # ends a pooled connection (aiohttp's own 3630 s held one open for an hour).

@@ -11,6 +11,9 @@
   (slow-loris) would hold a connection, and a file descriptor, for aiohttp's
   keep-alive hour.  The idle wait between requests stays aiohttp's
   ``keepalive_timeout``.
+- A client that reads nothing of a response for ``send_timeout_s`` while the
+  send buffer is full is disconnected: aiohttp would wait on it for ever, and
+  the handler waiting to write holds the request's engine work and slots.
 
 aiohttp internals relied on (checked against 3.14): ``AppRunner._make_server``
 (runs the app's startup and returns the ``web.Server`` the sites use as their
@@ -102,11 +105,15 @@ class KvgateRequestHandler(RequestHandler):
     then in force (as aiohttp's keep-alive timer does).
     """
 
-    __slots__ = ("_header_timeout", "_header_deadline", "_header_started", "_header_timer", "_no_request_yet")
+    __slots__ = ("_header_timeout", "_header_deadline", "_header_started", "_header_timer", "_no_request_yet",
+                 "_send_timeout", "_send_timer")
 
-    def __init__(self, manager: web.Server, *, header_timeout_s: float | None = None, **kwargs) -> None:
+    def __init__(self, manager: web.Server, *, header_timeout_s: float | None = None,
+                 send_timeout_s: float | None = None, **kwargs) -> None:
         super().__init__(manager, **kwargs)
         self._header_timeout = header_timeout_s or 0.0
+        self._send_timeout = send_timeout_s or 0.0
+        self._send_timer: asyncio.TimerHandle | None = None
         self._header_deadline = 0.0  # 0: no request's headers awaited
         self._header_started = False  # some of them arrived
         self._header_timer: asyncio.TimerHandle | None = None
@@ -155,7 +162,31 @@ class KvgateRequestHandler(RequestHandler):
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         super().connection_lost(exc)
+
+    # The transport calls these as its send buffer passes its high and low
+    # water marks: a timer runs only while a client is behind.
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timeout and self._send_timer is None:
+            self._send_timer = self._loop.call_later(self._send_timeout, self._client_stopped_reading)
+
+    def resume_writing(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        super().resume_writing()
+
+    def _client_stopped_reading(self) -> None:
+        self._send_timer = None
+        if self.transport is not None and self._paused:
+            log.info("disconnecting a client that read nothing for %g s (limits.send_timeout_s)", self._send_timeout)
+            # The handler's pending write fails as if the client had gone: the
+            # request is aborted and its slots freed.
+            self.transport.abort()
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -198,22 +229,27 @@ class KvgateRequestHandler(RequestHandler):
 class KvgateServer(web.Server):
     """``web.Server`` (the protocol factory) building KvgateRequestHandler."""
 
-    def __init__(self, *args, header_timeout_s: float | None = None, **kwargs) -> None:
+    def __init__(self, *args, header_timeout_s: float | None = None, send_timeout_s: float | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout_s = header_timeout_s
+        self.send_timeout_s = send_timeout_s
 
     def __call__(self) -> KvgateRequestHandler:
-        return KvgateRequestHandler(self, loop=self._loop, header_timeout_s=self.header_timeout_s, **self._kwargs)
+        return KvgateRequestHandler(self, loop=self._loop, header_timeout_s=self.header_timeout_s,
+                                    send_timeout_s=self.send_timeout_s, **self._kwargs)
 
 
 class KvgateRunner(web.AppRunner):
     """``web.AppRunner`` whose connections get KvgateRequestHandler; takes AppRunner's arguments."""
 
-    __slots__ = ("_header_timeout_s",)
+    __slots__ = ("_header_timeout_s", "_send_timeout_s")
 
-    def __init__(self, app: web.Application, *, header_timeout_s: float | None, **kwargs) -> None:
+    def __init__(self, app: web.Application, *, header_timeout_s: float | None, send_timeout_s: float | None = None,
+                 **kwargs) -> None:
         super().__init__(app, **kwargs)
         self._header_timeout_s = header_timeout_s
+        self._send_timeout_s = send_timeout_s
 
     async def _make_server(self) -> web.Server:
         # AppRunner's own runs the app's startup and builds the app's Server;
@@ -221,4 +257,5 @@ class KvgateRunner(web.AppRunner):
         plain = await super()._make_server()
         return KvgateServer(plain.request_handler, request_factory=plain.request_factory,
                             handler_cancellation=plain.handler_cancellation, loop=plain._loop,
-                            header_timeout_s=self._header_timeout_s, **plain._kwargs)
+                            header_timeout_s=self._header_timeout_s, send_timeout_s=self._send_timeout_s,
+                            **plain._kwargs)

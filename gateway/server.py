@@ -70,8 +70,8 @@ class RunningServer(NamedTuple):
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
     """Start ``app`` on host:port (0: any free port) and return its base URL."""
     limits = app[GATEWAY].limits if GATEWAY in app else LimitsConfig()
-    runner = KvgateRunner(app, header_timeout_s=limits.header_timeout_s, keepalive_timeout=limits.keepalive_timeout_s,
-                          handler_cancellation=True, access_log=None)
+    runner = KvgateRunner(app, header_timeout_s=limits.header_timeout_s, send_timeout_s=limits.send_timeout_s,
+                          keepalive_timeout=limits.keepalive_timeout_s, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -196,7 +196,7 @@ async def _serve(app: web.Application, sockets: list[socket.socket], cfg: Server
     drain_timeout_s for what is in flight, then the rest ended with an error."""
     app.on_startup.append(freeze_startup_objects)  # after the app's own startup (model loading)
     access_log = logging.getLogger("aiohttp.access") if cfg.access_log else None
-    runner = KvgateRunner(app, header_timeout_s=cfg.limits.header_timeout_s,
+    runner = KvgateRunner(app, header_timeout_s=cfg.limits.header_timeout_s, send_timeout_s=cfg.limits.send_timeout_s,
                           keepalive_timeout=cfg.limits.keepalive_timeout_s, handler_cancellation=True,
                           access_log=access_log, handle_signals=False, shutdown_timeout=_CLEANUP_TIMEOUT_S)
     await _start_or_stop(runner)

@@ -353,3 +353,41 @@ def test_kvgate_engine_server_has_both(tiny_model_dir, tmp_path):
         assert "(event loop: uvloop)" in proc.tail()  # server.event_loop's default
     finally:
         proc.stop()
+
+
+def _status_of_a_chat(port: int) -> int:
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}").encode()
+    with _connect(port) as sock:
+        sock.sendall(request)
+        return _split(_read_until_closed(sock))[0]
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_frees_its_slot(tiny_model_dir):
+    """A streaming client that keeps its receive window shut is alive to TCP:
+    without limits.send_timeout_s its request would hold the one slot under
+    max_inflight_requests (and its in-flight count) for as long as it likes."""
+    gw = Gateway(tiny_model_dir, "uvloop", send_timeout_s=1.0, max_inflight_requests=1)
+    stalled = socket.socket()
+    try:
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", gw.port))
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": True,
+                           "n": 8, "logprobs": True, "top_logprobs": 20, "max_tokens": 1000, "ignore_eos": True})
+        stalled.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+        deadline = time.monotonic() + 60
+        statuses = []
+        while time.monotonic() < deadline:
+            statuses.append(_status_of_a_chat(gw.port))
+            if statuses[-1] == 200:
+                break
+            time.sleep(0.5)
+        assert statuses[0] == 429 and statuses[-1] == 200, statuses  # held, then freed
+        stalled.settimeout(10)
+        received = _read_until_closed(stalled)  # what the kernel still held, then the end
+        assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in received
+    finally:
+        stalled.close()
+        gw.close()
