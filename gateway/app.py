@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.web_protocol import RequestPayloadError
 
 from engine.chat_tokens import ChatTokenizer
@@ -568,6 +568,19 @@ async def _unmatched(request: web.Request) -> web.Response:
     raise errors.not_found(request.path)
 
 
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """An ``Expect`` header, as aiohttp's own handler takes it, but an
+    expectation other than 100-continue is refused in OpenAI's error shape."""
+    if request.version != HttpVersion11:
+        return None  # HTTP/1.0 has no Expect
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return ApiError(417, "Unsupported Expect header; only 100-continue is supported.",
+                        code="expectation_failed").response()
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the response proper has not begun
+    return None
+
+
 def create_app(
     config: KvgateConfig,
     replicas: list[Replica] | None = None,
@@ -616,8 +629,8 @@ def create_app(
         ]
     for method, path, handler in routes:
         # GET routes answer HEAD too, as aiohttp's add_get does.
-        app.router.add_route(method, path, openai_errors(handler))
+        app.router.add_route(method, path, openai_errors(handler), expect_handler=_expect)
         if method == "GET":
-            app.router.add_route("HEAD", path, openai_errors(handler))
-    app.router.add_route("*", "/{tail:.*}", openai_errors(_unmatched))
+            app.router.add_route("HEAD", path, openai_errors(handler), expect_handler=_expect)
+    app.router.add_route("*", "/{tail:.*}", openai_errors(_unmatched), expect_handler=_expect)
     return app

@@ -274,6 +274,29 @@ def test_a_body_that_does_not_decode_is_a_400_and_no_error_in_the_log(gateway, c
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
 
+def test_expect_100_continue_is_met_and_other_expectations_get_an_openai_417(gateway):
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nExpect: %s\r\n\r\n")
+    with _connect(gateway.port) as sock:
+        sock.sendall(head % (len(body), b"100-continue"))
+        interim = b""
+        while not interim.endswith(b"\r\n\r\n"):
+            interim += sock.recv(1)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(body)
+        status, _, data = _read_response(sock)
+        assert status == 200 and json.loads(data)["choices"]
+    for request in (head % (len(body), b"something-else") + body,
+                    f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: foo\r\n\r\n".encode()):
+        with _connect(gateway.port) as sock:
+            sock.sendall(request)
+            status, headers, data = _read_response(sock)
+        assert status == 417 and headers["content-type"].startswith("application/json"), data
+        assert set(json.loads(data)["error"]) == ERROR_KEYS
+    _assert_serving(gateway.port)
+
+
 def test_a_client_leaving_mid_body_logs_no_error(gateway, caplog):
     caplog.set_level("DEBUG")
     with _connect(gateway.port) as sock:
