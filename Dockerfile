@@ -34,7 +34,7 @@ ENV PATH=/opt/venv/bin:$PATH PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 # Dependencies first so code edits do not reinstall torch; `pip install .` then
 # keeps this torch, as it satisfies pyproject's range.
 COPY pyproject.toml README.md ./
-RUN pip install $TORCH_INDEX_ARGS "torch>=2.4,<2.14"
+RUN pip install $TORCH_INDEX_ARGS "torch>=2.6,<2.14"
 COPY engine engine
 COPY gateway gateway
 COPY config.yaml ./

@@ -136,14 +136,23 @@ class KVCache:
 def _available_ram() -> int:
     """RAM this process may still take: the machine's available memory, or less
     inside a container whose cgroup limit is lower (a pod's memory limit)."""
-    try:  # psutil is optional at run time (a test extra); it knows page cache is reclaimable
-        import psutil
-
-        available = psutil.virtual_memory().available
-    except ImportError:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = _mem_available()
     room = _cgroup_room()
     return min(available, room) if room is not None else available
+
+
+def _mem_available(meminfo_path: str = "/proc/meminfo") -> int:
+    """The kernel's MemAvailable (free memory plus reclaimable page cache); free
+    pages alone where /proc/meminfo is missing.  (psutil reads the same line, but
+    is no run-time dependency: the image would size its tiers differently.)"""
+    try:
+        with open(meminfo_path, encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 # cgroup v2, then v1: (limit file, usage file, stat file, its inactive page cache line).

@@ -145,6 +145,21 @@ def test_available_ram_respects_a_container_memory_limit(tmp_path):
     assert _cgroup_room(((str(tmp_path / "nothing"), str(tmp_path / "here"), str(tmp_path / "x"), "inactive_file"),)) is None
 
 
+def test_available_ram_counts_reclaimable_page_cache_as_psutil_does(tmp_path):
+    """The kernel's MemAvailable, with or without psutil (a test extra, not in
+    the image): free pages alone leave out the page cache a node is full of."""
+    import psutil
+
+    from engine.kv_cache import _mem_available
+
+    ours, theirs = _mem_available(), psutil.virtual_memory().available
+    assert abs(ours - theirs) < 0.01 * theirs
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       64000000 kB\nMemFree:         1000000 kB\nMemAvailable:   40000000 kB\n")
+    assert _mem_available(str(meminfo)) == 40000000 * 1024
+    assert _mem_available(str(tmp_path / "missing")) > 0  # free pages, then
+
+
 class _Tok:
     """Byte-per-token stand-in: decode like a byte-level BPE (invalid UTF-8 -> U+FFFD)."""
 
