@@ -632,6 +632,14 @@ async def test_external_server_features_pass_through(tiny_model_dir):
         await upstream.stop()
 
 
+async def _scripted_pair(first, second, names: tuple[str, str]):
+    """Two scripted upstreams, always healthy, answering chat with ``first`` and
+    ``second``: the servers, and their openai replica entries named ``names``."""
+    healthy = _models_while({"healthy": True})
+    servers = [await _scripted_upstream(healthy, first), await _scripted_upstream(healthy, second)]
+    return servers, [ReplicaConfig(kind="openai", url=server.url, name=name) for server, name in zip(servers, names)]
+
+
 async def test_a_replica_at_capacity_passes_the_request_on(tiny_model_dir):
     """A 429 before any output (a replica shedding load) sends the request to
     another replica, without counting against the first; when every replica
@@ -644,10 +652,7 @@ async def test_a_replica_at_capacity_passes_the_request_on(tiny_model_dir):
         body = {"error": {"message": "at capacity", "type": "rate_limit_error", "param": None, "code": "server_overloaded"}}
         return web.json_response(body, status=429)
 
-    healthy = _models_while({"healthy": True})
-    busy, good = await _scripted_upstream(healthy, refuse), await _scripted_upstream(healthy, _answer_fine)
-    replicas = [ReplicaConfig(kind="openai", url=busy.url, name="busy"),
-                ReplicaConfig(kind="openai", url=good.url, name="good")]
+    (busy, good), replicas = await _scripted_pair(refuse, _answer_fine, ("busy", "good"))
     router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=1)
     app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
     gw = await start_server(app)
@@ -1060,10 +1065,7 @@ async def test_an_answer_that_fails_before_its_first_token_goes_to_another_repli
             body = next(answers)
         return web.Response(body=body + b"data: [DONE]\n\n", content_type="text/event-stream")
 
-    healthy = _models_while({"healthy": True})
-    bad, good = await _scripted_upstream(healthy, failing), await _scripted_upstream(healthy, _answer_fine)
-    replicas = [ReplicaConfig(kind="openai", url=bad.url, name="bad"),
-                ReplicaConfig(kind="openai", url=good.url, name="good")]
+    (bad, good), replicas = await _scripted_pair(failing, _answer_fine, ("bad", "good"))
     # Probes far apart: a good probe between the failures would forgive them.
     router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=3)
     app = create_app(tiny_config(tiny_model_dir, replicas, router=router))

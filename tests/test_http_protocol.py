@@ -106,14 +106,20 @@ def _health(port: int) -> bytes:
     return f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
 
 
-def _assert_serving(port: int) -> None:
-    """A normal chat completion on a new connection."""
+def _short_chat(port: int) -> tuple[int, bytes]:
+    """(status, body) of a one-token chat completion on a new connection."""
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 1})
     request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}").encode()
     with _connect(port) as sock:
         sock.sendall(request)
         status, _, data = _split(_read_until_closed(sock))
+    return status, data
+
+
+def _assert_serving(port: int) -> None:
+    """A normal chat completion on a new connection."""
+    status, data = _short_chat(port)
     assert status == 200 and json.loads(data)["choices"], data
 
 
@@ -378,15 +384,6 @@ def test_kvgate_engine_server_has_both(tiny_model_dir, tmp_path):
         proc.stop()
 
 
-def _status_of_a_chat(port: int) -> int:
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
-    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}").encode()
-    with _connect(port) as sock:
-        sock.sendall(request)
-        return _split(_read_until_closed(sock))[0]
-
-
 def test_a_client_that_stops_reading_is_cut_off_and_frees_its_slot(tiny_model_dir):
     """A streaming client that keeps its receive window shut is alive to TCP:
     without limits.send_timeout_s its request would hold the one slot under
@@ -403,7 +400,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_frees_its_slot(tiny_model_di
         deadline = time.monotonic() + 60
         statuses = []
         while time.monotonic() < deadline:
-            statuses.append(_status_of_a_chat(gw.port))
+            statuses.append(_short_chat(gw.port)[0])
             if statuses[-1] == 200:
                 break
             time.sleep(0.5)
