@@ -160,7 +160,11 @@ class Dispatcher:
             except ReplicaUnavailable as exc:
                 self.metrics.replica_failures.labels(replica.name, "mid_stream" if produced else "before_first_token").inc()
                 if produced:
-                    raise errors.upstream_error(str(exc)) from None
+                    log.warning("%s failed mid-response: %s", request.request_id, exc)
+                    # What went wrong, in words, but not where: a replica's name is by
+                    # default its address, which is the operator's business.
+                    reason = str(exc).replace(f"replica {replica.name}", "the model server")
+                    raise errors.upstream_error(f"{reason[:1].upper()}{reason[1:]}; the output is incomplete.") from None
                 log.warning("replica %s unavailable, trying another: %s", replica.name, exc)
                 tried.append(decision.replica)
             except UpstreamError as exc:

@@ -533,6 +533,7 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
             # In words, not aiohttp's internals ("TransferEncodingError: 400" reads as the client's fault).
             message = events[-2]["error"]["message"]
             assert "closed" in message and "400" not in message and "Error" not in message, message
+            assert message.startswith("The model server ") and replica.name not in message, message
             assert any(c.get("choices") and c["choices"][0]["delta"].get("content") == "Hello" for c in events[:-2])
             assert not replica.healthy
             async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
