@@ -52,8 +52,9 @@ class ParsedRequest:
     # chat: image sources in placeholder order (data: URL payload bytes or the URL).
     images: list[bytes] = field(default_factory=list)
     user_turns: int = 0
-    # chat: the index of the longest message and its share of all content chars
-    # (the classifier's "single very long document" test without re-tokenising).
+    # chat: the index of the longest user message and its share of all content
+    # chars (the classifier's "single very long document" test without
+    # re-tokenising; a long system prompt or answer is no uploaded document).
     longest_message: int = -1
     longest_share: float = 0.0
     content_chars: int = 0
@@ -365,8 +366,9 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
     req.messages = out
     total = sum(lengths)
     req.content_chars = total
-    if total:
-        longest = max(range(len(lengths)), key=lengths.__getitem__)
+    user = [i for i, msg in enumerate(out) if msg["role"] == "user" and lengths[i]]
+    if user:
+        longest = max(user, key=lengths.__getitem__)
         req.longest_message = longest
         req.longest_share = lengths[longest] / total
 

@@ -227,6 +227,13 @@ def test_classification_rules_first_match_wins():
     ctx = clf.classify(doc, Principal(), {}, 2000, 500)
     # A document pasted into chat is a to-C file request (trace A's "file" type).
     assert (ctx.workload, ctx.type) == ("to-c", "file") and ctx.signature is not None
+    # A long system prompt (an agent's instructions) or a long answer is no document.
+    agent = chat(messages=[{"role": "system", "content": "rule " * 400}, {"role": "user", "content": "hi"}])
+    assert clf.classify(agent, Principal(), {}, 2000, 500).type == "text"
+    essay = chat(messages=[{"role": "user", "content": "an essay"}, {"role": "assistant", "content": "word " * 400},
+                           {"role": "user", "content": "shorter"}])
+    ctx = clf.classify(essay, Principal(), {}, 2000, 500)
+    assert (ctx.type, ctx.turn) == ("text", 2)
     # Multi-turn chat.
     multi = chat(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}])
     ctx = clf.classify(multi, Principal(), {}, 10, 2)
