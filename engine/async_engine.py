@@ -296,7 +296,9 @@ class AsyncEngine:
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []
         for state in adds:
-            if state.request.request_id in self._requests:
+            # This very request, not only its id: one aborted before the loop
+            # took it in may have had its id reused by a new request since.
+            if self._requests.get(state.request.request_id) is state:
                 self._add(state)
         aborts, self._pending_aborts = self._pending_aborts, []
         for request_id in aborts:

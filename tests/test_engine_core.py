@@ -155,6 +155,25 @@ async def test_abort_or_shutdown_before_the_loop_takes_the_request_ends_its_stre
     assert (await asyncio.wait_for(busy, 10))[0][1] in ("abort", "length")
 
 
+async def test_an_id_reused_right_after_an_early_abort_gets_only_its_own_tokens(engines, reference):
+    """A client retrying under its own request id: the aborted request, never
+    taken in by the loop, must not run beside the new one and feed its queue."""
+    engine = engines()
+    await engine.start()
+    old = greedy("x", prompt_of(30, seed=16), 8)
+    old.sampling.n = 2
+    stream = engine.generate(old)
+    first = asyncio.create_task(stream.__anext__())
+    await asyncio.sleep(0)  # registered, not yet taken in by the loop
+    engine.abort("x")
+    prompt = prompt_of(20, seed=17)
+    outs = [out async for out in engine.generate(greedy("x", prompt, 4))]
+    assert (await first).finish_reason == "abort"
+    assert {out.index for out in outs} == {0} and tokens(outs) == hf_greedy(reference, prompt, 4)
+    await engine.idle()
+    assert engine.stats()["running"] == 0 and engine.pool.num_in_use() == 0
+
+
 async def test_demotion_then_promotion_keeps_kv_bit_exact(engines, reference):
     engine = engines(device_blocks=8, host_blocks_multiplier=4.0)
     pool, kv = engine.pool, engine.kv
