@@ -247,8 +247,8 @@ class RemoteReplica(Replica):
     upstream connection, which aborts the work there.
 
     Health, in one place: a background probe every ``health_interval_s``;
-    ``breaker_failures`` straight failures (probes, refused or broken
-    requests) open the breaker for ``breaker_reset_s``; a request that dies
+    ``breaker_failures`` straight failures of probes, or of requests (refused
+    or broken), open the breaker for ``breaker_reset_s``; a request that dies
     after its first byte opens it at once (the replica is gone or broken, and
     the next request would find out the slow way).  While open the replica is
     out of routing; it rejoins when a probe succeeds after the reset time
@@ -274,7 +274,11 @@ class RemoteReplica(Replica):
             total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.read_timeout_s or None
         )
         self._tasks: list[asyncio.Task] = []
-        self._failures = 0
+        # Straight failures, probes and requests apart: a replica whose probe
+        # answers while every request fails must not have its count wiped by
+        # each good probe (at a few requests per probe interval it never tripped).
+        self._probe_failures = 0
+        self._request_failures = 0
         self._open_until = 0.0
         self._following = False
         self._live: set[aiohttp.ClientResponse] = set()
@@ -406,14 +410,14 @@ class RemoteReplica(Replica):
         while True:
             await asyncio.sleep(interval)
             if await self._probe():
-                self._failures = 0
+                self._probe_failures = 0
                 if self.kind == "openai" and not self.info_known:
                     # Down when the gateway started: its model name is still to learn.
                     with contextlib.suppress(Exception):
                         await self._fetch_models()
                 self._maybe_rejoin()
             else:
-                self._note_failure()
+                self._note_failure(probe=True)
 
     def _maybe_rejoin(self) -> None:
         if time.monotonic() < self._open_until or (self.kind == "engine" and not self._following):
@@ -422,10 +426,15 @@ class RemoteReplica(Replica):
             log.info("replica %s is healthy: %s routing", self.name, "back in" if self._was_healthy else "in")
         self.healthy = self._was_healthy = True
 
-    def _note_failure(self) -> None:
-        self._failures += 1
-        if self._failures >= self.router_cfg.breaker_failures:
-            self._trip(f"{self._failures} failures in a row")
+    def _note_failure(self, probe: bool = False) -> None:
+        if probe:
+            self._probe_failures += 1
+            failures, what = self._probe_failures, "probes"
+        else:
+            self._request_failures += 1
+            failures, what = self._request_failures, "requests"
+        if failures >= self.router_cfg.breaker_failures:
+            self._trip(f"{failures} {what} failed in a row")
 
     def _trip(self, why: str) -> None:
         """Open the breaker: out of routing for breaker_reset_s, live streams cut
@@ -434,7 +443,7 @@ class RemoteReplica(Replica):
             log.warning("replica %s leaves routing: %s", self.name, why)
         self.trips += 1
         self.healthy = False
-        self._failures = 0
+        self._probe_failures = self._request_failures = 0
         self._open_until = time.monotonic() + self.router_cfg.breaker_reset_s
         if isinstance(self.index, ApproxIndex):
             self.index.clear()  # a restarted server holds none of it
@@ -504,7 +513,7 @@ class RemoteReplica(Replica):
                             except Exception as exc:  # noqa: BLE001
                                 raise ReplicaUnavailable(f"/kvgate/info failed: {_plain_reason(exc)}") from None
                             self._following = True
-                            self._failures = 0
+                            self._probe_failures = self._request_failures = 0  # a (re)started engine
                             self._maybe_rejoin()
                             backoff = 0.2
                             continue
@@ -685,7 +694,7 @@ class RemoteReplica(Replica):
                 finished.update(o.index for o in batch if o.finish_reason is not None)
                 if batch:
                     if not produced:
-                        self._failures = 0  # a 200 alone is not success: an error event may follow
+                        self._request_failures = 0  # a 200 alone is not success: an error event may follow
                         if queue_time is not None:
                             batch[0].queue_time_s = queue_time
                     produced = True

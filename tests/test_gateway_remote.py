@@ -1182,3 +1182,31 @@ async def test_an_external_server_gets_its_own_model_name_and_a_mixed_fleet_keep
         await gw.stop()
         if upstream is not None:
             await upstream.stop()
+
+
+async def test_a_replica_that_answers_probes_but_fails_every_request_leaves_routing(tiny_model_dir):
+    """Its good probes used to wipe the count of failed requests: at a few
+    requests per probe interval the breaker never opened, and every request
+    it got paid for a retry elsewhere."""
+    async def broken(request):
+        await request.read()
+        return web.json_response({"error": {"message": "engine dead"}}, status=500)
+
+    (bad, good), replicas = await _scripted_pair(broken, _answer_fine, ("bad", "good"))
+    router = RouterConfig(policy="round-robin", health_interval_s=0.05, breaker_failures=3, breaker_reset_s=60)
+    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+        bad_replica = app[GATEWAY].replicas[0]
+        for _ in range(12):
+            out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            assert out.choices[0].message.content == "Fine"
+            await asyncio.sleep(0.2)  # several good probes between requests
+        assert bad_replica.trips == 1 and not bad_replica.healthy
+    finally:
+        await client.close()
+        await gw.stop()
+        await bad.stop()
+        await good.stop()
