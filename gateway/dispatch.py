@@ -32,6 +32,11 @@ from gateway.usage import UsageSum
 
 log = logging.getLogger(__name__)
 
+# What ``Dispatcher.outputs`` yields when a non-streaming request's replica failed
+# after some output: the sub-request starts over on another replica, and what it
+# delivered so far is to be dropped.  (Nothing of it had reached the client.)
+RESTART: list[GenerationOutput] = []
+
 
 @dataclass(slots=True)
 class Sub:
@@ -71,7 +76,10 @@ class Dispatcher:
         In-flight work is counted before the request is sent and released in
         ``finally``; the engine iterator is closed there too, which aborts the
         engine request if we stop early (client gone, error).  A replica that
-        fails before its first output is excluded and another one tried.
+        fails before its first output is excluded and another one tried; so is
+        one that fails after it, for a non-streaming request (nothing has reached
+        the client yet), after a ``RESTART`` that tells the consumer to drop
+        what came so far.
         """
         router = self.router
         # Engines only read the sampling parameters, so every sub-request shares
@@ -85,6 +93,7 @@ class Dispatcher:
         arrival = time.monotonic()
         tried: list[int] = []
         busy: ReplicaBusy | None = None
+        restart = False
         # A request only an external server can honour (tools, JSON output) goes to one.
         external_only = parsed.engine_unsupported is not None
         while True:
@@ -159,14 +168,19 @@ class Dispatcher:
                 tried.append(decision.replica)
             except ReplicaUnavailable as exc:
                 self.metrics.replica_failures.labels(replica.name, "mid_stream" if produced else "before_first_token").inc()
-                if produced:
+                if produced and not parsed.stream:
+                    log.warning("%s failed mid-response, starting over on another replica: %s", request.request_id, exc)
+                    restart = True
+                    tried.append(decision.replica)
+                elif produced:
                     log.warning("%s failed mid-response: %s", request.request_id, exc)
                     # What went wrong, in words, but not where: a replica's name is by
                     # default its address, which is the operator's business.
                     reason = str(exc).replace(f"replica {replica.name}", "the model server")
                     raise errors.upstream_error(f"{reason[:1].upper()}{reason[1:]}; the output is incomplete.") from None
-                log.warning("replica %s unavailable, trying another: %s", replica.name, exc)
-                tried.append(decision.replica)
+                else:
+                    log.warning("replica %s unavailable, trying another: %s", replica.name, exc)
+                    tried.append(decision.replica)
             except UpstreamError as exc:
                 status = exc.status if 400 <= exc.status < 600 else 502
                 raise errors.relayed(status, exc.body, str(exc), "api_error") from None
@@ -177,6 +191,9 @@ class Dispatcher:
                 finally:
                     # Even when a second cancellation lands while the replica's stream closes.
                     router.release(ticket)
+            if restart:
+                restart = False
+                yield RESTART
 
     async def merged(
         self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int

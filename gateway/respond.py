@@ -17,8 +17,9 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
+from engine.request import GenerationOutput
 from gateway import errors
-from gateway.dispatch import Sub, aclose
+from gateway.dispatch import RESTART, Sub, aclose
 from gateway.errors import ApiError
 from gateway.observe import Observer
 from gateway.protocol import (
@@ -87,22 +88,14 @@ class Responder:
                 if first:
                     first = False
                     self.observer.first_token(workload, time.perf_counter() - start)
-                for sub, shift, out in _each_output(group, n):
-                    usage.add(sub, out)
-                    if out.index == USAGE_ALL:
+                for shift, batch in group:
+                    if batch is RESTART:
+                        # Its replica failed mid-way: the sub-request starts over on another.
+                        choices[shift : shift + n] = [ChoiceState(logprobs=lp) for _ in range(n)]
+                        usage.forget(shift // n)
                         continue
-                    choice = choices[shift + out.index]
-                    if out.text:
-                        choice.text.append(out.text)
-                    if out.extra:
-                        if choice.extra is None:
-                            choice.extra = {}
-                        merge_delta_extra(choice.extra, out.extra)
-                    if out.logprobs is not None:
-                        choice.logprobs = (choice.logprobs or []) + out.logprobs  # a new list: lp is shared
-                    if out.finish_reason is not None:
-                        _check_finish(out.finish_reason)
-                        choice.finish_reason = out.finish_reason
+                    for out in batch:
+                        _collect(choices, usage, shift // n, shift, out)
             gen = None  # exhausted: nothing to close
         finally:
             await aclose(gen)
@@ -228,6 +221,25 @@ def uncancel(task: asyncio.Task | None) -> None:
     undo = getattr(task, "uncancel", None)
     if undo is not None:
         undo()
+
+
+def _collect(choices: list[ChoiceState], usage: UsageSum, sub: int, shift: int, out: GenerationOutput) -> None:
+    """One output into the whole answer a non-streaming response builds."""
+    usage.add(sub, out)
+    if out.index == USAGE_ALL:
+        return
+    choice = choices[shift + out.index]
+    if out.text:
+        choice.text.append(out.text)
+    if out.extra:
+        if choice.extra is None:
+            choice.extra = {}
+        merge_delta_extra(choice.extra, out.extra)
+    if out.logprobs is not None:
+        choice.logprobs = (choice.logprobs or []) + out.logprobs  # a new list: the empty one is shared
+    if out.finish_reason is not None:
+        _check_finish(out.finish_reason)
+        choice.finish_reason = out.finish_reason
 
 
 def _each_output(group, n: int):

@@ -39,6 +39,11 @@ class UsageSum:
             self.cached[sub] = u.cached_tokens
         self.completion[sub] += u.completion_tokens
 
+    def forget(self, sub: int) -> None:
+        """Drop what sub-request ``sub`` reported: it starts over on another replica."""
+        self.prompt[sub] = self.cached[sub] = self.completion[sub] = 0
+        self.all[sub] = False
+
     def as_dict(self, subs: list[Sub]) -> dict:
         prompt = sum(p or len(s.prompt.token_ids) for p, s in zip(self.prompt, subs))
         return usage_dict(Usage(prompt, sum(self.completion), sum(self.cached)))

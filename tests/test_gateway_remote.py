@@ -548,16 +548,17 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
                 events = await asyncio.wait_for(sse_events(resp), 10)
             assert events[-1] == "[DONE]" and "error" in events[-2]
             assert not replica.healthy
-            # Non-streaming through a cut upstream: a 502 OpenAI error.
+            # Non-streaming through a cut upstream: it would start over on another
+            # replica, but this is the only one, now out of routing: a 503.
             state.update(healthy=True, mode="cut")
             await wait_for(lambda: replica.healthy, timeout=5, what="rejoined again")
             async with session.post(gw.url + "/v1/chat/completions", json={**body, "stream": False}) as resp:
-                assert resp.status == 502
+                assert resp.status == 503
                 assert set((await resp.json())["error"]) == {"message", "type", "param", "code"}
             # The two streams went out as HTTP 200 but failed: the metrics count them as failures.
             async with session.get(gw.url + "/metrics") as resp:
                 counts = _requests_by_status(await resp.text())
-            assert counts == {"502": 3, "503": 1}, counts
+            assert counts == {"502": 2, "503": 2}, counts
         assert app[GATEWAY].router.inflight_requests == [0]
     finally:
         await gw.stop()
@@ -1209,4 +1210,53 @@ async def test_a_replica_that_answers_probes_but_fails_every_request_leaves_rout
         await client.close()
         await gw.stop()
         await bad.stop()
+        await good.stop()
+
+
+async def test_a_non_streaming_request_whose_replica_dies_mid_answer_starts_over_on_another(tiny_model_dir):
+    """Nothing of a non-streaming answer has reached the client when its replica
+    dies after some tokens: it is asked again of another replica, and the client
+    gets that one's whole answer (and usage), not a 502.  A stream cannot start
+    over: it still ends with an error event."""
+    async def dying(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}],
+                 "usage": {"prompt_tokens": 99, "completion_tokens": 1}}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await asyncio.sleep(0.2)
+        request.transport.close()  # gone mid-answer: no [DONE]
+        return resp
+
+    (dead, good), replicas = await _scripted_pair(dying, _answer_fine, ("dying", "good"))
+    router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_reset_s=1.0)
+    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+        for _ in range(2):  # round-robin: one of the two meets the dying replica first
+            out = await client.chat.completions.create(model=MODEL, messages=messages)
+            assert out.choices[0].message.content == "Fine" and out.choices[0].finish_reason == "stop"
+            assert out.usage.prompt_tokens != 99  # a dead attempt's usage is dropped
+        assert app[GATEWAY].replicas[0].trips == 1
+        failures = await metric_by_replica(gw.url, "kvgate_replica_failures_total")
+        assert failures == {"dying": 1.0, "good": 0.0}
+        # A stream cannot start over once its first bytes are out.
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="dying replica back")
+        endings = []
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):
+                async with session.post(gw.url + "/v1/chat/completions",
+                                        json={"model": MODEL, "messages": messages, "stream": True}) as resp:
+                    events = await sse_events(resp)
+                assert events[-1] == "[DONE]"
+                endings.append(events[-2].get("error", {}).get("code"))
+        assert sorted(endings, key=str) == [None, "upstream_error"]
+    finally:
+        await client.close()
+        await gw.stop()
+        await dead.stop()
         await good.stop()
