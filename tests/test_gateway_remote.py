@@ -11,6 +11,7 @@ approximate index and feeds its Prometheus load figures to the router.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 
@@ -634,12 +635,26 @@ async def test_external_server_features_pass_through(tiny_model_dir):
         await upstream.stop()
 
 
-async def _scripted_pair(first, second, names: tuple[str, str]):
-    """Two scripted upstreams, always healthy, answering chat with ``first`` and
-    ``second``: the servers, and their openai replica entries named ``names``."""
+@contextlib.asynccontextmanager
+async def _gateway_over_pair(model_dir, first, second, names: tuple[str, str], router: RouterConfig):
+    """A real gateway in front of two scripted upstreams, always healthy, that
+    answer chat with ``first`` and ``second`` (replicas named ``names``): the
+    gateway, its URL, an SDK client and the upstream servers, once both are in
+    routing."""
     healthy = _models_while({"healthy": True})
     servers = [await _scripted_upstream(healthy, first), await _scripted_upstream(healthy, second)]
-    return servers, [ReplicaConfig(kind="openai", url=server.url, name=name) for server, name in zip(servers, names)]
+    replicas = [ReplicaConfig(kind="openai", url=server.url, name=name) for server, name in zip(servers, names)]
+    app = create_app(tiny_config(model_dir, replicas, router=router))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+        yield app[GATEWAY], gw.url, client, servers
+    finally:
+        await client.close()
+        await gw.stop()
+        for server in servers:
+            await server.stop()
 
 
 async def test_a_replica_at_capacity_passes_the_request_on(tiny_model_dir):
@@ -654,28 +669,19 @@ async def test_a_replica_at_capacity_passes_the_request_on(tiny_model_dir):
         body = {"error": {"message": "at capacity", "type": "rate_limit_error", "param": None, "code": "server_overloaded"}}
         return web.json_response(body, status=429)
 
-    (busy, good), replicas = await _scripted_pair(refuse, _answer_fine, ("busy", "good"))
     router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=1)
-    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
-    gw = await start_server(app)
-    client = _client(gw.url)
     messages = [{"role": "user", "content": "hi"}]
-    try:
-        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+    async with _gateway_over_pair(tiny_model_dir, refuse, _answer_fine, ("busy", "good"), router) as (
+            gateway, _, client, (_, good)):
         for _ in range(2):  # one of the two reaches the busy replica first
             out = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
             assert out.choices[0].message.content == "Fine"
-        assert state["busy"] == 1 and all(r.healthy for r in app[GATEWAY].replicas)
+        assert state["busy"] == 1 and all(r.healthy for r in gateway.replicas)
         await good.stop()
-        await wait_for(lambda: not app[GATEWAY].replicas[1].healthy, what="good replica out")
+        await wait_for(lambda: not gateway.replicas[1].healthy, what="good replica out")
         with pytest.raises(openai.RateLimitError) as info:
             await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
         assert info.value.code == "server_overloaded"
-    finally:
-        await client.close()
-        await gw.stop()
-        await busy.stop()
-        await good.stop()
 
 
 async def test_long_sse_frames_pass_and_endless_ones_go_to_another_replica(tiny_model_dir):
@@ -1067,16 +1073,12 @@ async def test_an_answer_that_fails_before_its_first_token_goes_to_another_repli
             body = next(answers)
         return web.Response(body=body + b"data: [DONE]\n\n", content_type="text/event-stream")
 
-    (bad, good), replicas = await _scripted_pair(failing, _answer_fine, ("bad", "good"))
     # Probes far apart: a good probe between the failures would forgive them.
     router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=3)
-    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
-    gw = await start_server(app)
-    client = _client(gw.url)
     messages = [{"role": "user", "content": "hi"}]
-    try:
-        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
-        bad_replica = app[GATEWAY].replicas[0]
+    async with _gateway_over_pair(tiny_model_dir, failing, _answer_fine, ("bad", "good"), router) as (
+            gateway, _, client, _):
+        bad_replica = gateway.replicas[0]
         for stream in (False, True, False, True, False, True):
             if stream:
                 parts = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
@@ -1085,16 +1087,10 @@ async def test_an_answer_that_fails_before_its_first_token_goes_to_another_repli
                 text = (await client.chat.completions.create(model=MODEL, messages=messages)).choices[0].message.content
             assert text == "Fine"
         assert not bad_replica.healthy and bad_replica.trips == 1  # three failures in a row
-        assert app[GATEWAY].router.inflight_requests == [0, 0]
-    finally:
-        await client.close()
-        await gw.stop()
+        assert gateway.router.inflight_requests == [0, 0]
     state["client_error"] = True
-    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
-    gw = await start_server(app)
-    client = _client(gw.url)
-    try:
-        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+    async with _gateway_over_pair(tiny_model_dir, failing, _answer_fine, ("bad", "good"), router) as (
+            gateway, _, client, _):
         outcomes = set()
         for _ in range(2):  # one to each replica
             try:
@@ -1102,12 +1098,7 @@ async def test_an_answer_that_fails_before_its_first_token_goes_to_another_repli
             except openai.BadRequestError as exc:
                 outcomes.add(exc.body["message"])
         assert outcomes == {"Fine", "prompt too long"}
-        assert all(r.healthy for r in app[GATEWAY].replicas)
-    finally:
-        await client.close()
-        await gw.stop()
-        await bad.stop()
-        await good.stop()
+        assert all(r.healthy for r in gateway.replicas)
 
 
 async def test_a_finished_answer_without_done_is_whole_and_leaves_the_replica_in(tiny_model_dir):
@@ -1193,24 +1184,14 @@ async def test_a_replica_that_answers_probes_but_fails_every_request_leaves_rout
         await request.read()
         return web.json_response({"error": {"message": "engine dead"}}, status=500)
 
-    (bad, good), replicas = await _scripted_pair(broken, _answer_fine, ("bad", "good"))
     router = RouterConfig(policy="round-robin", health_interval_s=0.05, breaker_failures=3, breaker_reset_s=60)
-    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
-    gw = await start_server(app)
-    client = _client(gw.url)
-    try:
-        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
-        bad_replica = app[GATEWAY].replicas[0]
+    async with _gateway_over_pair(tiny_model_dir, broken, _answer_fine, ("bad", "good"), router) as (
+            gateway, _, client, _):
         for _ in range(12):
             out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
             assert out.choices[0].message.content == "Fine"
             await asyncio.sleep(0.2)  # several good probes between requests
-        assert bad_replica.trips == 1 and not bad_replica.healthy
-    finally:
-        await client.close()
-        await gw.stop()
-        await bad.stop()
-        await good.stop()
+        assert gateway.replicas[0].trips == 1 and not gateway.replicas[0].healthy
 
 
 async def test_a_non_streaming_request_whose_replica_dies_mid_answer_starts_over_on_another(tiny_model_dir):
@@ -1229,34 +1210,24 @@ async def test_a_non_streaming_request_whose_replica_dies_mid_answer_starts_over
         request.transport.close()  # gone mid-answer: no [DONE]
         return resp
 
-    (dead, good), replicas = await _scripted_pair(dying, _answer_fine, ("dying", "good"))
     router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_reset_s=1.0)
-    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
-    gw = await start_server(app)
-    client = _client(gw.url)
     messages = [{"role": "user", "content": "hi"}]
-    try:
-        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+    async with _gateway_over_pair(tiny_model_dir, dying, _answer_fine, ("dying", "good"), router) as (
+            gateway, url, client, _):
         for _ in range(2):  # round-robin: one of the two meets the dying replica first
             out = await client.chat.completions.create(model=MODEL, messages=messages)
             assert out.choices[0].message.content == "Fine" and out.choices[0].finish_reason == "stop"
             assert out.usage.prompt_tokens != 99  # a dead attempt's usage is dropped
-        assert app[GATEWAY].replicas[0].trips == 1
-        failures = await metric_by_replica(gw.url, "kvgate_replica_failures_total")
-        assert failures == {"dying": 1.0, "good": 0.0}
+        assert gateway.replicas[0].trips == 1
+        assert await metric_by_replica(url, "kvgate_replica_failures_total") == {"dying": 1.0, "good": 0.0}
         # A stream cannot start over once its first bytes are out.
-        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="dying replica back")
+        await wait_for(lambda: gateway.replicas[0].healthy, what="dying replica back")
         endings = []
         async with aiohttp.ClientSession() as session:
             for _ in range(2):
-                async with session.post(gw.url + "/v1/chat/completions",
+                async with session.post(url + "/v1/chat/completions",
                                         json={"model": MODEL, "messages": messages, "stream": True}) as resp:
                     events = await sse_events(resp)
                 assert events[-1] == "[DONE]"
                 endings.append(events[-2].get("error", {}).get("code"))
         assert sorted(endings, key=str) == [None, "upstream_error"]
-    finally:
-        await client.close()
-        await gw.stop()
-        await dead.stop()
-        await good.stop()
