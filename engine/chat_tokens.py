@@ -64,6 +64,11 @@ _PROBES: list[list[dict]] = [
 # Pieces up to this many characters (role headers, the newlines between
 # messages, short turns) are keyed by their text: cheaper than hashing it.
 _KEEP_TEXT_KEY = 64
+# What an entry costs besides its ids (a dict node, a key of up to 64 characters
+# or a 128-bit hash, a list header: ~250 bytes), in tokens of 8 bytes.  Charged
+# against the capacity, so that many short pieces (every new chat adds a few)
+# cannot hold far more memory than tokenize_cache_tokens x 8 bytes.
+_ENTRY_TOKENS = 32
 
 
 def piece_key(piece: str) -> int | str:
@@ -254,12 +259,12 @@ class ChatTokenizer:
         ids = [shared[t] if t < len(shared) else t for t in encoded]
         with self._lock:
             self.miss_tokens += len(ids)
-            if len(ids) <= self.capacity and key not in self._pieces:
+            if len(ids) + _ENTRY_TOKENS <= self.capacity and key not in self._pieces:
                 self._pieces[key] = ids
-                self._held += len(ids)
+                self._held += len(ids) + _ENTRY_TOKENS
                 while self._held > self.capacity:
                     _, old = self._pieces.popitem(last=False)
-                    self._held -= len(old)
+                    self._held -= len(old) + _ENTRY_TOKENS
         return ids
 
     # -- when to trust it

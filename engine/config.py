@@ -31,7 +31,8 @@ class ModelConfig(Section):
     # Name the model is served under; None derives it from the path.
     served_name: str | None = None
     # Chat prompts: tokens of message text already seen, kept for the next turn
-    # (engine/chat_tokens.py); 8 bytes each, 0 turns the cache off.
+    # (engine/chat_tokens.py); 8 bytes each, and 32 more per cached piece for
+    # its bookkeeping; 0 turns the cache off.
     tokenize_cache_tokens: int = Field(2_000_000, ge=0)
 
 

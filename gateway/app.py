@@ -475,6 +475,11 @@ class Gateway:
             if value is not None:
                 if not isinstance(value, kind):
                     raise bad_request(f"kvgate_context.{key} must be a string.", f"kvgate_context.{key}")
+                if key == "session" and len(value) > _MAX_SESSION_CHARS:
+                    # The policy keeps sessions as keys (up to 200k of them): a body's
+                    # worth of text each would be gigabytes.  Gateways send short hashes.
+                    raise bad_request(f"kvgate_context.session is longer than {_MAX_SESSION_CHARS} characters.",
+                                      "kvgate_context.session")
                 setattr(ctx, key, value)
         for key in ("turn", "signature", "chat_id", "parent_chat_id"):
             value = raw.get(key)
@@ -489,6 +494,9 @@ class Gateway:
         return ctx
 
     # -- routing and generation
+
+_MAX_SESSION_CHARS = 256
+
 
 def _mm_hashes(raw) -> list[tuple[int, bytes]]:
     try:

@@ -102,6 +102,13 @@ def test_capacity_bounds_the_cache_and_zero_turns_it_off(tiny):
     for prompt in _conversation(8):
         assert chat.encode_chat(prompt) == chat.whole(prompt)
         assert chat.stats()["cached_tokens"] <= 64
+    # Every entry costs its bookkeeping too: many short pieces (every new chat
+    # brings a few) cannot hold far more memory than the capacity says.
+    short = ChatTokenizer(tiny, cache_tokens=32 * 50)
+    for i in range(300):
+        prompt = [{"role": "user", "content": f"hi {i}"}]
+        assert short.encode_chat(prompt) == short.whole(prompt)
+    assert short.stats()["cached_pieces"] <= 50
     off = ChatTokenizer(tiny, cache_tokens=0)
     prompt = _conversation(2)[-1]
     assert not off.enabled and off.encode_chat(prompt) == off.whole(prompt)

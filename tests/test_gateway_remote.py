@@ -1231,3 +1231,21 @@ async def test_a_non_streaming_request_whose_replica_dies_mid_answer_starts_over
                 assert events[-1] == "[DONE]"
                 endings.append(events[-2].get("error", {}).get("code"))
         assert sorted(endings, key=str) == [None, "upstream_error"]
+
+
+async def test_a_kvgate_engine_refuses_a_session_no_gateway_would_send(tiny_model_dir):
+    """The engine's policy keeps sessions as keys, up to 200k of them: a client
+    talking to an engine directly must not fill them with megabytes each."""
+    _, server = await _engine_server(tiny_model_dir)
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1,
+            "kvgate_context": {"workload": "to-c", "type": "text", "session": "s" * 256}}
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+            body["kvgate_context"]["session"] = "s" * 100_000
+            async with session.post(server.url + "/v1/completions", json=body) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["param"] == "kvgate_context.session", error
+    finally:
+        await server.stop()
