@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Iterable, Sequence, TypeVar
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 from engine.replay import ReplayResult
 from engine.traces import Trace
@@ -121,10 +122,15 @@ def table_footer(summary: dict, results: Sequence[ReplayResult]) -> str:
     return "\n".join(lines)
 
 
-def cannot_write(flag: str, path: str | Path, exc: OSError) -> str:
-    """The one line for an output that failed late (a full disk, a quota):
-    the results are already on screen, a traceback would bury them."""
-    return f"{flag}: cannot write {path}: {exc.strerror or exc}"
+@contextlib.contextmanager
+def write_errors_as(error: type[Exception], flag: str, path: str | Path) -> Iterator[None]:
+    """An output that fails as it is written (a full disk, a quota) raised as
+    ``error`` with one line: the results are already on screen, a traceback
+    would bury them."""
+    try:
+        yield
+    except OSError as exc:
+        raise error(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
 
 
 def write_json(path: str | Path, summary: dict, results: Sequence[ReplayResult], extra: dict | None = None) -> None:

@@ -160,8 +160,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         config.server.record_trace = args.record_trace
     recording = config.server.record_trace
     if recording and os.path.isdir(recording):  # now, not after the model has loaded
-        raise CliError(f"{'--record-trace' if args.record_trace else 'server.record_trace'}: {recording} is a directory; "
-                       "give a file path")
+        flag = "--record-trace" if args.record_trace else "server.record_trace"
+        raise CliError(f"{flag}: {recording} is a directory; give a file path")
     from gateway.server import run_gateway
 
     with _startup_errors():
@@ -226,17 +226,6 @@ def _writable(path: str | None, flag: str) -> None:
         raise CliError(f"{flag}: cannot write into {parent}")
 
 
-@contextlib.contextmanager
-def _writing(path: str, flag: str):
-    """An output that fails as it is written (a full disk) is one line, not a traceback."""
-    from engine.replay_report import cannot_write
-
-    try:
-        yield
-    except OSError as exc:
-        raise CliError(cannot_write(flag, path, exc)) from None
-
-
 # More blocks than this is no cache anyone has, and the replay's pool would
 # allocate bookkeeping for every one of them up front (gigabytes, then MemoryError).
 MAX_BLOCKS = 100_000_000
@@ -288,7 +277,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     from engine.replay import future_accesses
     from engine.replay_report import (
         collect_until_interrupted, interrupted_note, print_row, table_footer, table_header, table_row, trace_summary,
-        write_json, write_plot,
+        write_errors_as, write_json, write_plot,
     )
 
     config = _load_config(args.config)
@@ -314,10 +303,10 @@ def _run_replay(args: argparse.Namespace) -> int:
     results, interrupted = collect_until_interrupted(runs, on_result=lambda r: print_row(table_row(r, ideal)))
     print(table_footer(summary, results))
     if args.json:
-        with _writing(args.json, "--json"):
+        with write_errors_as(CliError, "--json", args.json):
             write_json(args.json, summary, results, {"interrupted": True} if interrupted else None)
     if args.plot and results:
-        with _writing(args.plot, "--plot"):
+        with write_errors_as(CliError, "--plot", args.plot):
             write_plot(args.plot, summary, results, partial=interrupted)
     if interrupted:
         print(interrupted_note(len(results), len(policies) * len(capacities)), file=sys.stderr)
@@ -488,6 +477,7 @@ def _nothing_to_report(stopped: str, time_limit: float) -> int:
 
 def _run_synth(args: argparse.Namespace) -> int:
     from engine import synth
+    from engine.replay_report import write_errors_as
 
     if args.stats and args.output:
         raise CliError("synth: --stats prints a trace's statistics and writes no file: drop -o "
@@ -511,7 +501,7 @@ def _run_synth(args: argparse.Namespace) -> int:
         # An empty file is no trace: replay and tune would only refuse it later.
         raise CliError(f"synth: {args.duration:g} s at {args.rate:g} requests/s gave no requests; "
                        "raise --duration or --rate (nothing written)")
-    with _writing(args.output, "-o"):
+    with write_errors_as(CliError, "-o", args.output):
         synth.write_trace(records, args.output)
     print(f"wrote {len(records)} requests to {args.output}", file=sys.stderr)
     return 0

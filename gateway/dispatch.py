@@ -168,19 +168,18 @@ class Dispatcher:
                 tried.append(decision.replica)
             except ReplicaUnavailable as exc:
                 self.metrics.replica_failures.labels(replica.name, "mid_stream" if produced else "before_first_token").inc()
-                if produced and not parsed.stream:
-                    log.warning("%s failed mid-response, starting over on another replica: %s", request.request_id, exc)
-                    restart = True
-                    tried.append(decision.replica)
-                elif produced:
+                if produced and parsed.stream:
                     log.warning("%s failed mid-response: %s", request.request_id, exc)
                     # What went wrong, in words, but not where: a replica's name is by
                     # default its address, which is the operator's business.
                     reason = str(exc).replace(f"replica {replica.name}", "the model server")
                     raise errors.upstream_error(f"{reason[:1].upper()}{reason[1:]}; the output is incomplete.") from None
-                else:
-                    log.warning("replica %s unavailable, trying another: %s", replica.name, exc)
-                    tried.append(decision.replica)
+                # Before its first output, or mid-answer for a non-streaming
+                # request (its client has had nothing yet): another replica.
+                log.warning("replica %s %s, trying another: %s", replica.name,
+                            "failed mid-response" if produced else "unavailable", exc)
+                restart = produced
+                tried.append(decision.replica)
             except UpstreamError as exc:
                 status = exc.status if 400 <= exc.status < 600 else 502
                 raise errors.relayed(status, exc.body, str(exc), "api_error") from None

@@ -43,7 +43,7 @@ from engine.block_pool import BlockPool
 from engine.config import CacheConfig
 from engine.replay import replay
 from engine.replay_report import (
-    cannot_write, collect_until_interrupted, host_tier_note, interrupted_note, plot_title, print_row, trace_line,
+    collect_until_interrupted, host_tier_note, interrupted_note, plot_title, print_row, trace_line, write_errors_as,
 )
 from engine.traces import Trace
 from gateway.config import RouterConfig
@@ -309,17 +309,13 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
         print("(this trace names no sessions (Mooncake): session routing fell back to least-load "
               "for every request)")
     if args.json:
-        try:
+        with write_errors_as(ValueError, "--json", args.json):
             write_routing_json(args.json, summary, results,
                                {"prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN},
                                {"interrupted": True} if interrupted else None)
-        except OSError as exc:
-            raise ValueError(cannot_write("--json", args.json, exc)) from None
     if args.plot and results:
-        try:
+        with write_errors_as(ValueError, "--plot", args.plot):
             write_routing_plot(args.plot, summary, results, partial=interrupted, host_blocks=args.host_blocks)
-        except OSError as exc:
-            raise ValueError(cannot_write("--plot", args.plot, exc)) from None
     if interrupted:
         print(interrupted_note(len(results), len(policies) * len(capacities) * len(routings)), file=sys.stderr)
     return interrupted

@@ -1203,9 +1203,8 @@ async def test_a_non_streaming_request_whose_replica_dies_mid_answer_starts_over
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        chunk = {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}],
-                 "usage": {"prompt_tokens": 99, "completion_tokens": 1}}
-        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}],
+                               "usage": {"prompt_tokens": 99, "completion_tokens": 1}}))
         await asyncio.sleep(0.2)
         request.transport.close()  # gone mid-answer: no [DONE]
         return resp
