@@ -23,8 +23,9 @@ from gateway.protocol import CHAT, ParsedRequest
 WORKLOAD_HEADER = "X-KVGate-Workload"
 TYPE_HEADER = "X-KVGate-Type"
 _TYPES = ("text", "search", "image", "file", "api")
-# Sessions remembered for parent chat ids (bounded: one entry per live session).
-_MAX_SESSIONS = 65_536
+# Chat prompts remembered for parent chat ids (bounded: one entry per recent
+# chat request, ~100 bytes each).
+_MAX_PROMPTS = 131_072
 
 
 @dataclass(slots=True)
@@ -44,7 +45,8 @@ class Classifier:
         self.hasher = hasher
         self._rules = list(cfg.rules)
         self._chat_ids = itertools.count(1)
-        self._last_chat: OrderedDict[str, int] = OrderedDict()
+        # A chat request's whole prompt (as a digest) -> its chat id.
+        self._chat_by_prompt: OrderedDict[int, int] = OrderedDict()
         self._decisions: dict[tuple, tuple[str, str]] = {}
 
     def classify(
@@ -76,18 +78,22 @@ class Classifier:
         if decided is None:
             decided = self._decisions[facts] = self._decide(req, principal, header_workload, header_type, is_file)
         workload, rtype = decided
-        session, conversation = self._session(req, principal)
+        session, prompt_digests = self._session(req, principal)
         chat_id = next(self._chat_ids)
         # parent_chat_id as in Alibaba's traces: the previous turn of the same
         # conversation, -1 for a first turn (a user's new chat is not a next turn).
+        # The previous turn is the request whose prompt this one resends before
+        # the answer it got, not merely the last one with the same opening: two
+        # people who open alike are not each other's next turn.
         parent = -1
-        if conversation is not None:
-            if req.user_turns > 1:
-                parent = self._last_chat.pop(conversation, -1)
-            self._last_chat[conversation] = chat_id
-            self._last_chat.move_to_end(conversation)  # a first turn sent again: still recent
-            if len(self._last_chat) > _MAX_SESSIONS:
-                self._last_chat.popitem(last=False)
+        if prompt_digests is not None:
+            own, previous = prompt_digests
+            if previous is not None:
+                parent = self._chat_by_prompt.get(previous, -1)
+            self._chat_by_prompt[own] = chat_id
+            self._chat_by_prompt.move_to_end(own)  # a prompt sent again (a retry, a regenerate): the latest
+            if len(self._chat_by_prompt) > _MAX_PROMPTS:
+                self._chat_by_prompt.popitem(last=False)
         return RequestContext(
             workload=workload,
             type=rtype,
@@ -164,25 +170,42 @@ class Classifier:
             return "api"
         return "text"
 
-    def _session(self, req: ParsedRequest, principal: Principal) -> tuple[str, str | None]:
-        """(session, conversation): the session is the `user` field when given,
-        else the conversation; a chat's conversation is a hash of its opening
-        (within the tenant and user), which every later turn repeats.  Completions
-        have sessions (a template's calls) but no conversation.
+    def _session(self, req: ParsedRequest, principal: Principal) -> tuple[str, tuple[int, int | None] | None]:
+        """(session, prompt digests): the session is the `user` field when given,
+        else the conversation, a hash of a chat's opening (within the tenant and
+        user), which every later turn repeats.  A chat's prompt digests are
+        (its whole prompt, the previous turn's prompt or None for a first turn),
+        both within the tenant and user.  Completions have sessions (a
+        template's calls) but no turns.
         """
         parts = [principal.tenant.encode() + b"\x00"] if principal.tenant else []
         if req.user:
             parts.append(b"u:" + req.user.encode())
         user_session = "u" + xxhash.xxh3_64_hexdigest(b"".join(parts)) if req.user else None
         if req.messages:
-            # The system prompt(s) and the first user message: every later turn repeats them.
-            for msg in req.messages:
-                parts.append(f"{msg['role']}\x00{msg['content']}\x01".encode())
-                if msg["role"] == "user":
-                    break
-            # One call over the joined bytes: the same digest as feeding the parts one by one.
-            conversation = "h" + xxhash.xxh3_64_hexdigest(b"".join(parts))
-            return user_session or conversation, conversation
+            messages = req.messages
+            # A next turn resends the previous prompt, the answer it got (and any
+            # tool results) and a new user message: the previous prompt is all
+            # before the last answer.
+            last_answer = -1
+            if req.user_turns > 1:
+                for index in range(len(messages) - 1, -1, -1):
+                    if messages[index]["role"] == "assistant":
+                        last_answer = index
+                        break
+            running = xxhash.xxh3_64(b"".join(parts))
+            conversation = None
+            previous = None
+            for index, msg in enumerate(messages):
+                if index == last_answer:
+                    previous = running.intdigest()
+                running.update(f"{msg['role']}\x00{msg['content']}\x01".encode())
+                if conversation is None and msg["role"] == "user":
+                    # The system prompt(s) and the first user message.
+                    conversation = "h" + running.hexdigest()
+            if conversation is None:
+                conversation = "h" + running.hexdigest()
+            return user_session or conversation, (running.intdigest(), previous)
         if user_session is None and req.prompts:
             first = req.prompts[0]
             parts.append(first.encode()[:256] if isinstance(first, str) else repr(first[:64]).encode())

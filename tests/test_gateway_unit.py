@@ -11,7 +11,7 @@ from gateway.classify import Classifier, Principal
 from gateway.config import ClassifierConfig, ClassifierRule, KvgateConfig, LimitsConfig, RouterConfig
 from gateway.errors import ApiError
 from gateway.prefix import PrefixHasher
-from gateway.protocol import CHAT, COMPLETIONS, StreamFormatter, merge_delta_extra, parse_json, parse_request
+from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, StreamFormatter, merge_delta_extra, parse_json, parse_request
 from gateway.router import ApproxIndex, ExactIndex, Router
 from bench.instant_engine import ByteTokenizer  # a byte-per-token stub is all hashing tests need
 
@@ -267,6 +267,40 @@ def test_tenant_rule_and_sessions():
     # Completions are single calls: no parent, whatever template they share.
     comp = parse_request(COMPLETIONS, {"model": "m", "prompt": "template x"}, LIMITS)
     assert [clf.classify(comp, Principal(), {}, 5, 1).parent_chat_id for _ in range(2)] == [-1, -1]
+
+
+def test_parent_is_the_turn_whose_prompt_a_chat_resends():
+    """Two people who open alike (no `user`) are not each other's next turn: a
+    turn's parent is the request whose prompt it resends before its answer."""
+    clf = Classifier(ClassifierConfig(), _hasher())
+    opening = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+
+    def turn(*pairs: tuple[str, str]) -> ParsedRequest:
+        messages = list(opening)
+        for answer, question in pairs:
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+        return chat(messages=messages)
+
+    def classify(req: ParsedRequest):
+        return clf.classify(req, Principal(), {}, 5, 1)
+
+    a1, b1 = classify(turn()), classify(turn())
+    a2 = classify(turn(("hello A", "tell me more")))
+    b2 = classify(turn(("hello B", "what time is it")))
+    a3 = classify(turn(("hello A", "tell me more"), ("more for A", "thanks")))
+    b3 = classify(turn(("hello B", "what time is it"), ("noon", "and in Paris?")))
+    # Identical first prompts cannot be told apart: a second turn links to the latest.
+    assert (a1.parent_chat_id, b1.parent_chat_id, a2.parent_chat_id, b2.parent_chat_id) == (-1, -1, b1.chat_id, b1.chat_id)
+    assert (a3.parent_chat_id, b3.parent_chat_id) == (a2.chat_id, b2.chat_id)
+    assert a1.session == b3.session  # the session is still the opening (same prefix, same replica)
+    # A regenerated turn is its parent's child again; an edited history links to no turn it never had.
+    assert classify(turn(("hello A", "tell me more"), ("more for A", "thanks"))).parent_chat_id == a2.chat_id
+    assert classify(turn(("edited", "tell me more"), ("more for A", "thanks"))).parent_chat_id == -1
+    # Tool results between the answer and the next question belong to the previous turn's request.
+    tools = opening + [{"role": "assistant", "content": "calling"}, {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    with_result = classify(chat(messages=tools))
+    follow = classify(chat(messages=tools + [{"role": "assistant", "content": "it is 42"}, {"role": "user", "content": "why?"}]))
+    assert (with_result.parent_chat_id, follow.parent_chat_id) == (-1, with_result.chat_id)
 
 
 def test_config_rule_errors_name_the_key():
