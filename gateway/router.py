@@ -271,12 +271,18 @@ class Router:
         """The session's replica by rendezvous hashing (a replica leaving moves only
         its own sessions), passed over while it holds more than its bounded share."""
         s = session.encode()
-        order = sorted(cands, reverse=True,
+        # The order over every replica: the session's home is its first whether or not
+        # it can take the request now (a retry away from it, or its home out of
+        # routing, is a spill).
+        order = sorted(self._everyone, reverse=True,
                        key=lambda i: xxhash.xxh3_64_intdigest(s, seed=xxhash.xxh3_64_intdigest(self._name_seeds[i])))
+        home = order[0]
+        if cands is not self._everyone:
+            order = [i for i in order if i in cands]
         reqs = self.inflight_requests
         cap = max(_SESSION_LOAD_FACTOR * (sum(reqs[i] for i in cands) + 1) / len(cands), self.cfg.hot_prefix_inflight)
         i = next((i for i in order if reqs[i] + 1 <= cap), order[-1])
-        return Decision(i, "session" if i == order[0] else "session-spill", 0)
+        return Decision(i, "session" if i == home else "session-spill", 0)
 
     # -- in-flight accounting
 

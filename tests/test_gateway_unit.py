@@ -434,6 +434,11 @@ def test_session_routing_is_sticky_within_bounded_loads():
     # Every session spills to its own next choice, so the spill spreads rather than piling up.
     spills = {ses.choose([], idx, [True] * 4, session=f"s{k}").replica for k in range(200)}
     assert home not in spills and len(spills) == 3
+    # A retry away from the home replica (it failed), or the home out of routing, is a spill too.
+    fresh = Router(RouterConfig(policy="session"), names, 16)
+    assert fresh.choose([], idx, [True] * 4, session="u0", exclude=[home]).reason == "session-spill"
+    assert fresh.choose([], idx, [i != home for i in range(4)], session="u0").reason == "session-spill"
+    assert fresh.choose([], idx, [True] * 4, session="u0").reason == "session"
 
 
 def test_ties_rotate_over_the_usable_replicas_only():
