@@ -1,4 +1,4 @@
-"""aiohttp's HTTP/1.1 server protocol with two gaps closed, below the app's handlers.
+"""aiohttp's HTTP/1.1 server protocol with its gaps closed, below the app's handlers.
 
 - A request aiohttp cannot parse (a bad request line, an invalid header, broken
   chunked framing, a line over the size limit) gets an OpenAI error body with a
@@ -14,6 +14,8 @@
 - A client that reads nothing of a response for ``send_timeout_s`` while the
   send buffer is full is disconnected: aiohttp would wait on it for ever, and
   the handler waiting to write holds the request's engine work and slots.
+- A request target that is no path (``OPTIONS *``, ``CONNECT host:port``)
+  gets an OpenAI 404; aiohttp's router never offers it to the app's routes.
 
 aiohttp internals relied on (checked against 3.14): ``AppRunner._make_server``
 (runs the app's startup and returns the ``web.Server`` the sites use as their
@@ -255,7 +257,22 @@ class KvgateRunner(web.AppRunner):
         # AppRunner's own runs the app's startup and builds the app's Server;
         # the same one is built again here, as ours, from the same arguments.
         plain = await super()._make_server()
-        return KvgateServer(plain.request_handler, request_factory=plain.request_factory,
+        return KvgateServer(_paths_only(plain.request_handler), request_factory=plain.request_factory,
                             handler_cancellation=plain.handler_cancellation, loop=plain._loop,
                             header_timeout_s=self._header_timeout_s, send_timeout_s=self._send_timeout_s,
                             **plain._kwargs)
+
+
+def _paths_only(handler):
+    """The app's handler, but a request target that is no path (``OPTIONS *``,
+    ``CONNECT host:port``) gets an OpenAI 404: aiohttp's router only tries
+    routes on paths, so the app's catch-all route never sees these and aiohttp
+    answers with a text/plain page.
+    """
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        if request.path[:1] != "/":
+            return errors.not_found(f"{request.method} {request.raw_path}").response()
+        return await handler(request)
+
+    return handle

@@ -303,6 +303,21 @@ def test_expect_100_continue_is_met_and_other_expectations_get_an_openai_417(gat
     _assert_serving(gateway.port)
 
 
+def test_request_targets_that_are_no_path_get_an_openai_404(gateway):
+    """`OPTIONS *` and `CONNECT host:port` never reach aiohttp's routes; they get
+    OpenAI's error shape too, and the connection goes on serving."""
+    with _connect(gateway.port) as sock:
+        for line in (b"OPTIONS * HTTP/1.1", b"CONNECT example.com:443 HTTP/1.1"):
+            sock.sendall(line + b"\r\nHost: 127.0.0.1\r\n\r\n")
+            status, headers, data = _read_response(sock)
+            assert status == 404 and headers["content-type"].startswith("application/json"), data
+            error = json.loads(data)["error"]
+            assert set(error) == ERROR_KEYS and error["code"] == "unknown_url"
+        sock.sendall(_health(gateway.port))
+        assert _read_response(sock)[0] == 200
+    _assert_serving(gateway.port)
+
+
 def test_a_client_leaving_mid_body_logs_no_error(gateway, caplog):
     caplog.set_level("DEBUG")
     with _connect(gateway.port) as sock:
