@@ -473,6 +473,28 @@ def test_policy_relaxes_to_b_window_while_spiking():
     assert policy.table.window[cat] == pytest.approx(min(normal * 3.0, 300.0 * 3.0))
 
 
+def test_topic_switch_detector_keeps_only_recent_sessions_and_flags_the_same():
+    """Sessions quiet for max_gap_s are forgotten, without changing any flag."""
+    import random
+
+    rng = random.Random(7)
+    pruned = TopicSwitchDetector(turns=3, max_gap_s=15.0)
+    now, flags, kept = 0.0, [], []
+    history: dict[int, list[float]] = {}
+    for _ in range(20_000):
+        now += rng.expovariate(2.0)  # ~2 arrivals a second over ~3 hours
+        session = rng.randrange(300)
+        times = history.setdefault(session, [])
+        times.append(now)
+        last = times[-3:]
+        expected = len(last) == 3 and all(b - a < 15.0 for a, b in zip(last, last[1:]))
+        flags.append((pruned.arrival(session, now), expected))
+        kept.append(len(pruned.sessions))
+    assert all(got == want for got, want in flags)
+    assert sum(want for _, want in flags) > 50  # quick runs do happen
+    assert max(kept) < 80  # sessions active in the last 15 s (~30), not the 300 seen
+
+
 def test_topic_switch_after_three_quick_turns():
     detector = TopicSwitchDetector(turns=3, max_gap_s=15.0)
     assert not detector.arrival("a", 0.0)

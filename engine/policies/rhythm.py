@@ -113,7 +113,18 @@ class TopicSwitchDetector:
         self.sessions: OrderedDict[object, deque[float]] = OrderedDict()
 
     def arrival(self, session: object, now: float) -> bool:
-        times = self.sessions.get(session)
+        # Sessions are in the order of their last arrival.  One quiet for max_gap_s
+        # or longer is forgotten: its next arrivals start a fresh run anyway (the
+        # stale gap would sit in each of its next turns-1 checks), so the flags are
+        # the same and only sessions active in the last max_gap_s are kept.
+        sessions = self.sessions
+        stale = now - self.max_gap
+        while sessions:
+            oldest = next(iter(sessions.values()))
+            if oldest[-1] > stale:
+                break
+            sessions.popitem(last=False)
+        times = sessions.get(session)
         if times is None:
             times = self.sessions[session] = deque(maxlen=self.turns)
             if len(self.sessions) > self.max_sessions:
