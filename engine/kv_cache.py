@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import os
-
 import torch
+
+from engine import memory
 
 # On CPU the "device" tier is ordinary RAM shared with everything else on the
 # machine: take this share of what is available for both tiers together, at
@@ -62,7 +62,7 @@ def size_device_blocks(
         free, _total = torch.cuda.mem_get_info(device)
         return max(1, int(free * fraction) // per_block)
     # Both tiers live in RAM on CPU, so the budget covers them together.
-    budget = min(_available_ram() * CPU_KV_FRACTION * fraction, CPU_KV_CAP_BYTES)
+    budget = min(memory.available_ram() * CPU_KV_FRACTION * fraction, CPU_KV_CAP_BYTES)
     blocks = int(budget // (per_block * (1 + host_multiplier)))
     return max(1, min(blocks, max_blocks) if max_blocks else blocks)
 
@@ -75,11 +75,11 @@ def size_host_blocks(shape: KVShape, device: torch.device, device_blocks: int, h
         return wanted, False  # size_device_blocks' budget already covers both tiers
     # torch's pinned-memory allocator rounds each allocation up to a power of two:
     # the tier must stay within the largest power of two under the cap to stay under it.
-    room = _cgroup_room()
+    room = memory.cgroup_room()
     if room is None:
-        cap_bytes = int(_available_ram() * HOST_KV_FRACTION)
+        cap_bytes = int(memory.available_ram() * HOST_KV_FRACTION)
     else:
-        cap_bytes = int(min(_available_ram(), room) * HOST_KV_FRACTION_OF_LIMIT)
+        cap_bytes = int(min(memory.available_ram(), room) * HOST_KV_FRACTION_OF_LIMIT)
     cap = (1 << (cap_bytes.bit_length() - 1)) // shape.bytes_per_block if cap_bytes > 0 else 0
     return min(wanted, cap), wanted > cap
 
@@ -131,66 +131,6 @@ class KVCache:
         if block < self.num_device:
             return self.device_kv[:, :, block].clone()
         return self.host_kv[:, :, block - self.num_device].clone()
-
-
-def _available_ram() -> int:
-    """RAM this process may still take: the machine's available memory, or less
-    inside a container whose cgroup limit is lower (a pod's memory limit)."""
-    available = _mem_available()
-    room = _cgroup_room()
-    return min(available, room) if room is not None else available
-
-
-def _mem_available(meminfo_path: str = "/proc/meminfo") -> int:
-    """The kernel's MemAvailable (free memory plus reclaimable page cache); free
-    pages alone where /proc/meminfo is missing.  (psutil reads the same line, but
-    is no run-time dependency: the image would size its tiers differently.)"""
-    try:
-        with open(meminfo_path, encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-# cgroup v2, then v1: (limit file, usage file, stat file, its inactive page cache line).
-_CGROUP_FILES = (
-    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat", "inactive_file"),
-    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-     "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"),
-)
-
-
-def _cgroup_room(files=_CGROUP_FILES) -> int | None:
-    """The memory cgroup's limit minus its working set; None without a limit.
-
-    Usage counts the page cache too (the weights just read, a conversion just
-    written); its inactive part is reclaimed before the limit bites, so it is
-    room (the kubelet's working set leaves it out the same way)."""
-    for limit_file, usage_file, stat_file, inactive_key in files:
-        try:
-            with open(limit_file) as f:
-                limit = f.read().strip()
-            with open(usage_file) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
-            return None
-        inactive = 0
-        try:
-            with open(stat_file) as f:
-                for line in f:
-                    key, _, value = line.partition(" ")
-                    if key == inactive_key:
-                        inactive = int(value)
-                        break
-        except (OSError, ValueError):
-            pass
-        return max(0, int(limit) - max(0, usage - inactive))
-    return None
 
 
 def _with_blocks(dims: tuple[int, ...], blocks: int) -> tuple[int, ...]:

@@ -100,6 +100,27 @@ def _insert_outputs(pool: BlockPool, keys: list[int], ctx, first_offset: int, no
     return blocks
 
 
+def replay_request(pool: BlockPool, request) -> int:
+    """One trace request through ``pool`` as the engine serves it; its hit blocks.
+
+    The prompt's cacheable blocks are looked up or inserted (a recording's
+    trailing partial block is never cached), the answer's blocks (recordings
+    only) cached after them, and all released tail first.
+    """
+    ctx = request.context
+    now = request.timestamp
+    keys = request.keys
+    cacheable = request.cacheable
+    if 0 <= cacheable < len(keys):
+        keys = keys[:cacheable]
+    blocks, hit = pool.touch_or_insert(keys, ctx, now)
+    if request.output_keys:
+        blocks += _insert_outputs(pool, request.output_keys, ctx, len(keys), now)
+    blocks.reverse()
+    pool.release(blocks, ctx, now)
+    return hit
+
+
 def replay(
     trace: Trace,
     policy: str,
@@ -119,23 +140,11 @@ def replay(
     timer = _EvictionTimer(pool.device_policy.evict)
     pool.device_policy.evict = timer  # type: ignore[method-assign]
     hits = accesses = 0
-    touch, release = pool.touch_or_insert, pool.release
     step = 1000
     start = time.perf_counter()
     for index, request in enumerate(trace.requests):
-        ctx = request.context
-        now = request.timestamp
-        keys = request.keys
-        cacheable = request.cacheable
-        if 0 <= cacheable < len(keys):
-            keys = keys[:cacheable]
-        blocks, hit = touch(keys, ctx, now)
-        hits += hit
+        hits += replay_request(pool, request)
         accesses += len(request.keys)
-        if request.output_keys:
-            blocks += _insert_outputs(pool, request.output_keys, ctx, len(keys), now)
-        blocks.reverse()
-        release(blocks, ctx, now)
         if progress is not None and index % step == step - 1:
             progress(step)
     elapsed = time.perf_counter() - start

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -201,5 +202,11 @@ def write_plot(path: str | Path, summary: dict, results: Sequence[ReplayResult],
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
+
+
+def save_figure(fig, path: str | Path) -> None:
+    """Write ``fig`` at ``path`` itself: a path without an extension is a PNG
+    (matplotlib would write PATH.png)."""
+    fig.savefig(path, dpi=110, format=None if os.path.splitext(path)[1] else "png")

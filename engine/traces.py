@@ -181,7 +181,7 @@ def _parse_line(text: bytes, where: str, first: bool) -> dict:
     except (ValueError, RecursionError) as exc:  # bad UTF-8, absurd numbers or nesting
         raise TraceError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(record, dict):
-        raise TraceError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        raise TraceError(f"{where}: expected a JSON object, got {json.dumps(record)[:40]}")
     return record
 
 

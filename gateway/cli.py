@@ -35,6 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as exc:
         print(f"kvgate: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except MemoryError:
+        # Past the up-front check (_check_pool_memory): a ulimit, or memory that went elsewhere meanwhile.
+        print("kvgate: out of memory (replay and tune allocate each cache up front: a smaller capacity, "
+              "fewer --replicas or a smaller --host-blocks needs less)", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
@@ -97,7 +102,7 @@ def _build_parser() -> argparse.ArgumentParser:
     replay.add_argument("trace", help="Bailian or Mooncake JSONL trace")
     replay.add_argument("--format", default="auto", choices=["auto", "bailian", "mooncake"])
     replay.add_argument("--policies", default="lru,fifo,s3fifo,belady",
-                        help="comma-separated: lru,fifo,s3fifo,belady,wa,wa-paper")
+                        help="comma-separated: lru,fifo,s3fifo,belady,wa,wa-paper (default: lru,fifo,s3fifo,belady)")
     sizes = replay.add_mutually_exclusive_group()
     sizes.add_argument("--capacity", default=None,
                        help="fractions of the trace's unique blocks (default 0.01,0.02,0.05,0.1,0.2)")
@@ -123,7 +128,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--host-blocks", type=int, default=0, help="host tier behind the device tier")
     tune.add_argument("--config", help="config.yaml: its cache section is the starting point and the baseline")
     tune.add_argument("--time-limit", type=float, default=300.0, metavar="S", help="stop searching after S seconds")
-    tune.add_argument("--max-evals", type=int, default=None, metavar="N", help="stop after N replays")
+    tune.add_argument("--max-evals", type=int, default=None, metavar="N", help="stop the search after N replays (the two baselines, lru and the starting settings, always run)")
     tune.add_argument("--holdout", type=float, default=0.0, metavar="F",
                       help="search on the first 1-F of the trace, report all three on the last F")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -229,6 +234,22 @@ def _writable(path: str | None, flag: str) -> None:
 # More blocks than this is no cache anyone has, and the replay's pool would
 # allocate bookkeeping for every one of them up front (gigabytes, then MemoryError).
 MAX_BLOCKS = 100_000_000
+# A block pool's bookkeeping per block, allocated up front whatever the trace
+# (engine.block_pool: ~72 bytes measured); the blocks a trace fills cost more on top.
+POOL_BYTES_PER_BLOCK = 80
+
+
+def _check_pool_memory(blocks: int, flag: str, pools: int = 1) -> None:
+    """Refuse caches whose bookkeeping alone would not fit in this machine's RAM
+    (a MemoryError or the kernel's OOM killer, minutes into a run)."""
+    from engine.memory import available_ram
+
+    need = blocks * pools * POOL_BYTES_PER_BLOCK
+    room = available_ram()
+    if need > room:
+        caches = f"{pools} caches of {blocks:,} blocks need" if pools > 1 else f"a cache of {blocks:,} blocks needs"
+        raise CliError(f"{flag}: {caches} ~{need / 2**30:.1f} GiB of bookkeeping up front; "
+                       f"{room / 2**30:.1f} GiB of memory is available")
 
 
 def _parse_list(text: str, kind: type, name: str) -> list:
@@ -286,6 +307,9 @@ def _run_replay(args: argparse.Namespace) -> int:
     trace = _read_trace(args.trace, args.format)
     unique = trace.unique_blocks()
     capacities = _replay_capacities(args, unique)
+    # Pools run one at a time, but a routing run holds one per replica (its pooled
+    # reference, one of N times the capacity, is the same size).
+    _check_pool_memory(max(capacities) + args.host_blocks, _capacity_flag(args), args.replicas)
     summary = trace_summary(trace, unique, trace.ideal_hit_ratio())
     if args.replicas > 1:
         from gateway.routing_sim import run_from_cli
@@ -355,12 +379,17 @@ def _replay_policies(text: str) -> list[str]:
     return policies
 
 
+def _capacity_flag(args: argparse.Namespace) -> str:
+    return "--capacity-blocks" if args.capacity_blocks is not None else "--capacity"
+
+
 def _replay_capacities(args: argparse.Namespace, unique: int) -> list[int]:
     # `is not None`: an empty --capacity "" is a mistake to report, not a request for the defaults.
     if args.capacity_blocks is not None:
-        return _parse_list(args.capacity_blocks, int, "--capacity-blocks")
+        return list(dict.fromkeys(_parse_list(args.capacity_blocks, int, "--capacity-blocks")))
     fractions = _parse_list("0.01,0.02,0.05,0.1,0.2" if args.capacity is None else args.capacity, float, "--capacity")
-    return [_blocks_of(f, unique, "--capacity") for f in fractions]
+    # Once each: on a small trace several fractions round to the same number of blocks.
+    return list(dict.fromkeys(_blocks_of(f, unique, "--capacity") for f in fractions))
 
 
 def _blocks_of(fraction: float, unique: int, flag: str) -> int:
@@ -420,6 +449,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         trace = _read_trace(args.trace, args.format)
         unique = trace.unique_blocks()
         capacity = _tune_capacity(args, unique)
+        _check_pool_memory(capacity + args.host_blocks, _capacity_flag(args))
         result = _tune_with_progress(args, tune, trace, capacity, config)
     except NothingFinished as exc:
         return _nothing_to_report(exc.stopped, args.time_limit)

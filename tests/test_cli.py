@@ -304,3 +304,55 @@ def test_an_empty_output_path_is_refused_not_ignored(tmp_path, capsys):
     assert main(["replay", str(path), "--capacity-blocks", "4", "--json", "", "--no-progress"]) == 2
     captured = capsys.readouterr()
     assert captured.err == "kvgate: --json: give a file path\n" and captured.out == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["replay", "{trace}", "--capacity-blocks", "50000000"],
+     "kvgate: --capacity-blocks: a cache of 50,000,000 blocks needs ~3.7 GiB of bookkeeping up front; "
+     "1.0 GiB of memory is available\n"),
+    (["replay", "{trace}", "--capacity-blocks", "4,5000000", "--replicas", "4"],
+     "kvgate: --capacity-blocks: 4 caches of 5,000,000 blocks need ~1.5 GiB of bookkeeping up front; "
+     "1.0 GiB of memory is available\n"),
+    (["tune", "{trace}", "--capacity-blocks", "20000000"],
+     "kvgate: --capacity-blocks: a cache of 20,000,000 blocks needs ~1.5 GiB of bookkeeping up front; "
+     "1.0 GiB of memory is available\n"),
+])
+def test_caches_whose_bookkeeping_cannot_fit_are_refused_before_the_run(tmp_path, capsys, monkeypatch, argv, message):
+    from engine import memory
+
+    monkeypatch.setattr(memory, "available_ram", lambda: 1 << 30)
+    trace = str(mooncake_trace(tmp_path / "m.jsonl"))
+    assert main([part.format(trace=trace) for part in argv] + ["--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == message and captured.out == ""
+
+
+def test_running_out_of_memory_anyway_is_one_line(tmp_path, capsys, monkeypatch):
+    """A ulimit, or memory taken meanwhile: MemoryError mid-run is no traceback."""
+    import engine.replay
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(engine.replay, "BlockPool", no_memory)
+    trace = str(mooncake_trace(tmp_path / "m.jsonl"))
+    assert main(["replay", trace, "--capacity-blocks", "4", "--no-progress"]) == 2
+    assert capsys.readouterr().err.startswith("kvgate: out of memory (replay and tune allocate each cache up front")
+
+
+def test_replay_small_trace_cases(tmp_path, capsys):
+    """Capacities that round alike run once; --routing '' is refused, not read as all;
+    a plot path without an extension is written as given; a null line says null."""
+    trace = str(mooncake_trace(tmp_path / "m.jsonl"))
+    assert main(["replay", trace, "--policies", "lru", "--no-progress"]) == 0
+    assert [line.split()[:2] for line in capsys.readouterr().out.splitlines() if line.startswith("lru ")] == [["lru", "1"]]
+    assert main(["replay", trace, "--replicas", "2", "--routing", "", "--capacity-blocks", "4", "--no-progress"]) == 2
+    assert capsys.readouterr().err.startswith("kvgate: --routing: unknown (none given); choose from prefix-aware")
+    plot = tmp_path / "hit-ratios"
+    assert main(["replay", trace, "--policies", "lru", "--capacity-blocks", "2", "--plot", str(plot), "--no-progress"]) == 0
+    assert plot.read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "hit-ratios.png").exists()
+    capsys.readouterr()
+    nulls = tmp_path / "null.jsonl"
+    nulls.write_text("null\n")
+    assert main(["replay", str(nulls), "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"kvgate: {nulls}:1: expected a JSON object, got null\n"

@@ -136,14 +136,15 @@ def test_engine_memory_limit_holds_its_pinned_host_kv_tier(monkeypatch):
     import torch
 
     import engine.kv_cache as kv_cache
+    from engine import memory
 
     docs = kubernetes_manifests()
     engine = KvgateConfig.model_validate(yaml.safe_load(docs["ConfigMap", "kvgate-config"]["data"]["config.yaml"])).engine
     (container,) = docs["StatefulSet", "kvgate-engine"]["spec"]["template"]["spec"]["containers"]
     limit = _gib(container["resources"]["limits"]["memory"])
     assert _gib(container["resources"]["requests"]["memory"]) == limit  # pinned pages are not reclaimable
-    monkeypatch.setattr(kv_cache, "_available_ram", lambda: 2048 << 30)  # the node's
-    monkeypatch.setattr(kv_cache, "_cgroup_room", lambda: int((limit - 4) * 2**30))
+    monkeypatch.setattr(memory, "available_ram", lambda: 2048 << 30)  # the node's
+    monkeypatch.setattr(memory, "cgroup_room", lambda: int((limit - 4) * 2**30))
     shape = kv_cache.KVShape(32, 8, 128, engine.block_size, torch.bfloat16)  # an 8B model's KV
     device_blocks = int(engine.kv_memory_fraction * 139e9) // shape.bytes_per_block
     host_blocks, _ = kv_cache.size_host_blocks(shape, torch.device("cuda"), device_blocks, engine.host_blocks_multiplier)

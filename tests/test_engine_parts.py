@@ -102,12 +102,12 @@ def test_cpu_sizing_respects_the_cap():
 
 def test_gpu_host_tier_is_capped_by_available_ram(monkeypatch):
     # The bundled model's KV shape on an H200's free memory, with 64 GiB of RAM available.
-    import engine.kv_cache as kv_cache
+    from engine import memory
 
     shape = KVShape(30, 3, 64, 16, torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (139 * 10**9, 141 * 10**9))
-    monkeypatch.setattr(kv_cache, "_available_ram", lambda: 64 << 30)
-    monkeypatch.setattr(kv_cache, "_cgroup_room", lambda: None)  # no container limit
+    monkeypatch.setattr(memory, "available_ram", lambda: 64 << 30)
+    monkeypatch.setattr(memory, "cgroup_room", lambda: None)  # no container limit
     gpu = torch.device("cuda")
     device_blocks = size_device_blocks(shape, gpu, 0.9, 3.0)
     assert device_blocks * shape.bytes_per_block > 120 * 10**9
@@ -115,11 +115,11 @@ def test_gpu_host_tier_is_capped_by_available_ram(monkeypatch):
     assert capped and host_blocks * shape.bytes_per_block <= 16 << 30 < 3 * device_blocks * shape.bytes_per_block
     # torch pins a power of two bytes at least as large: with 100 GiB available that is
     # 16 GiB of blocks (pinned as 16 GiB), not 25 GiB (pinned as 32 GiB).
-    monkeypatch.setattr(kv_cache, "_available_ram", lambda: 100 << 30)
+    monkeypatch.setattr(memory, "available_ram", lambda: 100 << 30)
     host_blocks, _ = size_host_blocks(shape, gpu, device_blocks, 3.0)
     assert 15 << 30 < host_blocks * shape.bytes_per_block <= 16 << 30
     # In a pod whose memory limit leaves 45 GiB of room: 3/4 of it, 32 GiB as a power of two.
-    monkeypatch.setattr(kv_cache, "_cgroup_room", lambda: 45 << 30)
+    monkeypatch.setattr(memory, "cgroup_room", lambda: 45 << 30)
     host_blocks, _ = size_host_blocks(shape, gpu, device_blocks, 3.0)
     assert 31 << 30 < host_blocks * shape.bytes_per_block <= 32 << 30
     # Room enough: the multiplier as configured; on CPU the device budget already covers both tiers.
@@ -128,7 +128,7 @@ def test_gpu_host_tier_is_capped_by_available_ram(monkeypatch):
 
 
 def test_available_ram_respects_a_container_memory_limit(tmp_path):
-    from engine.kv_cache import _cgroup_room
+    from engine.memory import cgroup_room
 
     def cgroup(limit: str, usage: str, inactive_file: int | None = None):
         (tmp_path / "max").write_text(limit + "\n")
@@ -137,12 +137,12 @@ def test_available_ram_respects_a_container_memory_limit(tmp_path):
             (tmp_path / "stat").write_text(f"anon 1\nfile 2\nactive_file 3\ninactive_file {inactive_file}\n")
         return ((str(tmp_path / "max"), str(tmp_path / "current"), str(tmp_path / "stat"), "inactive_file"),)
 
-    assert _cgroup_room(cgroup(str(8 << 30), str(3 << 30))) == 5 << 30
+    assert cgroup_room(cgroup(str(8 << 30), str(3 << 30))) == 5 << 30
     # Inactive page cache (weights just read) is reclaimable: room, not use.
-    assert _cgroup_room(cgroup(str(8 << 30), str(3 << 30), inactive_file=2 << 30)) == 7 << 30
-    assert _cgroup_room(cgroup("max", "123")) is None  # v2 without a limit
-    assert _cgroup_room(cgroup(str(1 << 62), "123")) is None  # v1 without a limit
-    assert _cgroup_room(((str(tmp_path / "nothing"), str(tmp_path / "here"), str(tmp_path / "x"), "inactive_file"),)) is None
+    assert cgroup_room(cgroup(str(8 << 30), str(3 << 30), inactive_file=2 << 30)) == 7 << 30
+    assert cgroup_room(cgroup("max", "123")) is None  # v2 without a limit
+    assert cgroup_room(cgroup(str(1 << 62), "123")) is None  # v1 without a limit
+    assert cgroup_room(((str(tmp_path / "nothing"), str(tmp_path / "here"), str(tmp_path / "x"), "inactive_file"),)) is None
 
 
 def test_available_ram_counts_reclaimable_page_cache_as_psutil_does(tmp_path):
@@ -150,14 +150,14 @@ def test_available_ram_counts_reclaimable_page_cache_as_psutil_does(tmp_path):
     the image): free pages alone leave out the page cache a node is full of."""
     import psutil
 
-    from engine.kv_cache import _mem_available
+    from engine.memory import mem_available
 
-    ours, theirs = _mem_available(), psutil.virtual_memory().available
+    ours, theirs = mem_available(), psutil.virtual_memory().available
     assert abs(ours - theirs) < 0.01 * theirs
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       64000000 kB\nMemFree:         1000000 kB\nMemAvailable:   40000000 kB\n")
-    assert _mem_available(str(meminfo)) == 40000000 * 1024
-    assert _mem_available(str(tmp_path / "missing")) > 0  # free pages, then
+    assert mem_available(str(meminfo)) == 40000000 * 1024
+    assert mem_available(str(tmp_path / "missing")) > 0  # free pages, then
 
 
 class _Tok:

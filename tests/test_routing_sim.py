@@ -41,6 +41,27 @@ def test_one_replica_equals_plain_replay(tmp_path):
     assert single.decisions == {"only": len(trace.requests)}
 
 
+def test_recordings_replay_per_replica_as_in_plain_replay(tmp_path):
+    """A recording's uncacheable tail block and cached answer blocks count the same
+    behind the router as in one pool: with room for everything and one
+    conversation, every routing that keeps it on one replica equals the pooled cache."""
+    rows = [
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.0, "input_length": 40, "output_length": 40,
+         "hash_ids": [1, 2, 3], "cacheable_blocks": 2, "output_hash_ids": [4, 5]},
+        {"chat_id": 2, "parent_chat_id": 1, "timestamp": 100.0, "input_length": 90, "output_length": 10,
+         "hash_ids": [1, 2, 4, 5, 6, 7], "cacheable_blocks": 5},
+        {"chat_id": 3, "parent_chat_id": 2, "timestamp": 200.0, "input_length": 90, "output_length": 10,
+         "hash_ids": [1, 2, 4, 5, 6, 7], "cacheable_blocks": 5},
+    ]
+    path = tmp_path / "recording.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    trace = load_trace(path)
+    results = {r.routing: r for r in run_routing(trace, ["session", "prefix-aware"], 2, ["lru"], [1000])}
+    # Turn 2 hits 1, 2 and the answer's 4, 5; turn 3 also 6 (7 is its uncacheable tail): 9 of 15.
+    assert results["session"].pooled_hit_ratio == 9 / 15
+    assert all(r.hit_ratio == 9 / 15 for r in results.values())
+
+
 def test_load_imbalance():
     assert load_imbalance([10, 10, 10, 10]) == 1.0
     assert load_imbalance([20, 10, 10, 0]) == 2.0
