@@ -388,8 +388,12 @@ class AsyncEngine:
             # The end token is not part of the text; OpenAI's logprobs cover the text's tokens only.
             logprob = None
         out = GenerationOutput(seq.request_id, seq.index, [token], text, [logprob] if logprob is not None else None)
-        if first and seq.first_scheduled is not None:
-            out.queue_time_s = max(0.0, seq.first_scheduled - self._requests_arrival(seq))
+        if first and seq.index == 0:
+            # The request's figures, once: its other choices start from this one's
+            # prompt (a remote engine's stream carries them once too, as headers).
+            if seq.first_scheduled is not None:
+                out.queue_time_s = max(0.0, seq.first_scheduled - self._requests_arrival(seq))
+            out.cached_tokens = seq.cached_tokens
         if finish is not None:
             self.scheduler.finish(seq, finish)
             self._final(seq, out, finish)

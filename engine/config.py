@@ -291,7 +291,9 @@ def format_config_error(exc: ValidationError, source: str, model: type[BaseModel
             allowed = _allowed_keys(model, err["loc"][:-1])
             if allowed:
                 why = f"unknown key; allowed keys here: {', '.join(allowed)}"
-        elif "input" in err and err["type"] not in ("missing",):
+        elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
+            # Not for a whole section (what a section's own checks get): their message
+            # says what is wrong, and the echo would print every key, api_key included.
             why = f"{why} (got {err['input']!r})"
             if _yaml_number_as_text(err["input"]):
                 why += "; YAML reads 1e3 as text: write 1000, or 1.0e+3 where a fraction is allowed"

@@ -91,6 +91,10 @@ class GenerationOutput:
     # An external server's delta fields besides its text (tool_calls,
     # reasoning_content, ...), relayed to the client as they came.
     extra: dict | None = None
+    # Prompt tokens served from the prefix cache, on the request's first output
+    # (its prefill is done then; vLLM's outputs carry num_cached_tokens too): what
+    # a request cut short before its usage (client gone) hit.
+    cached_tokens: int | None = None
 
 
 def coalesce(outputs: list[GenerationOutput]) -> list[GenerationOutput]:
@@ -129,7 +133,7 @@ def _join(group: list[GenerationOutput]) -> GenerationOutput:
     """One choice's deltas as one."""
     token_ids: list[int] = []
     texts = []
-    logprobs = finish = usage = queue_time = None
+    logprobs = finish = usage = queue_time = cached = None
     for out in group:
         token_ids += out.token_ids
         texts.append(out.text)
@@ -141,8 +145,11 @@ def _join(group: list[GenerationOutput]) -> GenerationOutput:
             usage = out.usage
         if queue_time is None:
             queue_time = out.queue_time_s
+        if cached is None:
+            cached = out.cached_tokens
     first = group[0]
-    return GenerationOutput(first.request_id, first.index, token_ids, "".join(texts), logprobs, finish, usage, queue_time)
+    return GenerationOutput(first.request_id, first.index, token_ids, "".join(texts), logprobs, finish, usage,
+                            queue_time, cached_tokens=cached)
 
 
 async def one_at_a_time(batches: AsyncIterator[list[GenerationOutput]]) -> AsyncIterator[GenerationOutput]:

@@ -34,7 +34,7 @@ from engine.config import ConfigError
 from engine.context import REQUEST_TYPES, WORKLOADS, RequestContext
 from gateway import errors
 from gateway.classify import ANONYMOUS, Classifier, Principal
-from gateway.config import KvgateConfig
+from gateway.config import ENGINE_REPLICA_NAME, KvgateConfig
 from gateway.dispatch import Dispatcher, Sub
 from gateway.engine_endpoints import EngineEndpoints
 from gateway.errors import ApiError, bad_request
@@ -604,7 +604,7 @@ def create_app(
     """
     if replicas is None:
         if engine_mode:
-            replicas = [InProcessReplica("engine", config)]
+            replicas = [InProcessReplica(ENGINE_REPLICA_NAME, config)]
         else:
             replicas = build_replicas(config, list(replica_urls))
     if engine_mode and (len(replicas) != 1 or not isinstance(replicas[0], InProcessReplica)):

@@ -202,10 +202,11 @@ def _startup_errors():
 def _check_replica_url(url: str) -> None:
     """Refuse a --replica that is no http(s) URL now, not at the first request
     routed to it after the model has loaded."""
-    from gateway.config import is_http_url
+    from gateway.config import is_http_url, without_userinfo
 
     if not is_http_url(url[len("openai+"):] if url.startswith("openai+") else url):
-        raise CliError(f"--replica {url!r}: give a URL like http://host:8001 (openai+http://... for an external server)")
+        raise CliError(f"--replica {without_userinfo(url)!r}: give a URL like http://host:8001 "
+                       "(openai+http://... for an external server)")
 
 
 def _port(text: str) -> int:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from engine.config import (
     CacheConfig,
@@ -109,13 +110,22 @@ class ServerConfig(Section):
     log_stats_interval_s: float = Field(10.0, ge=0)
 
 
+# The replica name a `kvgate engine` gives its own series (its one in-process
+# engine).  The Grafana dashboard drops series of that name, so that an engine's
+# /metrics, should it be scraped too, is not counted beside the gateways': no
+# replica of a gateway may have it.
+ENGINE_REPLICA_NAME = "engine"
+
+
 class ReplicaConfig(Section):
     # inprocess: an engine inside the gateway; engine: a `kvgate engine` server;
     # openai: any OpenAI-compatible server (vLLM, SGLang) with an approximate index.
     kind: Literal["inprocess", "engine", "openai"] = "inprocess"
     # Base URL of an engine/openai replica, e.g. http://10.0.0.5:8001 (with or without /v1).
     url: str | None = None
-    # Label in metrics and logs; None: "inprocess-N" or the URL's host:port.
+    # Label in metrics and logs; None: "inprocess-N" or the URL's host:port (the
+    # scheme's port if the URL has none; never its user:password@).  "engine" is
+    # taken: a `kvgate engine` labels its own series so.
     name: str | None = None
     # Model name the upstream serves (openai kind); None: the name its /v1/models gives.
     model: str | None = None
@@ -141,13 +151,32 @@ class ReplicaConfig(Section):
     # refuse it.  A cache_salt the client sent itself always passes through.
     send_cache_salt: bool = False
 
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str | None) -> str | None:
+        if name == ENGINE_REPLICA_NAME:
+            raise ValueError(f"{name!r} is the name a `kvgate engine` gives its own series (dashboards drop them): "
+                             "choose another")
+        return name
+
     @model_validator(mode="after")
     def _url_for_remote(self) -> "ReplicaConfig":
         if self.kind != "inprocess" and not self.url:
             raise ValueError(f"url is required for a replica of kind {self.kind!r}")
         if self.url is not None and not is_http_url(self.url):
-            raise ValueError(f"url {self.url!r} is no http(s) URL with a host, e.g. http://10.0.0.5:8001")
+            raise ValueError(f"url {without_userinfo(self.url)!r} is no http(s) URL with a host, "
+                             "e.g. http://10.0.0.5:8001")
+        if self.url is not None and self.api_key and "@" in urlsplit(self.url).netloc:
+            # aiohttp sends a URL's user:password as basic auth, and refuses every
+            # request that also carries the api_key's bearer token.
+            raise ValueError("the url's user:password@ and api_key are both credentials for the replica: give one")
         return self
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` without its user:password@, for logs and messages (even one that
+    does not parse)."""
+    return re.sub(r"//[^/?#]*@", "//", url, count=1)
 
 
 def is_http_url(url: str) -> bool:

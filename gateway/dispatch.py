@@ -22,7 +22,7 @@ from engine.context import RequestContext
 from engine.request import GenerationOutput, GenerationRequest, coalesce
 from gateway import errors
 from gateway.errors import bad_request
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, RequestSeries
 from gateway.observe import Finished, Observer
 from gateway.prefix import Prompt
 from gateway.protocol import CHAT, ParsedRequest, new_id
@@ -117,17 +117,18 @@ class Dispatcher:
             predicted = min(decision.matched_blocks, (len(sub.prompt.token_ids) - 1) // bs) * bs
             produced = exhausted = False
             usage = UsageSum(1)
+            # What the replica did for this attempt, counted once when it ends, however
+            # it ends (client gone, error, retried elsewhere): as vLLM counts the tokens
+            # of requests aborted after their prefill.
+            received = 0  # generated tokens that arrived
+            cached: int | None = None  # prompt tokens the replica served from its cache, once it says
             last_token: float | None = None
             # The recorder also wants the blocks the engine fills with generated tokens.
             generated: list[int] | None = [] if self.observer.recording else None
             gen = replica.generate(job)
             try:
                 async for batch in gen:
-                    if not produced:
-                        # Counted once the replica serves it, as its cached tokens are: an
-                        # attempt that fails over to another replica predicted nothing there.
-                        produced = True
-                        series.predicted_hits.inc(predicted)
+                    produced = True
                     # Tokens that arrived together leave as one delta per choice (one
                     # frame), and the inter-token gap is measured between deltas:
                     # what the client sees.
@@ -140,18 +141,21 @@ class Dispatcher:
                             last_token = now
                             if generated is not None:
                                 generated.extend(out.token_ids)
+                        if out.token_ids:
+                            received += len(out.token_ids)
+                        elif out.text or out.extra:
+                            received += 1  # a remote replica's delta: no token ids, one token at least
+                        if out.cached_tokens is not None:
+                            cached = out.cached_tokens
                         if out.usage is not None:
                             usage.add(0, out)
                             if out.index == 0 or out.index == USAGE_ALL:
-                                series.prefix_queries.inc(out.usage.prompt_tokens)
-                                series.prefix_hits.inc(out.usage.cached_tokens)
+                                cached = out.usage.cached_tokens
                         if out.queue_time_s is not None:
                             series.queue_time.observe(out.queue_time_s)
                     yield batch
                 exhausted = True
                 prompt_tokens = usage.prompt[0] or len(sub.prompt.token_ids)
-                series.prompt_tokens.inc(prompt_tokens)
-                series.generation_tokens.inc(usage.completion[0])
                 self.observer.finished(Finished(
                     sub.context, replica.name, sub.prompt, prompt_tokens,
                     usage.cached[0], usage.completion[0], arrival, parsed.user, generated, parsed.cache_salt,
@@ -184,6 +188,8 @@ class Dispatcher:
                 status = exc.status if 400 <= exc.status < 600 else 502
                 raise errors.relayed(status, exc.body, str(exc), "api_error") from None
             finally:
+                if produced:  # the replica did the prefill (and generated what came)
+                    _count_work(series, usage, len(sub.prompt.token_ids), received, cached, predicted)
                 try:
                     if not exhausted:
                         await aclose(gen)
@@ -242,6 +248,23 @@ class Dispatcher:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _count_work(series: RequestSeries, usage: UsageSum, prompt_len: int, received: int, cached: int | None,
+                predicted: int) -> None:
+    """The token counters of an attempt that produced output (so the replica did
+    its prefill), whether it ran to its end or not.  A stream cut short has no
+    usage for its unfinished choices: their tokens are those that arrived.  The
+    router's prediction counts with the cache hits it is compared to, so an
+    attempt whose replica never said its hits (an external server cut short
+    before its usage) counts on neither, and the ratio stays a ratio."""
+    prompt = usage.prompt[0] or prompt_len
+    series.prompt_tokens.inc(prompt)
+    series.generation_tokens.inc(max(usage.completion[0], received))
+    if cached is not None:
+        series.prefix_queries.inc(prompt)
+        series.prefix_hits.inc(cached)
+        series.predicted_hits.inc(predicted)
 
 
 async def aclose(gen) -> None:

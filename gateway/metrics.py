@@ -98,7 +98,9 @@ class GatewayMetrics:
                 for status in _COMMON_STATUSES:
                     self.requests.labels(endpoint, workload, status)
         self.ttft = LoopHistogram(
-            "kvgate_time_to_first_token_seconds", "Time from request arrival to the first token sent.",
+            "kvgate_time_to_first_token_seconds", "Time from request arrival until the gateway has the first "
+            "generated tokens from the replica (a stream sends them then; a non-streaming response waits for the "
+            "whole answer).",
             ["workload"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.e2e = LoopHistogram(
@@ -106,7 +108,8 @@ class GatewayMetrics:
             ["workload"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.queue_time = LoopHistogram(
-            "kvgate_queue_time_seconds", "Time a request waited in the engine before its first step.",
+            "kvgate_queue_time_seconds", "Time an engine request waited before its first step (one per request, "
+            "whatever its n).",
             ["workload"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.itl = LoopHistogram(
@@ -126,12 +129,13 @@ class GatewayMetrics:
             ["workload", "replica"], registry=routing,
         )
         self.prompt_tokens = LoopCounter(
-            "kvgate_prompt_tokens", "Prompt tokens of completed engine requests (vLLM's prompt_tokens_total).",
+            "kvgate_prompt_tokens", "Prompt tokens of engine requests the replica prefilled, also those cut short "
+            "(client gone, error), as vLLM's prompt_tokens_total.",
             ["workload", "replica"], registry=r,
         )
         self.generation_tokens = LoopCounter(
-            "kvgate_generation_tokens", "Tokens generated for completed engine requests, all choices (vLLM's "
-            "generation_tokens_total).",
+            "kvgate_generation_tokens", "Tokens generated for engine requests, all choices, also those cut short "
+            "(client gone, error), as vLLM's generation_tokens_total.",
             ["workload", "replica"], registry=r,
         )
         self.decisions = LoopCounter(

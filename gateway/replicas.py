@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from engine.request import GenerationOutput, GenerationRequest, TokenLogprob, Usage
-from gateway.config import KvgateConfig, ReplicaConfig, RouterConfig
+from gateway.config import KvgateConfig, ReplicaConfig, RouterConfig, without_userinfo
 from gateway.protocol import CHAT, ParsedRequest
 from gateway.router import ApproxIndex, BackendLoad, ExactIndex
 from gateway.startup_thread import in_daemon_thread
@@ -48,6 +48,9 @@ USAGE_ALL = -1
 # A `kvgate engine`'s streams carry the seconds their request queued before its
 # first step, which the gateway cannot see from outside (gateway/respond.py).
 QUEUE_TIME_HEADER = "x-kvgate-queue-time"
+# And the prompt tokens it served from its prefix cache: what the gateway counts
+# for a stream cut short before its usage (the client left).
+CACHED_TOKENS_HEADER = "x-kvgate-cached-tokens"
 
 
 class ReplicaUnavailable(RuntimeError):
@@ -234,8 +237,15 @@ def _base_url(url: str) -> str:
 
 
 def _host_port(url: str) -> str:
+    """A remote replica's default name: its URL's host:port.  Never its user:password@
+    (aiohttp sends those as basic auth; the name is a label on /metrics, /stats and
+    the dashboard, and in logs), and always with a port (the scheme's when the URL
+    has none), so that no default is "engine", the name a `kvgate engine` gives its
+    own series and the Grafana dashboard drops."""
     parts = urlsplit(url)
-    return parts.netloc or url
+    host = parts.hostname or ""  # ReplicaConfig made sure there is one
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class RemoteReplica(Replica):
@@ -318,7 +328,7 @@ class RemoteReplica(Replica):
                 except Exception as exc:  # noqa: BLE001
                     if time.monotonic() >= deadline:
                         log.warning("replica %s (%s) is not answering (%s): out of routing until it does",
-                                    self.name, self.base, _plain_reason(exc))
+                                    self.name, without_userinfo(self.base), _plain_reason(exc))
                         break
                     await asyncio.sleep(0.25)
             self._tasks.append(asyncio.create_task(self._follow_kv_events(), name=f"kv-events:{self.name}"))
@@ -326,7 +336,8 @@ class RemoteReplica(Replica):
             with contextlib.suppress(Exception):
                 self.healthy = self._was_healthy = await self._probe()
             if not self.healthy:
-                log.warning("replica %s (%s) is not answering: out of routing until it does", self.name, self.base)
+                log.warning("replica %s (%s) is not answering: out of routing until it does", self.name,
+                            without_userinfo(self.base))
             with contextlib.suppress(Exception):
                 await self._fetch_models()
             if self.cfg.metrics_url:
@@ -676,7 +687,10 @@ class RemoteReplica(Replica):
                 self.index.record(job.keys)
             ended = False
             finished: set[int] = set()  # choice indexes with a finish_reason
-            queue_time = _seconds(resp.headers.get(QUEUE_TIME_HEADER)) if self.kind == "engine" else None
+            queue_time = cached = None
+            if self.kind == "engine":
+                queue_time = _seconds(resp.headers.get(QUEUE_TIME_HEADER))
+                cached = _count(resp.headers.get(CACHED_TOKENS_HEADER))
             async for _event, chunk in _sse_events(resp.content):
                 if chunk is DONE_EVENT:
                     ended = True
@@ -695,8 +709,8 @@ class RemoteReplica(Replica):
                 if batch:
                     if not produced:
                         self._request_failures = 0  # a 200 alone is not success: an error event may follow
-                        if queue_time is not None:
-                            batch[0].queue_time_s = queue_time
+                        batch[0].queue_time_s = queue_time
+                        batch[0].cached_tokens = cached
                     produced = True
                     yield batch
             if not ended and len(finished) < job.request.sampling.n:
@@ -884,6 +898,11 @@ def _seconds(header: str | None) -> float | None:
     except ValueError:
         return None
     return value if value is not None and 0 <= value < float("inf") else None
+
+
+def _count(header: str | None) -> int | None:
+    """A header's non-negative integer, or None."""
+    return int(header) if header is not None and header.isdigit() and header.isascii() else None
 
 
 async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[bytearray]:

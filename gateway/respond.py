@@ -35,7 +35,7 @@ from gateway.protocol import (
     sse_error,
     text_completion,
 )
-from gateway.replicas import QUEUE_TIME_HEADER, USAGE_ALL
+from gateway.replicas import CACHED_TOKENS_HEADER, QUEUE_TIME_HEADER, USAGE_ALL
 from gateway.usage import UsageSum
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ class Responder:
         self.model_name = model_name
         self.observer = observer
         # `kvgate engine`: streams tell the calling gateway how long the request
-        # queued before its first step (QUEUE_TIME_HEADER), for its queue-time series.
+        # queued before its first step (QUEUE_TIME_HEADER), for its queue-time series,
+        # and its prefix-cache hit (CACHED_TOKENS_HEADER), for a stream cut short.
         self.engine_mode = engine_mode
         # Set when the server, stopping, cancels the streams still running.
         self.cutting = False
@@ -147,6 +148,8 @@ class Responder:
                             resp.headers["x-request-id"] = rid
                             if self.engine_mode and out.queue_time_s is not None:
                                 resp.headers[QUEUE_TIME_HEADER] = f"{out.queue_time_s:.6f}"
+                            if self.engine_mode and out.cached_tokens is not None:
+                                resp.headers[CACHED_TOKENS_HEADER] = str(out.cached_tokens)
                             await resp.prepare(request)
                             self.observer.first_token(workload, time.perf_counter() - start)
                         index = shift + out.index

@@ -8,7 +8,8 @@ import yaml
 
 from engine.config import ConfigError
 from gateway.cli import main
-from gateway.config import KvgateConfig, load_config
+from gateway.config import KvgateConfig, ReplicaConfig, load_config
+from gateway.replicas import build_replicas
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,6 +91,41 @@ def test_replica_url_must_be_http_with_a_host(tmp_path, url):
         load_config(path)
     path.write_text("replicas:\n  - kind: openai\n    url: https://vllm-0.vllm:8000/v1\n")
     assert load_config(path).replicas[0].url == "https://vllm-0.vllm:8000/v1"
+
+
+def test_a_replica_url_with_credentials_is_named_and_reported_without_them(tmp_path):
+    """A replica's name is a label on /metrics, /stats and the dashboard, and in
+    logs: its URL's user:password@ (aiohttp's basic auth) stays out of it, and
+    out of the config's error messages."""
+    config = KvgateConfig(replicas=[
+        ReplicaConfig(kind="openai", url="http://alice:s3cret@vllm-0:8000/v1"),
+        ReplicaConfig(kind="engine", url="https://bob:pw@[fd00::5]/"),
+    ])
+    assert [r.name for r in build_replicas(config)] == ["vllm-0:8000", "[fd00::5]:443"]
+    path = tmp_path / "c.yaml"
+    path.write_text("replicas:\n  - kind: openai\n    url: ftp://alice:s3cret@vllm-0:8000/v1\n    api_key: sk-123\n")
+    with pytest.raises(ConfigError, match="replicas.0.*no http") as info:
+        load_config(path)
+    assert "s3cret" not in str(info.value) and "sk-123" not in str(info.value)
+    # aiohttp refuses every request that has both: say so at start.
+    path.write_text("replicas:\n  - kind: openai\n    url: http://alice:s3cret@vllm-0:8000/v1\n    api_key: sk-123\n")
+    with pytest.raises(ConfigError, match="replicas.0: .*give one") as info:
+        load_config(path)
+    assert "s3cret" not in str(info.value) and "sk-123" not in str(info.value)
+
+
+def test_no_replica_is_named_engine(tmp_path):
+    """A `kvgate engine` labels its own series replica="engine", and the Grafana
+    dashboard drops that name so that a scraped engine is not counted twice: a
+    gateway's replica of that name would vanish from it."""
+    path = tmp_path / "c.yaml"
+    path.write_text("replicas:\n  - kind: engine\n    url: http://10.0.0.5:8001\n    name: engine\n")
+    with pytest.raises(ConfigError, match=r"replicas\.0\.name: .*'engine'"):
+        load_config(path)
+    # Nor by default: a URL without a port is named with its scheme's.
+    config = KvgateConfig(replicas=[ReplicaConfig(kind="engine", url="http://engine"),
+                                    ReplicaConfig(kind="openai", url="https://engine/v1")])
+    assert [r.name for r in build_replicas(config)] == ["engine:80", "engine:443"]
 
 
 def kubernetes_manifests() -> dict:

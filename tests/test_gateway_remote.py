@@ -266,6 +266,89 @@ async def test_a_failed_attempt_predicts_no_hits_on_the_replica_it_left(tiny_mod
         await s2.stop()
 
 
+async def test_a_stream_cut_short_counts_what_the_remote_engine_did(tiny_model_dir):
+    """A stream the client leaves counts its prompt, tokens and cache hits, and the
+    router's prediction with them, through a `kvgate engine` too: the engine says
+    its prefix-cache hit in a header, as its usage would have at the end."""
+    engine, server = await _engine_server(tiny_model_dir)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=server.url, name="remote")]))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    names = ("kvgate_prompt_tokens_total", "kvgate_generation_tokens_total", "kvgate_prefix_cache_queries_tokens_total",
+             "kvgate_prefix_cache_hits_tokens_total", "kvgate_router_predicted_hit_tokens_total")
+    try:
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy, what="healthy")
+        messages = [{"role": "system", "content": "You are a helpful assistant who answers briefly. " * 8},
+                    {"role": "user", "content": "Tell me a long story."}]
+        seen = replica.events_seen
+        await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+        await wait_for(lambda: replica.events_seen > seen, what="the prompt's blocks in the index")
+        before = {name: (await metric_by_replica(gw.url, name)).get("remote", 0) for name in names}
+        hits_before = engine.stats()["prefix_cache"]["hit_tokens"]
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(gw.url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": messages, "max_tokens": 400, "ignore_eos": True, "stream": True})
+            await resp.content.readline()
+            resp.close()
+        await wait_for(lambda: engine_idle(engine) and app[GATEWAY].router.inflight_requests == [0],
+                       what="upstream aborted")
+        grew = {name: (await metric_by_replica(gw.url, name)).get("remote", 0) - before[name] for name in names}
+        hits = engine.stats()["prefix_cache"]["hit_tokens"] - hits_before
+        assert grew["kvgate_prefix_cache_hits_tokens_total"] == hits > 0
+        assert grew["kvgate_router_predicted_hit_tokens_total"] == hits
+        assert grew["kvgate_prompt_tokens_total"] == grew["kvgate_prefix_cache_queries_tokens_total"] > hits
+        assert grew["kvgate_generation_tokens_total"] >= 1
+    finally:
+        await client.close()
+        await gw.stop()
+        await server.stop()
+
+
+async def test_credentials_in_a_replica_url_stay_out_of_its_name_and_logs(tiny_model_dir, unused_tcp_port_factory,
+                                                                          caplog):
+    """user:password@ in a replica's URL reach the replica (as basic auth) and
+    nothing else: not the replica's name, a label on /metrics, /stats and the
+    dashboard, nor the log."""
+    auth: list[str | None] = []
+
+    async def models(request):
+        auth.append(request.headers.get("Authorization"))
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def chat(request):
+        auth.append(request.headers.get("Authorization"))
+        return await _answer_fine(request)
+
+    upstream = await _scripted_upstream(models, chat)
+    port = int(upstream.url.rsplit(":", 1)[1])
+    closed_port = unused_tcp_port_factory()  # nothing listens there: its start-up warning names the replica
+    config = tiny_config(tiny_model_dir, [
+        ReplicaConfig(kind="openai", url=f"http://alice:s3cret@127.0.0.1:{port}/v1"),
+        ReplicaConfig(kind="openai", url=f"http://alice:s3cret@127.0.0.1:{closed_port}"),
+    ])
+    caplog.set_level(logging.INFO)
+    app = create_app(config)
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        assert [r.name for r in app[GATEWAY].replicas] == [f"127.0.0.1:{port}", f"127.0.0.1:{closed_port}"]
+        out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert out.choices[0].message.content == "Fine"
+        assert auth and set(auth) == {"Basic YWxpY2U6czNjcmV0"}  # alice:s3cret
+        async with aiohttp.ClientSession() as session:
+            for path in ("/metrics", "/stats", "/dashboard"):
+                async with session.get(gw.url + path) as resp:
+                    assert resp.status == 200
+                    assert "s3cret" not in await resp.text(), path
+        assert any("is not answering" in r.getMessage() for r in caplog.records)
+        assert not [r.getMessage() for r in caplog.records if "s3cret" in r.getMessage()]
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
+
+
 async def test_an_engine_restarted_with_another_block_size_is_noticed(tiny_model_dir, unused_tcp_port_factory, caplog):
     """A restarted engine answers a new /kv_events snapshot: the gateway learns its
     block identity again and says when its hashes can no longer match."""

@@ -32,6 +32,7 @@ from gateway.reuse_rate import MinuteReuse
 from gateway.server import start_server
 from gateway.stats import StatsHistory
 from gateway.status_log import StatusLog
+from tests.engine_procs import wait_for
 from tests.gateway_helpers import serving
 from gateway.user_share import UserHitShare
 
@@ -457,6 +458,95 @@ async def test_remote_engine_stats_reach_the_gateway_metrics(live, tiny_model_di
     finally:
         await gateway_server.stop()
         await engine_server.stop()
+
+
+_WORK = ("kvgate_prompt_tokens_total", "kvgate_generation_tokens_total", "kvgate_prefix_cache_queries_tokens_total",
+         "kvgate_prefix_cache_hits_tokens_total", "kvgate_router_predicted_hit_tokens_total")
+
+
+async def _work(url: str) -> dict[str, float]:
+    found = samples(await scrape(url))
+    return {name: value(found, name, replica="local") for name in _WORK}
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_requests_the_client_leaves_count_what_the_engine_did(live):
+    """As vLLM counts the tokens of aborted requests: a stream the client leaves
+    counts its prompt, the tokens generated and its prefix-cache lookup, and the
+    router's prediction counts with the hits it is compared to (a "router
+    accuracy" panel divides one by the other)."""
+    app, server, client = live
+    gw = app[GATEWAY]
+    engine = gw.replicas[0].engine
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me a long story."}]
+    before, engine_before = await _work(server.url), dict(engine.stats()["prefix_cache"])
+    async with aiohttp.ClientSession() as session:
+        body = {"model": MODEL, "prompt": "Count:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        resp = await session.post(server.url + "/v1/completions", json=body)
+        events = 0
+        while events < 20:
+            line = await resp.content.readline()
+            assert line, "the stream ended before 20 events"
+            events += line.startswith(b"data: ")
+        resp.close()
+        await wait_for(lambda: gw.router.inflight_requests == [0], what="the abandoned stream's end")
+        left = await _work(server.url)
+        assert left["kvgate_prompt_tokens_total"] > before["kvgate_prompt_tokens_total"]
+        assert 20 <= left["kvgate_generation_tokens_total"] - before["kvgate_generation_tokens_total"] < 400
+        # A chat that hits the cached system prompt, left after its first line.
+        await client.chat.completions.create(model=MODEL, messages=history, max_tokens=1)
+        resp = await session.post(server.url + "/v1/chat/completions",
+                                  json={"model": MODEL, "messages": history, "max_tokens": 400, "stream": True,
+                                        "ignore_eos": True})
+        await resp.content.readline()
+        resp.close()
+        await wait_for(lambda: gw.router.inflight_requests == [0], what="the abandoned stream's end")
+    after, engine_after = await _work(server.url), engine.stats()["prefix_cache"]
+    grew = {name: after[name] - left[name] for name in _WORK}
+    # The gateway's lookups and hits are the engine's own, the abandoned requests' included.
+    assert after["kvgate_prefix_cache_queries_tokens_total"] - before["kvgate_prefix_cache_queries_tokens_total"] == \
+        engine_after["query_tokens"] - engine_before["query_tokens"]
+    assert after["kvgate_prefix_cache_hits_tokens_total"] - before["kvgate_prefix_cache_hits_tokens_total"] == \
+        engine_after["hit_tokens"] - engine_before["hit_tokens"]
+    assert grew["kvgate_prompt_tokens_total"] == grew["kvgate_prefix_cache_queries_tokens_total"]
+    # One replica and an exact index: predicted what the engine then hit, no more.
+    assert grew["kvgate_router_predicted_hit_tokens_total"] == grew["kvgate_prefix_cache_hits_tokens_total"] > 0
+    assert grew["kvgate_generation_tokens_total"] >= 2
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_queue_time_is_observed_once_per_request_whatever_its_n(live):
+    """As through a remote `kvgate engine` (one header per stream) and as TTFT:
+    the choices of n > 1 are one request that queued once."""
+    app, server, client = live
+    names = ("kvgate_queue_time_seconds_count", "kvgate_time_to_first_token_seconds_count")
+    found = samples(await scrape(server.url))
+    before = {name: value(found, name) for name in names}
+    await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2, n=3)
+    found = samples(await scrape(server.url))
+    assert {name: value(found, name) - before[name] for name in names} == {name: 1 for name in names}
+
+
+def test_ttft_help_says_what_is_measured():
+    """A non-streaming response sends nothing until the whole answer is in: its
+    TTFT is when the gateway received the first tokens, not when they were sent."""
+    found = {fam.name: fam.documentation
+             for fam in text_string_to_metric_families(GatewayMetrics().render().decode())}
+    help_text = found["kvgate_time_to_first_token_seconds"]
+    assert "first token sent" not in help_text and "non-streaming" in help_text
+
+
+def test_dashboard_panel_titles_agree_with_their_units():
+    """Grafana shows percentunit 1.0 as 100%: a title that says "1 = one core"
+    over such a panel reads one core as 100% against its own legend."""
+    dashboard = json.loads((Path(__file__).parent.parent / "deploy/grafana/kvgate-dashboard.json").read_text())
+    for panel in dashboard["panels"]:
+        unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit")
+        title = panel.get("title", "")
+        if unit == "percentunit":
+            assert not re.search(r"(^|[(\s])1 = ", title), (panel.get("id"), title)
+        if "100% =" in title:
+            assert unit == "percentunit", (panel.get("id"), title)
 
 
 def test_request_counts_of_common_statuses_start_at_zero():
