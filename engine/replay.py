@@ -105,7 +105,8 @@ def replay_request(pool: BlockPool, request) -> int:
 
     The prompt's cacheable blocks are looked up or inserted (a recording's
     trailing partial block is never cached), the answer's blocks (recordings
-    only) cached after them, and all released tail first.
+    only) cached after them, and all released tail first.  A recording's last
+    prompt block is never a hit, as in the engine.
     """
     ctx = request.context
     now = request.timestamp
@@ -118,6 +119,10 @@ def replay_request(pool: BlockPool, request) -> int:
         blocks += _insert_outputs(pool, request.output_keys, ctx, len(keys), now)
     blocks.reverse()
     pool.release(blocks, ctx, now)
+    if cacheable >= 0:
+        # A recording (gateway/recorder.py): the engine computes the block holding
+        # the prompt's last token for its logits, so it is never a hit there.
+        hit = min(hit, len(request.keys) - 1)
     return hit
 
 

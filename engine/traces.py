@@ -64,10 +64,13 @@ class Trace:
         seen: set[int] = set()
         hits = 0
         for request in self.requests:
+            run = 0
             for key in request.keys:
                 if key not in seen:
                     break
-                hits += 1
+                run += 1
+            # A recording's last prompt block is never a hit (engine.replay.replay_request).
+            hits += min(run, len(request.keys) - 1) if request.cacheable >= 0 else run
             keys = request.keys
             if 0 <= request.cacheable < len(keys):
                 keys = keys[: request.cacheable]

@@ -180,6 +180,7 @@ class Gateway:
             self._identity_known = True
             self.hasher.block_size = self.router.block_size = info.block_size
             self.hasher.salt = info.hash_salt
+            self.observer.block_identity(info.block_size, info.hash_salt)
             self.max_model_len = info.max_model_len
             log.info("replica %s answered: hashing blocks as it does (%d tokens, salt %r)", replica.name,
                      info.block_size, info.hash_salt)

@@ -190,6 +190,15 @@ class Dispatcher:
             finally:
                 if produced:  # the replica did the prefill (and generated what came)
                     _count_work(series, usage, len(sub.prompt.token_ids), received, cached, predicted)
+                    if not exhausted and not restart:
+                        # Cut short (client gone, error mid-stream): the replica cached its
+                        # prompt all the same, which a recording and the reuse figures must
+                        # show (a restart elsewhere is the request's one record).
+                        self.observer.finished(Finished(
+                            sub.context, replica.name, sub.prompt, usage.prompt[0] or len(sub.prompt.token_ids),
+                            cached or 0, max(usage.completion[0], received), arrival, parsed.user, generated,
+                            parsed.cache_salt,
+                        ))
                 try:
                     if not exhausted:
                         await aclose(gen)

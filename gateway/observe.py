@@ -110,7 +110,8 @@ class Observer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._status_task
         if self.recorder is not None:
-            self.recorder.close()
+            with contextlib.suppress(OSError, ValueError):
+                self.recorder.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -138,11 +139,29 @@ class Observer:
             try:
                 self.recorder.record(ctx, prompt.keys, done.prompt_tokens, done.completion_tokens, done.arrival,
                                      output_keys)
-            except OSError:
-                # A full disk must not fail requests; stop recording and say so once.
-                log.exception("trace recording to %s failed; recording stopped", self.recorder.path)
-                self.recorder.close()
-                self.recorder = None
+            except (OSError, ValueError) as exc:
+                # A full disk (or a file gone from under it) must not fail requests:
+                # stop recording and say so once.
+                self._stop_recording(f"trace recording to {self.recorder.path} failed ({exc}); recording stopped")
+
+    def block_identity(self, block_size: int, salt: str | bytes) -> None:
+        """The engines' block identity, once a remote one has told it (it may differ
+        from what the gateway assumed at start)."""
+        self._block_size = block_size
+        self._salt = salt
+        if self.recorder is not None and self.recorder.block_tokens != block_size:
+            try:
+                self.recorder.set_block_tokens(block_size)
+            except OSError as exc:
+                self._stop_recording(f"trace recording to {self.recorder.path} failed ({exc}); recording stopped")
+            else:
+                log.info("recording block ids per %d tokens from now on", block_size)
+
+    def _stop_recording(self, why: str) -> None:
+        recorder, self.recorder = self.recorder, None
+        log.error("%s", why)
+        with contextlib.suppress(OSError, ValueError):
+            recorder.close()  # flushing the line that failed may fail again
 
     async def _log_status(self, interval: float) -> None:
         while True:

@@ -98,9 +98,10 @@ class TraceRecorder:
             "workload": ctx.workload,
             "hash_ids": ids,
         }
-        if full < len(ids):
-            # The engine never caches a partial block: replay counts it, but does not insert it.
-            fields["cacheable_blocks"] = full
+        # The engine never caches a partial block: replay counts it, but does not insert
+        # it.  On every line: it also marks the line as an engine's (replay then never
+        # counts the block holding the prompt's last token as a hit, as the engine does not).
+        fields["cacheable_blocks"] = full
         if ctx.session is not None:
             # The session the engine's policy keyed on (the `user` field when given, else the
             # conversation), as a small per-file id: replay cannot rebuild it from chat ids.
@@ -110,9 +111,9 @@ class TraceRecorder:
             fields["session_id"] = session
         if output_keys:
             fields["output_hash_ids"] = self._ids_of(output_keys)
-            if self.block_tokens != 16:
-                # Replay chains the output ids after the prompt's last full block.
-                fields["block_tokens"] = self.block_tokens
+        if self.block_tokens != 16:
+            # Replay chains the output ids after the prompt's last full block.
+            fields["block_tokens"] = self.block_tokens
         line = json.dumps(fields, separators=(",", ":")) + "\n"
         # Flushed per line: a crash loses at most the line being written.
         self._file.write(line)
@@ -125,6 +126,13 @@ class TraceRecorder:
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+
+    def set_block_tokens(self, block_tokens: int) -> None:
+        """Ids per ``block_tokens`` tokens from now on; a file that already holds
+        lines at the old size rotates, so that each file has one block size."""
+        if block_tokens != self.block_tokens and self._bytes:
+            self._rotate()
+        self.block_tokens = block_tokens
 
     def _ids_of(self, keys: Sequence[int]) -> list[int]:
         ids_of = self._ids

@@ -374,6 +374,31 @@ async def test_an_engine_restarted_with_another_block_size_is_noticed(tiny_model
         await engine.stop()
 
 
+async def test_a_recording_takes_the_block_size_the_engines_report(tiny_model_dir, tmp_path):
+    """The gateway assumed 16-token blocks at start; an engine of 32 joins: the
+    recording's ids are per 32 tokens, and its lines say so."""
+    engine_config = tiny_config(tiny_model_dir)
+    engine_config.engine.block_size = 32
+    engine = await start_server(create_app(engine_config, engine_mode=True))
+    path = tmp_path / "served.jsonl"
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine.url)],
+                                 record_trace=str(path)))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy and app[GATEWAY].hasher.block_size == 32, what="engine joined")
+        out = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me about caches. " * 6}], max_tokens=2)
+    finally:
+        await client.close()
+        await gw.stop()
+        await engine.stop()
+    (line,) = [json.loads(text) for text in path.read_text().splitlines()]
+    assert line["block_tokens"] == 32 and line["input_length"] == out.usage.prompt_tokens > 32
+    assert len(line["hash_ids"]) == -(-line["input_length"] // 32)
+
+
 VLLM_METRICS = """\
 # HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge

@@ -247,3 +247,90 @@ def test_a_recording_path_that_is_a_directory_is_refused(tmp_path):
     with pytest.raises(IsADirectoryError):
         TraceRecorder(tmp_path)
     assert tmp_path.is_dir() and not Path(f"{tmp_path}.1").exists()
+
+
+# ---- failures and requests cut short ---------------------------------------------------
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux) to fill a disk")
+async def test_a_recording_that_cannot_be_written_stops_and_requests_go_on(tiny_model_dir, caplog):
+    """A full disk stops the recording with one error line; no request fails, now or later."""
+    from tests.engine_procs import tiny_config
+
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="inprocess", name="local")],
+                                 record_trace="/dev/full"))
+    server = await start_server(app)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        for i in range(3):
+            out = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"hi {i}"}],
+                                                       max_tokens=2)
+            assert out.choices[0].finish_reason is not None
+        stream = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "go"}],
+                                                      max_tokens=3, stream=True)
+        assert [c async for c in stream][-1].choices[0].finish_reason is not None
+    finally:
+        await client.close()
+        await server.stop()
+    failures = [r for r in caplog.records if "recording stopped" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is None
+    assert "No space left on device" in failures[0].getMessage()
+    assert not app[GATEWAY].observer.recording
+
+
+async def test_a_stream_the_client_leaves_is_recorded_and_its_next_turn_links_to_it(tiny_model_dir, tmp_path):
+    """The engine cached the prompt of a request its client left: the recording
+    shows it (what replay must know), and the next turn's parent is in the file."""
+    import aiohttp
+
+    from tests.engine_procs import tiny_config, wait_for
+
+    path = tmp_path / "served.jsonl"
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="inprocess", name="local")],
+                                 record_trace=str(path)))
+    server = await start_server(app)
+    history = [{"role": "system", "content": "You are a helpful assistant. " * 6},
+               {"role": "user", "content": "Tell me a long story."}]
+    try:
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(server.url + "/v1/chat/completions", json={
+                "model": "tiny", "messages": history, "max_tokens": 300, "ignore_eos": True, "stream": True})
+            for _ in range(3):
+                await resp.content.readline()
+            resp.close()
+            await wait_for(lambda: app[GATEWAY].router.inflight_requests == [0], what="the stream's end")
+            body = {"model": "tiny", "max_tokens": 2,
+                    "messages": history + [{"role": "assistant", "content": "Once upon"}, {"role": "user", "content": "go on"}]}
+            async with session.post(server.url + "/v1/chat/completions", json=body) as done:
+                assert done.status == 200
+    finally:
+        await server.stop()
+    left, turn2 = [json.loads(line) for line in path.read_text().splitlines()]
+    assert left["output_length"] >= 1 and left["input_length"] > 16
+    assert (turn2["turn"], turn2["parent_chat_id"]) == (2, left["chat_id"])
+    assert turn2["hash_ids"][:len(left["hash_ids"]) - 1] == left["hash_ids"][:-1]  # the same opening blocks
+
+
+def test_a_recording_keeps_one_block_size_per_file_and_says_which(tmp_path):
+    """A remote engine may tell the gateway its block size after it started recording."""
+    rec = TraceRecorder(tmp_path / "r.jsonl", block_tokens=16)
+    rec.record(RequestContext(chat_id=1), [11, 12], 40, 2, arrival=0.0)
+    rec.set_block_tokens(32)
+    rec.record(RequestContext(chat_id=2), [21], 40, 2, arrival=1.0)
+    rec.close()
+    (old,) = [json.loads(line) for line in (tmp_path / "r.jsonl.1").read_text().splitlines()]
+    (new,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert "block_tokens" not in old and len(old["hash_ids"]) == 3
+    assert new["block_tokens"] == 32 and len(new["hash_ids"]) == 2 and new["cacheable_blocks"] == 1
+
+
+def test_replay_of_a_recording_never_hits_the_block_holding_the_last_prompt_token(tmp_path):
+    """The engine computes that block for its logits: an exact repeat of a
+    block-aligned prompt hits all its blocks but the last, in the engine and in replay."""
+    rec = TraceRecorder(tmp_path / "r.jsonl", block_tokens=16)
+    for chat_id in (1, 2):
+        rec.record(RequestContext(chat_id=chat_id), [11, 12, 13], 48, 2, arrival=float(chat_id))
+    rec.close()
+    trace = load_trace(tmp_path / "r.jsonl")
+    assert replay(trace, "lru", 100).hits == 2
+    assert trace.ideal_hit_ratio() == 2 / 6
