@@ -81,7 +81,8 @@ class Classifier:
         session, prompt_digests = self._session(req, principal)
         chat_id = next(self._chat_ids)
         # parent_chat_id as in Alibaba's traces: the previous turn of the same
-        # conversation, -1 for a first turn (a user's new chat is not a next turn).
+        # conversation (or agent step), -1 for a first turn (a user's new chat is
+        # not a next turn).
         # The previous turn is the request whose prompt this one resends before
         # the answer it got, not merely the last one with the same opening: two
         # people who open alike are not each other's next turn.
@@ -124,7 +125,7 @@ class Classifier:
         if header_type is not None:
             rtype = header_type
         if rtype is None:
-            rtype = self._implied_type(req, is_file)
+            rtype = self._implied_type(req, is_file, workload)
         return workload, rtype
 
     def _match(
@@ -161,12 +162,14 @@ class Classifier:
         return req.longest_share * prompt_tokens >= self.cfg.file_min_tokens
 
     @staticmethod
-    def _implied_type(req: ParsedRequest, is_file: bool) -> str:
+    def _implied_type(req: ParsedRequest, is_file: bool, workload: str) -> str:
         if req.images:
             return "image"
         if is_file:
             return "file"
-        if req.endpoint != CHAT:
+        if req.endpoint != CHAT or workload == "to-b":
+            # The paper's to-B traffic is all "api", whichever endpoint it calls (an
+            # API key or header that says to-b on a chat request included).
             return "api"
         return "text"
 
@@ -187,12 +190,13 @@ class Classifier:
             # A next turn resends the previous prompt, the answer it got (and any
             # tool results) and a new user message: the previous prompt is all
             # before the last answer.
+            # (An agent's request that sends a tool's result back follows the one
+            # that called the tool, within the same user turn.)
             last_answer = -1
-            if req.user_turns > 1:
-                for index in range(len(messages) - 1, -1, -1):
-                    if messages[index]["role"] == "assistant":
-                        last_answer = index
-                        break
+            for index in range(len(messages) - 1, 0, -1):
+                if messages[index]["role"] == "assistant":
+                    last_answer = index
+                    break
             running = xxhash.xxh3_64(b"".join(parts))
             conversation = None
             previous = None

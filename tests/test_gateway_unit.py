@@ -269,6 +269,17 @@ def test_tenant_rule_and_sessions():
     assert [clf.classify(comp, Principal(), {}, 5, 1).parent_chat_id for _ in range(2)] == [-1, -1]
 
 
+def test_to_b_chat_requests_are_api_calls():
+    """The paper's to-B traffic is all type "api": a chat request that an API key or
+    the workload header puts in to-b is one too, unless it carries an image or a file."""
+    clf = Classifier(ClassifierConfig(), _hasher())
+    ctx = clf.classify(chat(), Principal(workload="to-b"), {}, 10, 2)
+    assert (ctx.workload, ctx.type) == ("to-b", "api")
+    ctx = clf.classify(chat(), Principal(), {"X-KVGate-Workload": "to-b"}, 10, 2)
+    assert (ctx.workload, ctx.type) == ("to-b", "api")
+    assert clf.classify(chat(), Principal(), {}, 10, 2).type == "text"  # to-c stays text
+
+
 def test_parent_is_the_turn_whose_prompt_a_chat_resends():
     """Two people who open alike (no `user`) are not each other's next turn: a
     turn's parent is the request whose prompt it resends before its answer."""
@@ -296,11 +307,15 @@ def test_parent_is_the_turn_whose_prompt_a_chat_resends():
     # A regenerated turn is its parent's child again; an edited history links to no turn it never had.
     assert classify(turn(("hello A", "tell me more"), ("more for A", "thanks"))).parent_chat_id == a2.chat_id
     assert classify(turn(("edited", "tell me more"), ("more for A", "thanks"))).parent_chat_id == -1
-    # Tool results between the answer and the next question belong to the previous turn's request.
-    tools = opening + [{"role": "assistant", "content": "calling"}, {"role": "tool", "content": "42", "tool_call_id": "c1"}]
-    with_result = classify(chat(messages=tools))
-    follow = classify(chat(messages=tools + [{"role": "assistant", "content": "it is 42"}, {"role": "user", "content": "why?"}]))
-    assert (with_result.parent_chat_id, follow.parent_chat_id) == (-1, with_result.chat_id)
+    # An agent's steps: the request sending a tool's result follows the one that called
+    # the tool (same user turn); the next question follows the request with the result.
+    agent = Classifier(ClassifierConfig(), _hasher())
+    ask = [{"role": "user", "content": "what is 6 x 7?"}]
+    tools = ask + [{"role": "assistant", "content": "calling"}, {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    steps = [agent.classify(chat(messages=m), Principal(), {}, 5, 1) for m in (
+        ask, tools, tools + [{"role": "assistant", "content": "it is 42"}, {"role": "user", "content": "why?"}])]
+    assert [c.parent_chat_id for c in steps] == [-1, steps[0].chat_id, steps[1].chat_id]
+    assert [c.turn for c in steps] == [1, 1, 2]
 
 
 def test_config_rule_errors_name_the_key():
