@@ -41,7 +41,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.
                     30.0, 60.0, 120.0, 300.0, 600.0)
 # kvgate_requests_total statuses exported from zero for every endpoint and
 # workload: success, bad request, rate limited, failed, unavailable.
-_COMMON_STATUSES = ("200", "400", "429", "500", "503")
+_COMMON_STATUSES = ("200", "400", "429", "499", "500", "502", "503")
 # Gaps between streamed tokens are much shorter than whole-request latencies.
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
@@ -116,6 +116,9 @@ class GatewayMetrics:
             "kvgate_inter_token_latency_seconds", "Time between successive deltas of one choice as the gateway receives them (tokens that arrive together are one delta).",
             ["workload"], buckets=_ITL_BUCKETS, registry=r,
         )
+        for histogram in (self.ttft, self.e2e, self.queue_time, self.itl):
+            for workload in WORKLOADS:
+                histogram.labels(workload)  # from zero, as the request counts above
         self.prefix_queries = LoopCounter(
             "kvgate_prefix_cache_queries_tokens", "Prompt tokens looked up in a replica's prefix cache.",
             ["workload", "replica"], registry=r,
@@ -183,6 +186,8 @@ class GatewayMetrics:
         self.external_load.labels(name).set_function(external_load)
         for stage in ("before_first_token", "mid_stream"):
             self.replica_failures.labels(name, stage)  # exported from zero, so rate() sees the first one
+        for workload in WORKLOADS:
+            self.request_series(workload, name)  # its token counters and latency histograms, likewise
 
     def watch_state(
         self,

@@ -563,8 +563,30 @@ def test_request_counts_of_common_statuses_start_at_zero():
     }
     for endpoint in ("chat", "completions"):
         for workload in ("to-c", "to-b", "multimodal", "unknown"):
-            for status in ("200", "400", "429", "500", "503"):
+            for status in ("200", "400", "429", "499", "500", "502", "503"):
                 assert found[endpoint, workload, status] == 0
+
+
+def test_a_replicas_token_and_latency_series_start_at_zero():
+    """increase() over a series born at its first event misses that event: a
+    replica's per-workload counters and the latency histograms exist from the start."""
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    metrics.watch_replica("r0", lambda: 0, lambda: 1, lambda: 0, lambda: 0)
+    found = samples(metrics.render().decode())
+
+    def exported(name: str, **labels) -> list[float]:
+        return [s.value for s in found.get(name, ()) if all(s.labels.get(k) == v for k, v in labels.items())]
+
+    for workload in ("to-c", "to-b", "multimodal"):
+        for name in ("kvgate_prompt_tokens_total", "kvgate_generation_tokens_total",
+                     "kvgate_prefix_cache_queries_tokens_total", "kvgate_prefix_cache_hits_tokens_total",
+                     "kvgate_router_predicted_hit_tokens_total"):
+            assert exported(name, workload=workload, replica="r0") == [0], (name, workload)
+        for name in ("kvgate_time_to_first_token_seconds_count", "kvgate_e2e_request_latency_seconds_count",
+                     "kvgate_inter_token_latency_seconds_count", "kvgate_queue_time_seconds_count"):
+            assert exported(name, workload=workload) == [0], (name, workload)
 
 
 def test_an_engine_exports_no_routing_series():
