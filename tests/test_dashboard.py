@@ -114,6 +114,15 @@ async def test_dashboard_renders_all_charts_with_data_in_headless_chromium(serve
     assert [re.search(r"<td>(.*?)</td>", row).group(1) for row in rows] == ["alpha", "beta"]
     assert all("<td>wa</td>" in row for row in rows)
     assert "7 requests" in dom and 'id="error"></span>' in dom
+    # Gridlines a round step apart, each label distinct and exact (0.05|0.10|0.15, not 0.07|0.05|0.03).
+    for chart in ("ttft", "load"):
+        ticks = re.search(rf'<canvas id="{chart}"[^>]*data-ticks="([^"]*)"', dom).group(1).split("|")
+        values = [float(t) for t in ticks]
+        assert len(set(ticks)) == 5 and values[0] == 0, (chart, ticks)
+        assert all(abs((b - a) - values[1]) < 1e-9 for a, b in zip(values, values[1:])), (chart, ticks)
+    # One bar per replica and tier, each its own 96 blocks (not device and host stacked into 192).
+    assert re.search(r'<canvas id="cache"[^>]*data-bars="([^"]*)"', dom).group(1) == "96,96,96,96"
+    assert re.search(r'<div class="legend" id="cache-legend">(.*?)</div>', dom).group(1).count("<i ") == 3
 
     shot = tmp_path / "dashboard.png"
     await run_chromium(tmp_path, served.url + "/dashboard", f"--screenshot={shot}", "--window-size=1280,1100",
