@@ -18,9 +18,10 @@ from typing import AsyncIterator, Callable
 
 import torch
 
+from engine import memory
 from engine.block_pool import DEVICE, HOST, BlockPool
 from engine.chat_tokens import ChatTokenizer
-from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from engine.kv_cache import HOST_KV_FRACTION, HOST_KV_FRACTION_OF_LIMIT, KVCache, KVShape, size_device_blocks, size_host_blocks
 from engine.model_loader import LoadedModel, load_model
 from engine.request import GenerationOutput, GenerationRequest, Usage, coalesce, one_at_a_time
@@ -42,6 +43,37 @@ class _RequestState:
     arrival: float
     seqs: list[Sequence] = field(default_factory=list)
     unfinished: int = 0
+
+
+def _kv_key(engine_cfg: EngineConfig, host_blocks: int) -> str:
+    """The settings that sized the KV tiers, for an error that says what to change."""
+    key = "engine.device_blocks" if engine_cfg.device_blocks else "engine.kv_memory_fraction"
+    return f"{key} (and engine.host_blocks_multiplier)" if host_blocks else key
+
+
+def _kv_blocks(shape: KVShape, device_blocks: int, host_blocks: int) -> str:
+    tiers = " + ".join(f"{n:,} {tier}" for n, tier in ((device_blocks, "device"), (host_blocks, "host")) if n)
+    return f"{tiers} blocks of {shape.bytes_per_block / 2**10:,.0f} KiB"
+
+
+def _check_kv_room(shape: KVShape, device: torch.device, device_blocks: int, host_blocks: int,
+                   engine_cfg: EngineConfig) -> None:
+    """Refuse KV tiers that cannot fit, as one line naming the setting (the
+    allocator's RuntimeError, or on CPU the OOM killer, would not): with a GPU
+    the device tier in its free memory and the host tier in RAM; on CPU both in RAM."""
+    per_block = shape.bytes_per_block
+    if device.type == "cuda":
+        device_key = "engine.device_blocks" if engine_cfg.device_blocks else "engine.kv_memory_fraction"
+        tiers = [(device_key, device_blocks, 0, torch.cuda.mem_get_info(device)[0], "GPU memory is free"),
+                 ("engine.host_blocks_multiplier", 0, host_blocks, memory.available_ram(), "RAM is available")]
+    else:
+        tiers = [(_kv_key(engine_cfg, host_blocks), device_blocks, host_blocks, memory.available_ram(),
+                  "RAM is available")]
+    for key, on_device, on_host, room, what in tiers:
+        need = (on_device + on_host) * per_block
+        if need > room:
+            raise ConfigError(f"{key}: {_kv_blocks(shape, on_device, on_host)} need {need / 2**30:,.1f} GiB; "
+                              f"{room / 2**30:,.1f} GiB of {what}")
 
 
 class AsyncEngine:
@@ -74,11 +106,18 @@ class AsyncEngine:
                      "available, %d%% of a container limit's room) instead of %gx the device tier's %d", host_blocks,
                      host_blocks * shape.bytes_per_block / 2**30, HOST_KV_FRACTION * 100,
                      HOST_KV_FRACTION_OF_LIMIT * 100, engine_cfg.host_blocks_multiplier, device_blocks)
+        _check_kv_room(shape, loaded.device, device_blocks, host_blocks, engine_cfg)
         self._events: list[tuple[str, list[int], str]] = []
         self.pool = BlockPool(
             device_blocks, host_blocks, cache_cfg.policy, cache_cfg, record_copies=True, on_event=self._on_pool_event
         )
-        self.kv = KVCache(shape, device_blocks, host_blocks, loaded.device)
+        try:
+            self.kv = KVCache(shape, device_blocks, host_blocks, loaded.device)
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            # Past the check above (memory taken meanwhile, a limit it cannot see):
+            # still the setting to change, not an allocator's traceback.
+            raise ConfigError(f"{_kv_key(engine_cfg, host_blocks)}: cannot allocate the KV cache "
+                              f"({_kv_blocks(shape, device_blocks, host_blocks)}): {str(exc).splitlines()[0]}") from None
         # One sequence must always fit in the device tier, or preemption could never make room.
         limits = [max_model_len, getattr(config, "max_position_embeddings", max_model_len), device_blocks * bs]
         self._max_model_len = min(limits)

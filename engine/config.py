@@ -9,16 +9,45 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 POLICY_NAMES = ("lru", "fifo", "s3fifo", "belady", "wa", "wa-paper")
+
+# Upper bounds of keys whose huge (finite) values break the arithmetic later
+# (an overflow, every score infinite, a timer that never fires): far above any
+# real setting, they only catch typos.  format_config_error says so.
+WEEK_S = 7 * 24 * 3600.0
+HOUR_S = 3600.0
+MAX_WEIGHT = 1e6
+_BOUND_NOTES = {WEEK_S: "a week", HOUR_S: "an hour", MAX_WEIGHT: "a million"}
 
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, not silently ignored."""
 
     # strict: `true` is no number and "8" no integer; YAML already gives each its type.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+    # allow_inf_nan: YAML's .inf and .nan are no setting (a window of .inf overflows,
+    # a weight of .inf makes every score infinite).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_section(cls, value: Any, info: ValidationInfo) -> Any:
+        # A section whose keys are all commented out reads as null in YAML: it is
+        # an empty section (every key optional), not a type error.
+        if value is None:
+            annotation = cls.model_fields[info.field_name].annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                return {}
+        return value
+
+
+def not_empty(value: str | None, instead: str) -> str | None:
+    """Refuse "" (and blanks): YAML's `key: ""` is easily meant as null, and would
+    fail much later (a path "", a name "") or quietly mean what null means."""
+    if value is not None and not value.strip():
+        raise ValueError(f"an empty string; {instead}")
+    return value
 
 
 class ModelConfig(Section):
@@ -35,10 +64,23 @@ class ModelConfig(Section):
     # its bookkeeping; 0 turns the cache off.
     tokenize_cache_tokens: int = Field(2_000_000, ge=0)
 
+    @field_validator("path", "served_name")
+    @classmethod
+    def _null_not_empty(cls, value: str | None) -> str | None:
+        return not_empty(value, "write null (or leave the key out) for the default")
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _dir_not_empty(cls, value: str) -> str:
+        return not_empty(value, "leave the key out for the default, ~/.cache/kvgate")
+
 
 class EngineConfig(Section):
     block_size: int = Field(16, ge=1, le=1024)
-    # None sizes the device tier from free memory (kv_memory_fraction).
+    # None sizes the device tier from kv_memory_fraction: with a GPU, that share
+    # of its free memory; on CPU, where both tiers are RAM, 0.15 x the fraction x
+    # the RAM available for both tiers together, at most 2 GiB (and no more device
+    # blocks than 4 x max_num_seqs sequences of max_model_len hold): engine/kv_cache.py.
     device_blocks: int | None = Field(None, ge=1)
     kv_memory_fraction: float = Field(0.9, gt=0, le=1)
     # Host tier = this multiple of device blocks (blog: 2x for to-B, 3x for to-C).
@@ -47,13 +89,16 @@ class EngineConfig(Section):
     max_batched_tokens: int = Field(2048, ge=16)
     # CPU threads for torch; None keeps torch's default.
     threads: int | None = Field(None, ge=1)
-    seed: int = 0
+    # What torch.manual_seed takes: 64 bits (it reads a negative seed as seed +
+    # 2**64, so those are refused: one seed, one spelling).
+    seed: int = Field(0, ge=0, lt=2**64)
 
 
 class S3FifoConfig(Section):
     # libCacheSim's defaults.
     small_size_ratio: float = Field(0.10, gt=0, lt=1)
-    ghost_size_ratio: float = Field(0.90, ge=0)
+    # At most 100: the ghost is keys only, but 100x the cache is more than any use.
+    ghost_size_ratio: float = Field(0.90, ge=0, le=100)
     move_to_main_threshold: int = Field(2, ge=1)
 
 
@@ -63,13 +108,13 @@ class WAWeights(Section):
     # "add" it is reuse * R + spatial * s + lifetime * [t < W].
     # Weight of the reuse probability: chance the block is reused within `life_s`
     # given its category's fitted (lambda, p) and its age.
-    reuse: float = Field(0.5, ge=0)
+    reuse: float = Field(0.5, ge=0, le=MAX_WEIGHT)
     # Weight of spatial locality s: 1 - offset / prompt blocks (head blocks first),
     # times `long_prompt_boost` for prompts over `long_prompt_tokens`.
-    spatial: float = Field(0.3, ge=0)
+    spatial: float = Field(0.3, ge=0, le=MAX_WEIGHT)
     # Weight of the lifetime term: 1 inside the window W = min(lifetime_c / lambda,
     # lifetime_max_s) since the last access, 0 (demoted) past it.
-    lifetime: float = Field(0.0, ge=0)
+    lifetime: float = Field(0.0, ge=0, le=MAX_WEIGHT)
     # scale: spatial locality scales the reuse term (a head block is worth up to
     # (reuse + spatial * 1.2) / reuse times a tail block of the same R); add: a
     # separate additive term.  An additive term does not decay with age, so in a
@@ -90,9 +135,9 @@ class WAModelConfig(Section):
     # requests, not reuse timing); the authors used 0.3 s.  They still count as reuses.
     gap_floor_s: float = Field(0.3, ge=0)
     # Sliding window of evidence (reuse gaps, expired episodes) a fit uses.
-    window_s: float = Field(600.0, gt=0)
+    window_s: float = Field(600.0, gt=0, le=WEEK_S)
     # Refit every category's (lambda, p) this often (trace time in replay).
-    refit_interval_s: float = Field(10.0, gt=0)
+    refit_interval_s: float = Field(10.0, gt=0, le=WEEK_S)
     # Episodes a category needs before its fit replaces the priors.
     min_samples: int = Field(50, ge=1)
     # Prior reuse rates (1/s) by workload until a category has enough samples
@@ -108,12 +153,13 @@ class WAModelConfig(Section):
     @classmethod
     def _positive_rates(cls, value: dict[str, float]) -> dict[str, float]:
         for workload, rate in value.items():
-            if not rate > 0:
-                raise ValueError(f"prior_lambda.{workload} must be a rate above 0 (1/s), got {rate}")
+            if not 0 < rate <= MAX_WEIGHT:
+                raise ValueError(f"prior_lambda.{workload} must be a rate above 0 and at most {MAX_WEIGHT:g} "
+                                 f"(1/s; a bound against typos), got {rate}")
         return value
     # Metadata-only access history (recently seen and evicted keys): how long a
     # key is remembered, so reuses after eviction are still observed ...
-    history_horizon_s: float = Field(600.0, gt=0)
+    history_horizon_s: float = Field(600.0, gt=0, le=WEEK_S)
     # ... and at most this many keys (about 300 bytes each, per tier: 2M keys ~0.6 GB).
     history_max_blocks: int = Field(2_000_000, ge=1000)
     # EM iterations per refit (warm-started from the previous fit).
@@ -127,7 +173,7 @@ class WARhythmConfig(Section):
     # (median of the learned per-minute profile).
     spike_factor: float = Field(2.0, gt=1)
     # The current rate is measured over this trailing window.
-    rate_window_s: float = Field(10.0, gt=0)
+    rate_window_s: float = Field(10.0, gt=0, le=WEEK_S)
     # Minutes of profile needed before a baseline exists.
     min_baseline_minutes: int = Field(10, ge=1)
     # Enter the spike state ahead of a minute-of-hour that spiked in an earlier hour.
@@ -161,9 +207,9 @@ class WAFallbackConfig(Section):
     # Shadow LRU (metadata only, same capacity, same accesses) and LRU fallback.
     enabled: bool = True
     # Compare hit ratios over this trailing window ...
-    window_s: float = Field(300.0, gt=0)
+    window_s: float = Field(300.0, gt=0, le=WEEK_S)
     # ... evaluated this often.
-    check_interval_s: float = Field(30.0, gt=0)
+    check_interval_s: float = Field(30.0, gt=0, le=WEEK_S)
     # Fall back to LRU when wa's hit ratio < shadow LRU's x (1 - margin).
     margin: float = Field(0.01, ge=0, lt=1)
     # Switch back when the shadow of wa beats the LRU shadow by this relative margin.
@@ -172,14 +218,14 @@ class WAFallbackConfig(Section):
     min_accesses: int = Field(2000, ge=1)
     # A switch needs the condition to hold at every check for this long, so
     # one noisy window does not flip the order.
-    sustain_s: float = Field(300.0, ge=0)
+    sustain_s: float = Field(300.0, ge=0, le=WEEK_S)
 
 
 class WAAlarmConfig(Section):
     # Raise the reuse alarm when the cache's hit ratio (prefix blocks reused /
     # prompt blocks) stays under `threshold` over `window_s` (blog: 40%, 5 min).
     threshold: float = Field(0.40, ge=0, le=1)
-    window_s: float = Field(300.0, gt=0)
+    window_s: float = Field(300.0, gt=0, le=WEEK_S)
 
 
 class WorkloadAwareConfig(Section):
@@ -189,19 +235,21 @@ class WorkloadAwareConfig(Section):
     paper's priority on (type, turn) categories with none of the additions.
     """
 
-    # weighted: reuse/spatial/lifetime score; paper: (p * ReuseProb(t, life), -offset)
+    # weighted: reuse/spatial/lifetime score; paper: (p * ReuseProb(t, life_s), -offset)
     # as the score, with the other settings (classes, leaf protection, fallback,
     # rhythm) as configured.  ``policy: wa-paper`` is the paper's whole algorithm.
     mode: Literal["weighted", "paper"] = "weighted"
-    # Seconds ahead the reuse probability looks (5 s measured better than
-    # following the residency, see the ablation).  None (weighted mode only):
-    # follow the cache's measured residency (mean age of evicted blocks).
+    # Seconds ahead the reuse probability looks, in either mode (5 s measured
+    # better than following the residency, see the ablation).  None: in weighted
+    # mode, follow the cache's measured residency (mean age of evicted blocks;
+    # 30 s until a refit has measured it); in paper mode, a fixed 30 s.
     life_s: float | None = Field(5.0, gt=0)
-    # `life` of the paper's priority (the authors' PR used 5 s).
+    # `life` of ``policy: wa-paper`` only (the authors' PR used 5 s), so that it
+    # stays the paper's whatever life_s is; ``mode: paper`` reads life_s.
     paper_life_s: float = Field(5.0, gt=0)
     weights: WAWeights = WAWeights()
     long_prompt_tokens: int = Field(512, ge=1)
-    long_prompt_boost: float = Field(1.2, ge=1)
+    long_prompt_boost: float = Field(1.2, ge=1, le=MAX_WEIGHT)
     # Lifetime window W = min(lifetime_c / lambda, lifetime_max_s).
     lifetime_c: float = Field(2.0, gt=0)
     lifetime_max_s: float = Field(300.0, gt=0)
@@ -281,8 +329,13 @@ class ConfigError(ValueError):
     """A config file that does not validate; the message is meant for users."""
 
 
-def format_config_error(exc: ValidationError, source: str, model: type[BaseModel] | None = None) -> str:
-    """One line per problem: ``source: dotted.key: why``, with allowed keys for typos."""
+def format_config_error(exc: ValidationError, source: str, model: type[BaseModel] | None = None,
+                        key_lines: dict[tuple[str, ...], int] | None = None) -> str:
+    """One line per problem: ``source: dotted.key: why``, with allowed keys for typos.
+
+    ``key_lines`` (dotted path as a tuple of strings -> line of its key in the
+    file) makes it ``source:LINE: dotted.key: why`` where the key is found.
+    """
     lines = []
     for err in exc.errors():
         loc = ".".join(str(part) for part in err["loc"]) or "(top level)"
@@ -291,14 +344,30 @@ def format_config_error(exc: ValidationError, source: str, model: type[BaseModel
             allowed = _allowed_keys(model, err["loc"][:-1])
             if allowed:
                 why = f"unknown key; allowed keys here: {', '.join(allowed)}"
+        elif err["type"] in ("model_type", "model_attributes_type"):
+            # Not pydantic's "instance of EngineConfig": a class name means nothing in a YAML file.
+            why = f"should be a section (a mapping of keys), got {type(err['input']).__name__}"
         elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
             # Not for a whole section (what a section's own checks get): their message
             # says what is wrong, and the echo would print every key, api_key included.
             why = f"{why} (got {err['input']!r})"
             if _yaml_number_as_text(err["input"]):
                 why += "; YAML reads 1e3 as text: write 1000, or 1.0e+3 where a fraction is allowed"
-        lines.append(f"{source}: {loc}: {why}")
+            note = _BOUND_NOTES.get((err.get("ctx") or {}).get("le")) if err["type"] == "less_than_equal" else None
+            if note:
+                why += f"; {note} is far beyond any real setting (a bound against typos)"
+        lines.append(f"{source}{_line_of(err['loc'], key_lines)}: {loc}: {why}")
     return "\n".join(lines)
+
+
+def _line_of(loc: tuple[Any, ...], key_lines: dict[tuple[str, ...], int] | None) -> str:
+    """':LINE' of the innermost key of ``loc`` that the file has; '' if none."""
+    path = tuple(str(part) for part in loc)
+    while key_lines and path:
+        if path in key_lines:
+            return f":{key_lines[path]}"
+        path = path[:-1]
+    return ""
 
 
 def _yaml_number_as_text(value: Any) -> bool:

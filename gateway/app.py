@@ -129,6 +129,9 @@ class Gateway:
             self.metrics.watch_chat_tokens(chat_tokens.stats)
         self.model_name = self.config.model.served_name or info.model
         self.max_model_len = info.max_model_len
+        if local is not None and not self.engine_mode:
+            # Known now for an in-process engine; a remote one's comes later (not checked).
+            self._warn_if_no_file_class()
         # Fields the kvgate engine cannot honour (tools, JSON output, echo with
         # logprobs, ...) are the external servers' to handle, passed through as
         # sent; in a mixed fleet such requests go to those servers only.
@@ -155,6 +158,17 @@ class Gateway:
                 lambda i=i: self.router.external_tokens[i],
             )
         self.observer.start(self.replicas, lambda i: self.router.inflight_requests[i], self.hasher.block_size, self.hasher.salt)
+
+    def _warn_if_no_file_class(self) -> None:
+        """A prompt of file_min_tokens or more leaves no room for an answer in
+        max_model_len (a 400): the file rule would never fire, silently (the
+        defaults, 2048 and the bundled model's 2048, are such a pair)."""
+        cfg = self.config.classifier
+        if cfg.file_min_tokens >= self.max_model_len and any(rule.when == "file" for rule in cfg.rules):
+            log.warning("classifier.file_min_tokens (%d) is not below the %d tokens the model serves (max_model_len): "
+                        "no request can be classified as a file, so the file rule, cache.workload_aware.overrides.file "
+                        "and signatures never apply; set classifier.file_min_tokens below %d", cfg.file_min_tokens,
+                        self.max_model_len, self.max_model_len)
 
     def replica_learnt(self, replica: Replica) -> None:
         """A remote replica told the gateway what it is: an external server its model
@@ -514,11 +528,15 @@ def _key_digest(key: str) -> bytes:
 def _load_keys(config: KvgateConfig) -> dict[bytes, Principal]:
     """API keys from config and KVGATE_API_KEYS ("key[:tenant[:workload]],...")."""
     keys = {k.key: Principal(k.tenant, k.workload) for k in config.server.api_keys}
-    for item in os.environ.get("KVGATE_API_KEYS", "").split(","):
+    for number, item in enumerate(os.environ.get("KVGATE_API_KEYS", "").split(","), 1):
         item = item.strip()
         if not item:
             continue
         key, _, rest = item.partition(":")
+        if not key:
+            # Refused as the config's `key: ""` is (ApiKeyConfig): no key is empty.
+            raise ConfigError(f"KVGATE_API_KEYS: entry {number} has an empty key (before its first ':'); "
+                              "the format is key[:tenant[:workload]],...")
         tenant, _, workload = rest.partition(":")
         if workload and workload not in WORKLOADS:
             raise ConfigError(f"KVGATE_API_KEYS: workload {workload!r} for a key must be one of {', '.join(WORKLOADS)}")

@@ -36,15 +36,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvgate: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except MemoryError:
-        # Past the up-front check (_check_pool_memory): a ulimit, or memory that went elsewhere meanwhile.
-        print("kvgate: out of memory (replay and tune allocate each cache up front: a smaller capacity, "
-              "fewer --replicas or a smaller --host-blocks needs less)", file=sys.stderr)
+        # Past the up-front checks (_check_pool_memory, the engine's KV sizing): a
+        # ulimit, or memory that went elsewhere meanwhile.
+        print(f"kvgate: out of memory ({_MEMORY_HINTS[args.command]})", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         _discard_stdout()
         return EXIT_BROKEN_PIPE
+
+
+# What needs less memory, by subcommand: what each allocates up front.
+_SERVER_MEMORY_HINT = ("the engine allocates its KV cache up front: a smaller engine.device_blocks, "
+                       "engine.kv_memory_fraction or engine.host_blocks_multiplier needs less")
+_REPLAY_MEMORY_HINT = ("replay and tune allocate each cache up front: a smaller capacity, fewer --replicas or a "
+                       "smaller --host-blocks needs less")
+_MEMORY_HINTS = {"serve": _SERVER_MEMORY_HINT, "engine": _SERVER_MEMORY_HINT, "replay": _REPLAY_MEMORY_HINT,
+                 "tune": _REPLAY_MEMORY_HINT, "synth": "a shorter --duration or a lower --rate needs less"}
 
 
 def _setup_logging(level: str | None) -> None:

@@ -12,12 +12,14 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from engine.config import (
+    HOUR_S,
     CacheConfig,
     ConfigError,
     EngineConfig,
     ModelConfig,
     Section,
     format_config_error,
+    not_empty,
 )
 
 
@@ -97,7 +99,7 @@ class ServerConfig(Section):
     # then the port closes and requests in flight get drain_timeout_s to finish.
     # Streams still running then end with an OpenAI error event.  A second
     # signal skips what is left of both waits.
-    shutdown_delay_s: float = Field(0.0, ge=0)
+    shutdown_delay_s: float = Field(0.0, ge=0, le=HOUR_S)
     drain_timeout_s: float = Field(30.0, ge=0)
     # One log line per request (aiohttp's access log format) on logger aiohttp.access.
     access_log: bool = False
@@ -106,8 +108,22 @@ class ServerConfig(Section):
     # (bench/RESULTS.md, "Gateway overhead"); asyncio where uvloop is missing.
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     # A status line every this many seconds while busy (requests, token rates,
-    # cache hits, engine queues and KV use), as vLLM logs one.  0: none.
+    # cache hits, engine queues and KV use), as vLLM logs one.  0: none; else at
+    # least 0.1 (the loop wakes this often even when idle: 1e-6 spun a core).
     log_stats_interval_s: float = Field(10.0, ge=0)
+
+    @field_validator("record_trace")
+    @classmethod
+    def _record_not_empty(cls, value: str | None) -> str | None:
+        return not_empty(value, "write null (or leave the key out) to record nothing")
+
+    @field_validator("log_stats_interval_s")
+    @classmethod
+    def _stats_interval(cls, value: float) -> float:
+        if 0 < value < 0.1:
+            raise ValueError("give 0 (no status lines) or at least 0.1 seconds: the loop wakes this often, "
+                             "busy or not")
+        return value
 
 
 # The replica name a `kvgate engine` gives its own series (its one in-process
@@ -166,6 +182,14 @@ class ReplicaConfig(Section):
         if self.url is not None and not is_http_url(self.url):
             raise ValueError(f"url {without_userinfo(self.url)!r} is no http(s) URL with a host, "
                              "e.g. http://10.0.0.5:8001")
+        if self.metrics_url is not None:
+            if self.kind != "openai":
+                # Only an external server's load comes from its /metrics; a `kvgate
+                # engine` reports its own in its health probes.
+                raise ValueError(f"metrics_url is read for kind 'openai' only, not {self.kind!r}")
+            if not is_http_url(self.metrics_url):
+                raise ValueError(f"metrics_url {without_userinfo(self.metrics_url)!r} is no http(s) URL with a host, "
+                                 "e.g. http://vllm-0:8000/metrics")
         if self.url is not None and self.api_key and "@" in urlsplit(self.url).netloc:
             # aiohttp sends a URL's user:password as basic auth, and refuses every
             # request that also carries the api_key's bearer token.
@@ -220,7 +244,7 @@ class RouterConfig(Section):
     health_interval_s: float = Field(2.0, gt=0)
     # How long a probe waits for an answer.  A hung replica (accepting, never
     # answering) leaves routing after about breaker_failures x (interval + timeout).
-    health_timeout_s: float = Field(5.0, gt=0)
+    health_timeout_s: float = Field(5.0, gt=0, le=HOUR_S)
     breaker_failures: int = Field(3, ge=1)
     breaker_reset_s: float = Field(10.0, gt=0)
 
@@ -271,7 +295,8 @@ DEFAULT_RULES = [
 
 class ClassifierConfig(Section):
     # Prompts with a single user message longer than this are "file" requests.
-    file_min_tokens: int = Field(2048, ge=1)
+    # 1024: half the bundled model's context, so a document and its answer fit.
+    file_min_tokens: int = Field(1024, ge=1)
     # Tokens hashed into the prefix signature of file requests.
     signature_tokens: int = Field(10, ge=1)
     # Workload for /v1/completions when nothing else decides (API-style callers).
@@ -294,10 +319,54 @@ class KvgateConfig(Section):
     replicas: list[ReplicaConfig] = []
 
 
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, line: int, message: str) -> None:
+        super().__init__(message)
+        self.line = line
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a key given twice in one mapping is an error:
+    PyYAML keeps the last silently, so a second `engine:` section would drop the
+    first one whole."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may repeat and is overridden by design
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                seen = first.get(key)
+            except TypeError:  # an unhashable key: SafeLoader's own error says so
+                break
+            if seen is not None:
+                raise _DuplicateKey(key_node.start_mark.line + 1, f"duplicate key {key!r} (first at line {seen})")
+            first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def _key_lines(node: yaml.Node, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
+    """Dotted path (as pydantic's error locations, each part a string) -> the line
+    of its key, for errors that say where; list items by their index."""
+    lines: dict[tuple[str, ...], int] = {}
+    if isinstance(node, yaml.MappingNode):
+        children = [(key.value, key, value) for key, value in node.value if isinstance(key, yaml.ScalarNode)]
+    elif isinstance(node, yaml.SequenceNode):
+        children = [(str(i), item, item) for i, item in enumerate(node.value)]
+    else:
+        return lines
+    for name, where, value in children:
+        lines[path + (name,)] = where.start_mark.line + 1
+        lines.update(_key_lines(value, path + (name,)))
+    return lines
+
+
 def load_config(path: str | os.PathLike | None = None) -> KvgateConfig:
     """Read and validate a config file; None gives the defaults.
 
-    Raises ConfigError with one ``FILE: key: why`` line per problem.
+    Raises ConfigError with one ``FILE:LINE: key: why`` line per problem
+    (``FILE: key: why`` where no line applies).
     """
     if path is None:
         return KvgateConfig()
@@ -308,12 +377,18 @@ def load_config(path: str | os.PathLike | None = None) -> KvgateConfig:
         raise ConfigError(f"{source}: cannot read: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{source}: not UTF-8 text (byte {exc.start})") from None
+    loader = _ConfigLoader(text)
     try:
-        data = yaml.safe_load(text)
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{source}:{exc.line}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source
         raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    finally:
+        loader.dispose()
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -321,4 +396,4 @@ def load_config(path: str | os.PathLike | None = None) -> KvgateConfig:
     try:
         return KvgateConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_config_error(exc, source, KvgateConfig)) from None
+        raise ConfigError(format_config_error(exc, source, KvgateConfig, _key_lines(root))) from None

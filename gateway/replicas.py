@@ -566,12 +566,19 @@ class RemoteReplica(Replica):
                     text = await resp.text()
                 waiting, usage = parse_backend_metrics(text, self.cfg.model or (self.info.model if self.info else None))
                 self.waiting, self.kv_usage = waiting, usage
+                if failures:
+                    log.info("replica %s: its metrics answer again: its queue counts in routing", self.name)
                 failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001
                 failures += 1
-                log.debug("replica %s: metrics unavailable (%s)", self.name, exc)
+                # Once per outage, not every poll: without them the router soon counts
+                # none of the server's own queue (other clients', its waiting requests).
+                log.log(logging.WARNING if failures == 1 else logging.DEBUG,
+                        "replica %s: cannot read its metrics at %s (%s): routing goes by its last figures, then "
+                        "by none, until they answer", self.name, without_userinfo(self.cfg.metrics_url),
+                        f"HTTP {exc.status}" if isinstance(exc, aiohttp.ClientResponseError) else _plain_reason(exc))
                 # A saturated server is the one whose /metrics times out: keep its last
                 # figures for a few polls rather than read it as idle; then drop them
                 # (an outage, not load, and the health checks judge those).

@@ -14,7 +14,7 @@ import aiohttp
 import yaml
 
 from engine.config import EngineConfig, ModelConfig
-from gateway.config import KvgateConfig, ReplicaConfig, RouterConfig, ServerConfig
+from gateway.config import ClassifierConfig, KvgateConfig, ReplicaConfig, RouterConfig, ServerConfig
 
 MODEL = "tiny"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,6 +29,8 @@ def tiny_config(model_dir: str, replicas: list[ReplicaConfig] | None = None, *, 
                             max_num_seqs=16, max_batched_tokens=1024, threads=1),
         server=ServerConfig(**server),
         router=router or RouterConfig(),
+        # Half the context, as the default is of the bundled model's: a document and its answer fit.
+        classifier=ClassifierConfig(file_min_tokens=max_model_len // 2),
         replicas=list(replicas or []),
     )
 

@@ -356,3 +356,59 @@ def test_replay_small_trace_cases(tmp_path, capsys):
     nulls.write_text("null\n")
     assert main(["replay", str(nulls), "--no-progress"]) == 2
     assert capsys.readouterr().err == f"kvgate: {nulls}:1: expected a JSON object, got null\n"
+
+
+def _tiny_config(tmp_path, tiny_model_dir, engine: str) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(f"model:\n  path: {tiny_model_dir}\n  device: cpu\n  dtype: float32\n"
+                    f"engine:\n  threads: 1\n{engine}")
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["serve", "engine"])
+def test_a_kv_cache_the_allocator_refuses_is_one_line_naming_the_setting(tmp_path, capsys, monkeypatch,
+                                                                          tiny_model_dir, command):
+    """device_blocks: 200000 on a 23 GB machine (or a GPU): the allocator's RuntimeError was a traceback."""
+    import torch
+
+    def refused(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 73.70 GiB. GPU 0 has a total capacity\n"
+                                     "of 23 GiB...")
+
+    monkeypatch.setattr(engine.async_engine, "KVCache", refused)
+    config = _tiny_config(tmp_path, tiny_model_dir, "  device_blocks: 64\n  host_blocks_multiplier: 0\n")
+    assert main([command, "--config", config, "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("kvgate: engine.device_blocks: cannot allocate the KV cache (64 device blocks of 8 KiB): "
+                        "CUDA out of memory. Tried to allocate 73.70 GiB. GPU 0 has a total capacity\n")
+    assert "Traceback" not in err
+
+
+def test_a_kv_cache_beyond_the_machine_is_refused_before_allocating(tmp_path, monkeypatch, tiny_model_dir):
+    """On CPU both tiers are RAM: past what is available, an allocator's error or the OOM killer."""
+    from engine import memory
+    from engine.async_engine import AsyncEngine
+    from engine.config import ConfigError
+    from gateway.config import load_config
+
+    monkeypatch.setattr(memory, "available_ram", lambda: 512 << 20)
+    config = load_config(_tiny_config(tmp_path, tiny_model_dir, "  device_blocks: 50000\n  host_blocks_multiplier: 1\n"))
+    with pytest.raises(ConfigError) as info:
+        AsyncEngine.from_config(config.model, config.engine, config.cache)
+    assert str(info.value) == ("engine.device_blocks (and engine.host_blocks_multiplier): 50,000 device + 50,000 host "
+                               "blocks of 8 KiB need 0.8 GiB; 0.5 GiB of RAM is available")
+
+
+@pytest.mark.parametrize("command, hint", [
+    ("engine", "the engine allocates its KV cache up front: a smaller engine.device_blocks"),
+    ("serve", "the engine allocates its KV cache up front"),
+])
+def test_out_of_memory_hints_fit_the_command(capsys, monkeypatch, command, hint):
+    # replay's hint (a smaller capacity, fewer --replicas) said nothing to a server.
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(engine.async_engine.AsyncEngine, "from_config", staticmethod(no_memory))
+    assert main([command, "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"kvgate: out of memory ({hint}" in err and "Traceback" not in err

@@ -35,7 +35,7 @@ def test_unknown_key_names_the_key_and_the_allowed_ones(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     message = str(info.value)
-    assert f"{path}: cache.polcy: unknown key" in message
+    assert f"{path}:2: cache.polcy: unknown key" in message  # FILE:LINE, as every CLI error
     assert "policy" in message and "s3fifo" in message
 
 
@@ -262,3 +262,226 @@ def test_numbers_are_numbers(tmp_path, value):
         load_config(path)
     path.write_text("engine:\n  max_num_seqs: 16\ncache:\n  workload_aware:\n    life_s: 5\n")
     assert load_config(path).engine.max_num_seqs == 16
+
+
+def _config_error(tmp_path, text: str) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return str(info.value).replace(str(path), "c.yaml")
+
+
+@pytest.mark.parametrize("key", [
+    "engine.host_blocks_multiplier", "engine.kv_memory_fraction", "cache.s3fifo.ghost_size_ratio",
+    "cache.workload_aware.model.window_s", "cache.workload_aware.model.refit_interval_s",
+    "cache.workload_aware.fallback.window_s", "cache.workload_aware.fallback.sustain_s",
+    "cache.workload_aware.alarm.window_s", "cache.workload_aware.weights.reuse", "cache.workload_aware.life_s",
+    "cache.workload_aware.model.prior_lambda.to-c", "router.health_timeout_s", "server.shutdown_delay_s",
+    "server.limits.header_timeout_s",
+])
+@pytest.mark.parametrize("value", [".inf", ".nan", "-.inf"])
+def test_inf_and_nan_are_no_setting(tmp_path, key, value):
+    """A window of .inf overflows, a weight of .inf makes every score infinite (no block
+    could ever be evicted), a health timeout of .inf keeps every replica out."""
+    *sections, name = key.split(".")
+    text = "".join(f"{'  ' * depth}{part}:\n" for depth, part in enumerate(sections))
+    text += f"{'  ' * len(sections)}{name}: {value}\n"
+    assert f"c.yaml:{len(sections) + 1}: {key}: " in _config_error(tmp_path, text)
+
+
+@pytest.mark.parametrize("key, value, bound", [
+    # Finite, but past what the arithmetic takes: a ring of refit_interval_s / 9 s bins,
+    # ghost entries of ratio x capacity, scores that overflow to inf (NoEvictableBlock).
+    ("cache.workload_aware.model.refit_interval_s", "1.0e+20", "604800 (got 1e+20); a week is far beyond"),
+    ("cache.s3fifo.ghost_size_ratio", "1.0e+308", "100 (got 1e+308)"),
+    ("cache.workload_aware.weights.reuse", "1.0e+308", "1000000 (got 1e+308); a million is far beyond"),
+    ("cache.workload_aware.weights.spatial", "1.0e+7", "1000000 (got 10000000.0)"),
+    ("cache.workload_aware.long_prompt_boost", "1.0e+308", "1000000 (got 1e+308)"),
+    ("router.health_timeout_s", "86400", "3600 (got 86400); an hour is far beyond"),
+    ("server.shutdown_delay_s", "1.0e+300", "3600 (got 1e+300); an hour"),
+])
+def test_huge_finite_values_are_bounded_and_the_message_says_why(tmp_path, key, value, bound):
+    *sections, name = key.split(".")
+    text = "".join(f"{'  ' * depth}{part}:\n" for depth, part in enumerate(sections))
+    text += f"{'  ' * len(sections)}{name}: {value}\n"
+    assert f": {key}: Input should be less than or equal to {bound}" in _config_error(tmp_path, text)
+
+
+def test_prior_rates_are_bounded_and_no_limit_sentinels_still_work(tmp_path):
+    message = _config_error(tmp_path, "cache:\n  workload_aware:\n    model:\n      prior_lambda: {to-b: 1.0e+308}\n")
+    assert "c.yaml:4: cache.workload_aware.model.prior_lambda: " in message and "at most 1e+06" in message
+    # 0 and null still mean "no limit" where they did; the bounds themselves are settings.
+    path = tmp_path / "ok.yaml"
+    path.write_text("server:\n  shutdown_delay_s: 3600\n  limits: {header_timeout_s: 0, send_timeout_s: null}\n"
+                    "replicas:\n  - {kind: engine, url: 'http://e:8001', read_timeout_s: 0}\n"
+                    "cache:\n  workload_aware:\n    fallback: {sustain_s: 0, window_s: 604800}\n"
+                    "    weights: {reuse: 1.0e+6}\n")
+    config = load_config(path)
+    assert config.server.limits.header_timeout_s == 0 and config.server.limits.send_timeout_s is None
+    assert config.replicas[0].read_timeout_s == 0 and config.cache.workload_aware.fallback.window_s == 604800
+
+
+@pytest.mark.parametrize("seed, why", [(10**23, "less than 18446744073709551616"), (-1, "greater than or equal to 0")])
+def test_engine_seed_is_what_torch_takes(tmp_path, seed, why):
+    # torch.manual_seed raises past 64 bits (a traceback at serve), and reads -1 as 2**64 - 1.
+    assert f"c.yaml:2: engine.seed: Input should be {why}" in _config_error(tmp_path, f"engine:\n  seed: {seed}\n")
+    path = tmp_path / "ok.yaml"
+    path.write_text(f"engine:\n  seed: {2**64 - 1}\n")
+    assert load_config(path).engine.seed == 2**64 - 1
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
+    # PyYAML keeps the last silently: the first engine section would be dropped whole.
+    text = "engine:\n  max_num_seqs: 4\nserver:\n  port: 9000\nengine:\n  block_size: 32\n"
+    assert _config_error(tmp_path, text) == "c.yaml:5: duplicate key 'engine' (first at line 1)"
+    assert _config_error(tmp_path, "server: {port: 1, port: 2}\n") == "c.yaml:1: duplicate key 'port' (first at line 1)"
+    # Merge keys override by design.
+    path = tmp_path / "ok.yaml"
+    path.write_text("router: &r {load_weight: 0.5}\nserver:\n  limits:\n    max_n: 2\n")
+    assert load_config(path).router.load_weight == 0.5
+
+
+def test_errors_give_the_line_of_their_key(tmp_path):
+    text = ("model:\n  dtype: auto\nreplicas:\n  - kind: engine\n    url: http://e:8001\n"
+            "  - kind: engine\n    name: engine\n    url: http://f:8001\nclassifier:\n  rules:\n    - when: tenant\n")
+    assert _config_error(tmp_path, text).splitlines() == [
+        "c.yaml:11: classifier.rules.0: Value error, a rule with when: tenant needs tenant",
+        "c.yaml:7: replicas.1.name: Value error, 'engine' is the name a `kvgate engine` gives its own series "
+        "(dashboards drop them): choose another (got 'engine')",
+    ]
+
+
+def test_an_empty_section_is_an_empty_section(tmp_path):
+    """`engine:` with every key commented out is YAML's null: every key takes its default."""
+    path = tmp_path / "c.yaml"
+    path.write_text("engine:\n  # max_num_seqs: 4\ncache:\n  workload_aware:\n    fallback:\nserver:\n  limits:\n")
+    assert load_config(path) == KvgateConfig()
+    # Not a section at all: said without the class name.
+    assert _config_error(tmp_path, "engine: 5\n") == "c.yaml:1: engine: should be a section (a mapping of keys), got int"
+
+
+@pytest.mark.parametrize("key", ["model.path", "model.cache_dir", "model.served_name", "server.record_trace"])
+def test_an_empty_string_is_refused(tmp_path, key):
+    """cache_dir "" failed at start with `[Errno 2] No such file or directory: ''`, path ""
+    as a hub id; served_name and record_trace "" quietly meant null."""
+    section, name = key.split(".")
+    message = _config_error(tmp_path, f"{section}:\n  {name}: ''\n")
+    assert message.startswith(f"c.yaml:2: {key}: Value error, an empty string; ")
+    assert ("leave the key out" in message) and ("null" in message or key == "model.cache_dir")
+
+
+def test_an_empty_api_key_in_the_environment_is_refused(monkeypatch):
+    # The config schema refuses `key: ""`; KVGATE_API_KEYS=":t1" registered one.
+    from gateway.app import _load_keys
+
+    monkeypatch.setenv("KVGATE_API_KEYS", "sk-a:t0, :t1")
+    with pytest.raises(ConfigError) as info:
+        _load_keys(KvgateConfig())
+    assert str(info.value) == ("KVGATE_API_KEYS: entry 2 has an empty key (before its first ':'); "
+                               "the format is key[:tenant[:workload]],...")
+    monkeypatch.setenv("KVGATE_API_KEYS", "sk-a:t0,,")
+    assert len(_load_keys(KvgateConfig())) == 1
+
+
+@pytest.mark.parametrize("replica, why", [
+    ("{kind: openai, url: 'http://v:8000', metrics_url: not a url}",
+     "metrics_url 'not a url' is no http(s) URL with a host, e.g. http://vllm-0:8000/metrics"),
+    ("{kind: openai, url: 'http://v:8000', metrics_url: ''}", "metrics_url '' is no http(s) URL"),
+    ("{kind: engine, url: 'http://e:8001', metrics_url: 'http://e:8001/metrics'}",
+     "metrics_url is read for kind 'openai' only, not 'engine'"),
+])
+def test_replica_metrics_url_is_checked_like_url(tmp_path, replica, why):
+    # Unchecked, a bad one started fine and the external-load term silently disappeared.
+    assert f"c.yaml:2: replicas.0: Value error, {why}" in _config_error(tmp_path, f"replicas:\n  - {replica}\n")
+
+
+@pytest.mark.parametrize("interval", ["1.0e-6", "0.05"])
+def test_status_lines_are_off_or_at_least_a_second_apart(tmp_path, interval):
+    # 1e-6 made an idle gateway spin at 100% CPU.
+    message = _config_error(tmp_path, f"server:\n  log_stats_interval_s: {interval}\n")
+    assert message.startswith("c.yaml:2: server.log_stats_interval_s: Value error, give 0 (no status lines) or at "
+                              "least 0.1 seconds")
+    path = tmp_path / "ok.yaml"
+    for ok in (0, 0.1):
+        path.write_text(f"server:\n  log_stats_interval_s: {ok}\n")
+        assert load_config(path).server.log_stats_interval_s == ok
+
+
+async def test_a_failing_metrics_url_is_logged_once_and_so_is_its_return(caplog):
+    """A debug line per poll hid a metrics_url that never answered (the router then
+    counts none of the server's own queue): one warning per outage, one line back."""
+    import asyncio
+    import logging
+
+    import aiohttp
+    from aiohttp import web
+
+    from gateway.config import RouterConfig
+    from gateway.replicas import RemoteReplica, ReplicaInfo
+    from gateway.server import start_server
+
+    statuses = [500, 500, 500, 200, 200, 404, 404]
+    answered = []
+
+    async def metrics(request):
+        status = statuses[len(answered)] if len(answered) < len(statuses) else 200
+        answered.append(status)
+        return web.Response(status=status, text='vllm:num_requests_waiting{model_name="m"} 3\n')
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    server = await start_server(app)
+    cfg = ReplicaConfig(kind="openai", url=server.url, name="ext", metrics_url=server.url + "/metrics")
+    replica = RemoteReplica(cfg, RouterConfig(health_interval_s=0.01), ReplicaInfo("m", 16, "m", 2048))
+    replica._session = aiohttp.ClientSession()
+    try:
+        with caplog.at_level(logging.INFO, logger="gateway.replicas"):
+            poll = asyncio.create_task(replica._poll_metrics())
+            while len(answered) < len(statuses) + 1:
+                await asyncio.sleep(0.01)
+            poll.cancel()
+    finally:
+        await replica._session.close()
+        await server.stop()
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "gateway.replicas"]
+    url = server.url + "/metrics"
+    assert lines == [
+        ("WARNING", f"replica ext: cannot read its metrics at {url} (HTTP 500): routing goes by its last "
+                    "figures, then by none, until they answer"),
+        ("INFO", "replica ext: its metrics answer again: its queue counts in routing"),
+        ("WARNING", f"replica ext: cannot read its metrics at {url} (HTTP 404): routing goes by its last "
+                    "figures, then by none, until they answer"),
+        ("INFO", "replica ext: its metrics answer again: its queue counts in routing"),
+    ]
+    assert replica.waiting == 3.0
+
+
+async def test_a_file_rule_that_can_never_fire_is_warned_about_at_start(tiny_model_dir, caplog):
+    """file_min_tokens at max_model_len (2048 each, the old default and the bundled
+    model's): a prompt long enough to be a file leaves no room for an answer and
+    gets a 400, so the file class, overrides.file and signatures silently never apply."""
+    import logging
+
+    from engine.config import EngineConfig, ModelConfig
+    from gateway.app import GATEWAY, create_app
+    from gateway.config import ClassifierConfig
+
+    def config(file_min_tokens: int) -> KvgateConfig:
+        return KvgateConfig(model=ModelConfig(path=tiny_model_dir, device="cpu", dtype="float32", max_model_len=2048),
+                            engine=EngineConfig(device_blocks=256, threads=1),
+                            classifier=ClassifierConfig(file_min_tokens=file_min_tokens))
+
+    assert ClassifierConfig().file_min_tokens < 2048  # the defaults with the bundled model: no warning
+    warnings = {}
+    for file_min_tokens in (2048, 2047):
+        gw = create_app(config(file_min_tokens))[GATEWAY]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="gateway.app"):
+            await gw.start()
+            await gw.close()
+        warnings[file_min_tokens] = [r.getMessage() for r in caplog.records if "file_min_tokens" in r.getMessage()]
+    assert warnings == {2048: [
+        "classifier.file_min_tokens (2048) is not below the 2048 tokens the model serves (max_model_len): no request "
+        "can be classified as a file, so the file rule, cache.workload_aware.overrides.file and signatures never "
+        "apply; set classifier.file_min_tokens below 2048"], 2047: []}
