@@ -173,9 +173,17 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.record_trace:
         config.server.record_trace = args.record_trace
     recording = config.server.record_trace
-    if recording and os.path.isdir(recording):  # now, not after the model has loaded
+    if recording:  # now, not after the model has loaded
         flag = "--record-trace" if args.record_trace else "server.record_trace"
-        raise CliError(f"{flag}: {recording} is a directory; give a file path")
+        if os.path.isdir(recording):
+            raise CliError(f"{flag}: {recording} is a directory; give a file path")
+        try:
+            # What the recorder will do at start: its folder, and a file it can write.
+            os.makedirs(os.path.dirname(os.path.abspath(recording)), exist_ok=True)
+            with open(recording, "a", encoding="ascii"):
+                pass
+        except OSError as exc:
+            raise CliError(f"{flag}: cannot write {recording}: {exc.strerror}") from None
     from gateway.server import run_gateway
 
     with _startup_errors():

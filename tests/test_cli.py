@@ -255,6 +255,9 @@ def test_serve_refuses_a_recording_path_that_is_a_directory(tmp_path, capsys, mo
     assert main(["serve", "--config", str(config)]) == 2
     assert capsys.readouterr().err == f"kvgate: server.record_trace: {folder} is a directory; give a file path\n"
     assert folder.is_dir() and not (tmp_path / "recordings.1").exists()
+    # Nor a file that cannot be made (here: under /proc, which takes no new files, even as root).
+    assert main(["serve", "--record-trace", "/proc/kvgate/served.jsonl"]) == 2
+    assert capsys.readouterr().err.startswith("kvgate: --record-trace: cannot write /proc/kvgate/served.jsonl: ")
 
 
 @pytest.mark.parametrize("command", ["replay", "tune"])
