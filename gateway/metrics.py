@@ -110,13 +110,15 @@ class GatewayMetrics:
         self.queue_time = LoopHistogram(
             "kvgate_queue_time_seconds", "Time an engine request waited before its first step (one per request, "
             "whatever its n).",
-            ["workload"], buckets=_LATENCY_BUCKETS, registry=r,
+            ["workload", "replica"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.itl = LoopHistogram(
             "kvgate_inter_token_latency_seconds", "Time between successive deltas of one choice as the gateway receives them (tokens that arrive together are one delta).",
-            ["workload"], buckets=_ITL_BUCKETS, registry=r,
+            ["workload", "replica"], buckets=_ITL_BUCKETS, registry=r,
         )
-        for histogram in (self.ttft, self.e2e, self.queue_time, self.itl):
+        # (Queue time and inter-token latency are by replica too, which finds a slow
+        # one; from zero, as the request counts above: watch_replica.)
+        for histogram in (self.ttft, self.e2e):
             for workload in WORKLOADS:
                 histogram.labels(workload)  # from zero, as the request counts above
         self.prefix_queries = LoopCounter(
@@ -165,7 +167,7 @@ class GatewayMetrics:
         series = self._request_series.get((workload, replica))
         if series is None:
             series = self._request_series[(workload, replica)] = RequestSeries(
-                self.itl.labels(workload), self.queue_time.labels(workload),
+                self.itl.labels(workload, replica), self.queue_time.labels(workload, replica),
                 self.prefix_queries.labels(workload, replica), self.prefix_hits.labels(workload, replica),
                 self.predicted_hits.labels(workload, replica), self.prompt_tokens.labels(workload, replica),
                 self.generation_tokens.labels(workload, replica),
