@@ -68,7 +68,7 @@ class InstantBenchEngine:
     async def shutdown(self) -> None:
         pass
 
-    def apply_chat_template(self, messages) -> list[int]:
+    def apply_chat_template(self, messages, namespace: str = "") -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
 
     def subscribe_kv_events(self, callback) -> None:

@@ -178,9 +178,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self._max_model_len
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """The exact prompt tokens the engine sees for a chat request."""
-        return self.chat_tokens.encode_chat(messages)
+    def apply_chat_template(self, messages: list[dict], namespace: str = "") -> list[int]:
+        """The exact prompt tokens the engine sees for a chat request (``namespace``:
+        the tenant's cache salt, which keeps its cached pieces apart)."""
+        return self.chat_tokens.encode_chat(messages, namespace)
 
     # ---- lifecycle -----------------------------------------------------------
 

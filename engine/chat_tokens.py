@@ -71,9 +71,16 @@ _KEEP_TEXT_KEY = 64
 _ENTRY_TOKENS = 32
 
 
-def piece_key(piece: str) -> int | str:
+def piece_key(piece: str, namespace: str = "") -> int | str:
     """A piece's cache key.  Long pieces are keyed by a 128-bit hash, so that
-    the cache does not hold the conversation's text as well as its tokens."""
+    the cache does not hold the conversation's text as well as its tokens.
+
+    A ``namespace`` (a tenant's cache salt) keys every piece apart: a cached
+    piece is tokenised faster, and one tenant must not learn by timing what
+    text another sent, as it cannot from the KV cache's hits.
+    """
+    if namespace:
+        return xxhash.xxh3_128_intdigest(f"{len(namespace)}:{namespace}{piece}".encode("utf-8", "surrogatepass"))
     if len(piece) <= _KEEP_TEXT_KEY:
         return piece
     return xxhash.xxh3_128_intdigest(piece.encode("utf-8", "surrogatepass"))
@@ -152,26 +159,28 @@ class ChatTokenizer:
 
     # -- the two ways
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], namespace: str = "") -> list[int]:
+        """``namespace``: pieces are shared only within it (see ``piece_key``)."""
         if not self.enabled:
             return self.whole(messages)
-        return self._sampled(self._from_pieces(self._render(messages)), lambda: self.whole(messages))
+        return self._sampled(self._from_pieces(self._render(messages), namespace), lambda: self.whole(messages))
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_text(self, text: str, namespace: str = "") -> list[int]:
         """``tokenizer.encode(text, add_special_tokens=False)``, from cached pieces
         when the text carries added tokens (a completions prompt formatted with
         the chat markup by the client).  Plain text is one piece, most often
         unique, so it is tokenised as it is and kept out of the cache."""
         if not self.enabled or self._cut.search(text) is None:
             return self.plain(text)
-        return self._sampled(self._from_pieces(text), lambda: self.plain(text))
+        return self._sampled(self._from_pieces(text, namespace), lambda: self.plain(text))
 
     def plain(self, text: str) -> list[int]:
         """``text`` tokenised in one go (what ``encode_text`` must reproduce)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def whole(self, messages: list[dict]) -> list[int]:
-        """The template tokenised in one go (what the cache must reproduce)."""
+    def whole(self, messages: list[dict], namespace: str = "") -> list[int]:
+        """The template tokenised in one go (what the cache must reproduce; no
+        cache, so ``namespace`` does not matter)."""
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
             out = out["input_ids"]
@@ -208,7 +217,7 @@ class ChatTokenizer:
                 return None
         return render
 
-    def _from_pieces(self, text: str) -> list[int]:
+    def _from_pieces(self, text: str, namespace: str = "") -> list[int]:
         ids: list[int] = []
         added = self._added
         pieces = self._pieces
@@ -231,7 +240,7 @@ class ChatTokenizer:
                 continue
             if not part:
                 continue
-            key = piece_key(part)
+            key = piece_key(part, namespace)
             with lock:
                 cached = pieces.get(key)
                 if cached is not None:

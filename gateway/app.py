@@ -74,6 +74,7 @@ class Gateway:
         self.principals = _load_keys(config)
         # A `kvgate engine` takes the salt its gateway computed as it is.
         self.isolate_tenants = config.server.isolate_tenant_caches and not engine_mode
+        self._warn_if_tenants_share_an_external_cache()
         self.router: Router | None = None
         self.hasher: PrefixHasher | None = None
         self.classifier: Classifier | None = None
@@ -158,6 +159,20 @@ class Gateway:
                 lambda i=i: self.router.external_tokens[i],
             )
         self.observer.start(self.replicas, lambda i: self.router.inflight_requests[i], self.hasher.block_size, self.hasher.salt)
+
+    def _warn_if_tenants_share_an_external_cache(self) -> None:
+        """Tenants are kept apart in an external server's cache only by the salt
+        the gateway sends it (send_cache_salt, off by default as vLLM V0 refuses
+        the field): without it their prompts hit each other's blocks there, and
+        cached_tokens tells one what another sent."""
+        if not self.isolate_tenants or not any(p.tenant for p in self.principals.values()):
+            return
+        for replica in self.replicas:
+            cfg = getattr(replica, "cfg", None)
+            if replica.kind == "openai" and cfg is not None and not cfg.send_cache_salt:
+                log.warning("replica %s is an external server without send_cache_salt: tenants share its prefix cache "
+                            "(server.isolate_tenant_caches holds on kvgate engines only); set send_cache_salt: true "
+                            "for a vLLM V1 server", replica.name)
 
     def _warn_if_no_file_class(self) -> None:
         """A prompt of file_min_tokens or more leaves no room for an answer in

@@ -29,7 +29,8 @@ class PrefixHasher:
     ``apply_chat_template`` for in-process replicas, so both sides agree by
     construction, else a ``ChatTokenizer`` over the same tokenizer.
     ``encoder`` (default: the tokenizer's ``encode``) does the same for text
-    prompts; kvgate passes ``ChatTokenizer.encode_text``.
+    prompts; kvgate passes ``ChatTokenizer.encode_text``.  Both take the
+    request's cache salt as a second argument: its tokeniser cache namespace.
     """
 
     def __init__(
@@ -37,8 +38,8 @@ class PrefixHasher:
         tokenizer: Any,
         block_size: int,
         salt: str | bytes,
-        template: Callable[[list[dict]], list[int]] | None = None,
-        encoder: Callable[[str], list[int]] | None = None,
+        template: Callable[[list[dict], str], list[int]] | None = None,
+        encoder: Callable[[str, str], list[int]] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.block_size = block_size
@@ -52,20 +53,20 @@ class PrefixHasher:
             self.vocab_size = getattr(tokenizer, "vocab_size", 1 << 31)
 
     def chat(self, messages: list[dict], images: Sequence[bytes] = (), cache_salt: str | None = None) -> Prompt:
-        ids = self._template(messages)
+        ids = self._template(messages, cache_salt or "")
         mm = self._image_offsets(messages, images) if images else []
         return Prompt(ids, mm, block_hashes(ids, self.block_size, chain_salt(self.salt, cache_salt), mm))
 
     def text(self, prompt: str | list[int], cache_salt: str | None = None) -> Prompt:
         if isinstance(prompt, str):
-            ids = self.encode(prompt)
+            ids = self.encode(prompt, cache_salt or "")
         else:
             ids = prompt
         return Prompt(ids, [], block_hashes(ids, self.block_size, chain_salt(self.salt, cache_salt)))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, namespace: str = "") -> list[int]:
         if self._encoder is not None:
-            return self._encoder(text)
+            return self._encoder(text, namespace)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _image_offsets(self, messages: list[dict], images: Sequence[bytes]) -> list[tuple[int, bytes]]:

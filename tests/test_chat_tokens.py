@@ -235,3 +235,18 @@ def test_threads_share_the_cache_safely(tiny):
         results = list(pool.map(chat.encode_chat, prompts * 5))
     assert results == expected * 5
     assert chat.stats()["cached_tokens"] <= 300
+
+
+def test_pieces_are_shared_only_within_a_namespace(tiny):
+    """A cached piece is tokenised faster: one tenant (its cache salt as the
+    namespace) must not learn by timing which text another sent."""
+    chat = ChatTokenizer(tiny)
+    document = [{"role": "user", "content": "A confidential memo about the merger, page one. " * 8}]
+    chat.encode_chat(document, "tenant:1:A:")
+    misses = chat.miss_tokens
+    assert chat.encode_chat(document, "tenant:1:B:") == chat.whole(document)
+    assert chat.miss_tokens - misses > 50  # B tokenised the document itself
+    hits = chat.hit_tokens
+    assert chat.encode_chat(document, "tenant:1:A:") == chat.whole(document)
+    assert chat.hit_tokens - hits > 50  # A's own repeat is served from its pieces
+    assert piece_key("hi", "t") != piece_key("hi") and piece_key("hi", "t:") != piece_key(":hi", "t")

@@ -349,6 +349,48 @@ async def test_credentials_in_a_replica_url_stay_out_of_its_name_and_logs(tiny_m
         await upstream.stop()
 
 
+async def test_an_external_server_gets_no_client_kvgate_fields_and_shared_tenants_are_warned(tiny_model_dir,
+                                                                                               caplog):
+    """kvgate_context is the gateway's to set for its engines: a client's (a forged
+    tenant or workload) reaches no external server.  And tenants share an external
+    server's prefix cache unless the gateway sends it their salt: said at start."""
+    from gateway.config import ApiKeyConfig
+
+    bodies: list[dict] = []
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def chat(request):
+        bodies.append(await request.json())
+        return await _answer_fine(request)
+
+    upstream = await _scripted_upstream(models, chat)
+    keys = [ApiKeyConfig(key="sk-a", tenant="acme"), ApiKeyConfig(key="sk-g", tenant="globex")]
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="ext")], api_keys=keys)
+    with caplog.at_level(logging.WARNING, logger="gateway.app"):
+        app = create_app(config)
+    assert [r.getMessage() for r in caplog.records if "send_cache_salt" in r.getMessage()] == [
+        "replica ext is an external server without send_cache_salt: tenants share its prefix cache "
+        "(server.isolate_tenant_caches holds on kvgate engines only); set send_cache_salt: true for a vLLM V1 server"]
+    gw = await start_server(app)
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="sk-a", max_retries=0, timeout=60)
+    try:
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}],
+            extra_body={"kvgate_context": {"tenant": "globex", "workload": "to-b"}, "kvgate_mm_hashes": []})
+        assert bodies and "kvgate_context" not in bodies[0] and "kvgate_mm_hashes" not in bodies[0]
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
+    caplog.clear()
+    config.replicas[0].send_cache_salt = True
+    with caplog.at_level(logging.WARNING, logger="gateway.app"):
+        create_app(config)
+    assert not [r for r in caplog.records if "send_cache_salt" in r.getMessage()]
+
+
 async def test_an_engine_restarted_with_another_block_size_is_noticed(tiny_model_dir, unused_tcp_port_factory, caplog):
     """A restarted engine answers a new /kv_events snapshot: the gateway learns its
     block identity again and says when its hashes can no longer match."""
