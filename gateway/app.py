@@ -54,6 +54,14 @@ _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Status label for requests whose client went away (nginx's convention).
 CLIENT_GONE = "499"
 _STATIC = Path(__file__).parent / "static"
+_DASHBOARD_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Type": "text/html; charset=utf-8",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                               "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+}
 
 
 class Gateway:
@@ -268,8 +276,10 @@ class Gateway:
         return web.json_response(self.observer.stats_json())
 
     async def dashboard(self, request: web.Request) -> web.FileResponse:
-        # Served from the package: the page loads nothing from anywhere else.
-        return web.FileResponse(_STATIC / "dashboard.html", headers={"Cache-Control": "no-cache"})
+        # Served from the package: the page loads nothing from anywhere else, and
+        # its policy says so (only its own inline script and style, /stats from
+        # here; no framing by other sites).
+        return web.FileResponse(_STATIC / "dashboard.html", headers=_DASHBOARD_HEADERS)
 
     async def models(self, request: web.Request) -> web.Response:
         self.authenticate(request)
