@@ -257,8 +257,9 @@ class RemoteReplica(Replica):
     upstream connection, which aborts the work there.
 
     Health, in one place: a background probe every ``health_interval_s``;
-    ``breaker_failures`` straight failures of probes, or of requests (refused
-    or broken), open the breaker for ``breaker_reset_s``; a request that dies
+    ``breaker_failures`` straight failures of probes, or of requests (refused,
+    broken, or silent for read_timeout_s while nothing at all came from the
+    replica), open the breaker for ``breaker_reset_s``; a request that dies
     after its first byte opens it at once (the replica is gone or broken, and
     the next request would find out the slow way).  While open the replica is
     out of routing; it rejoins when a probe succeeds after the reset time
@@ -289,6 +290,9 @@ class RemoteReplica(Replica):
         # each good probe (at a few requests per probe interval it never tripped).
         self._probe_failures = 0
         self._request_failures = 0
+        # When any request last got output from this replica: a request left silent
+        # for read_timeout_s while nothing else came either is a hung replica's.
+        self._last_output = time.monotonic()
         self._open_until = 0.0
         self._following = False
         self._live: set[aiohttp.ClientResponse] = set()
@@ -653,6 +657,7 @@ class RemoteReplica(Replica):
         chat = self.kind != "engine" and job.parsed.endpoint == CHAT
         headers = self._auth()
         rid = job.request.request_id
+        started = time.monotonic()
         # A replica that accepts the connection but never answers (stopped, hung
         # in prefill) would hold this request forever: it gives up when the
         # breaker opens, and, having produced nothing, is retried elsewhere.
@@ -674,8 +679,9 @@ class RemoteReplica(Replica):
         try:
             resp = post.result()
         except aiohttp.ServerTimeoutError as exc:
-            if isinstance(exc, aiohttp.ConnectionTimeoutError):
-                self._note_failure()  # no connection at all; a silent one is a deep queue's (see below)
+            if isinstance(exc, aiohttp.ConnectionTimeoutError) or self._last_output < started:
+                # No connection at all, or silence from the whole replica (see below).
+                self._note_failure()
             raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             self._note_failure()
@@ -723,16 +729,21 @@ class RemoteReplica(Replica):
                         batch[0].queue_time_s = queue_time
                         batch[0].cached_tokens = cached
                     produced = True
+                    self._last_output = time.monotonic()
                     yield batch
             if not ended and len(finished) < job.request.sampling.n:
                 # EOF without [DONE] before every choice finished: a silent
                 # truncation would look like a complete answer to the client.
                 raise _EndedEarly(f"replica {self.name} closed the stream before [DONE]")
         except aiohttp.ServerTimeoutError as exc:
-            # A request silent that long while the replica may be serving others
-            # (a deep queue delays several at once): not counted toward the breaker,
-            # whose trip would cut every stream it has.  A replica that is wholly
-            # hung fails its health checks, and those open the breaker.
+            # A request silent that long while the replica serves others (a deep
+            # queue delays several at once) is not counted toward the breaker, whose
+            # trip would cut every stream it has.  Silence from the whole replica
+            # is: a hung model step (its HTTP server still answering the health
+            # checks) would otherwise hold every request sent there for
+            # read_timeout_s, for ever.
+            if not produced and self._last_output < started:
+                self._note_failure()
             raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
         except ReplicaBusy:
             raise  # at capacity, not failing

@@ -1080,9 +1080,8 @@ async def test_request_stuck_in_a_healthy_replica_times_out(tiny_model_dir):
     timeout = 0.5
     replicas = [ReplicaConfig(kind="openai", url=stuck.url, name="stuck", read_timeout_s=timeout),
                 ReplicaConfig(kind="openai", url=good.url, name="good", read_timeout_s=timeout)]
-    # One failure would open the breaker: a silent request must not count as one
-    # (several go quiet together behind a deep queue, and a trip cuts every stream).
-    router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=1)
+    # Two failures would open the breaker: one silent request is no dead server.
+    router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=2)
     app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
     gw = await start_server(app)
     stuck_replica = app[GATEWAY].replicas[0]
@@ -1124,6 +1123,55 @@ async def test_request_stuck_in_a_healthy_replica_times_out(tiny_model_dir):
         await gw.stop()
         await stuck.stop()
         await good.stop()
+
+
+async def test_silence_from_the_whole_replica_opens_its_breaker(tiny_model_dir):
+    """A hung model step leaves a replica's HTTP server answering its health checks
+    while no request gets a token: requests that time out (read_timeout_s) with
+    nothing from the replica meanwhile count toward its breaker.  One that times
+    out while the replica serves others (a deep queue) does not."""
+    state = {"stall": True}
+
+    async def chat(request):
+        body = await request.json()
+        if state["stall"] and body["messages"][0]["content"] == "stall":
+            await asyncio.sleep(20)  # bounded: the gateway gives up well before
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(10):  # a slow answer: a token every 0.1 s
+            chunk = {"choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await asyncio.sleep(0.1)
+        done = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        await resp.write(b"data: " + json.dumps(done).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), chat)
+    replicas = [ReplicaConfig(kind="openai", url=upstream.url, name="hung", read_timeout_s=0.5)]
+    router = RouterConfig(health_interval_s=0.1, breaker_failures=1, breaker_reset_s=60)
+    app = create_app(tiny_config(tiny_model_dir, replicas, router=router))
+    gw = await start_server(app)
+    replica = app[GATEWAY].replicas[0]
+    client = _client(gw.url)
+
+    async def ask(content: str):
+        return await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                    max_tokens=10)
+
+    try:
+        await wait_for(lambda: replica.healthy, what="healthy")
+        # A silent request beside one the replica answers token by token: a queue, not a hang.
+        stalled, served = await asyncio.gather(ask("stall"), ask("serve"), return_exceptions=True)
+        assert isinstance(stalled, openai.APIError) and served.choices[0].message.content == "tok" * 10
+        assert replica.healthy and not replica.breaker_open
+        # The same silence with nothing else coming: the replica leaves routing.
+        with pytest.raises(openai.APIError):
+            await ask("stall")
+        assert replica.breaker_open and not replica.healthy
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
 
 
 async def test_replicas_that_answer_after_the_gateway_started(tiny_model_dir, unused_tcp_port_factory):
