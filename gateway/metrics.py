@@ -454,7 +454,8 @@ class _ScrapeCollector:
                               labels=["workload", "type"]),
             GaugeMetricFamily("kvgate_user_hit_share", "Share of cache-hit tokens from the top fraction of users over a sliding window.",
                               labels=["top"]),
-            GaugeMetricFamily("kvgate_engine_requests", "Requests in a replica's engine: running (in the batch) or waiting "
-                              "(queued for blocks or a batch slot), as vLLM's num_requests_running/waiting.",
+            GaugeMetricFamily("kvgate_engine_requests", "Sequences in a replica's engine (a request of n choices is n): "
+                              "running (in the batch) or waiting (queued for blocks or a batch slot), as vLLM's "
+                              "num_requests_running/waiting.",
                               labels=["replica", "state"]),
         ]

@@ -102,8 +102,32 @@ def run_engine_server(config: KvgateConfig, host: str | None = None, port: int |
     run_on_event_loop(_serve(app, sockets, config.server, "engine"), config.server.event_loop)
 
 
+# Open files a server asks for (vLLM's figure): each client connection is one.
+_OPEN_FILES = 65_535
+
+
+def raise_open_files_limit(wanted: int = _OPEN_FILES) -> None:
+    """Raise the soft limit on open files toward the hard one.  systemd and many
+    shells start processes at 1024, which ~1,000 idle keep-alive clients use up:
+    every later connection then fails at once (uvloop) or floods the log with
+    accept() errors (asyncio)."""
+    try:
+        import resource
+    except ImportError:  # not on Linux or macOS
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-files limit from %d to %d (%s): about %d client connections at "
+                        "once are the most this server takes", soft, target, exc, soft)
+
+
 def run_on_event_loop(main, event_loop: str):
     """``asyncio.run(main)``, on uvloop when asked for and installed; ``main``'s result."""
+    raise_open_files_limit()
     if event_loop == "uvloop":
         try:
             import uvloop

@@ -415,3 +415,23 @@ def test_out_of_memory_hints_fit_the_command(capsys, monkeypatch, command, hint)
     assert main([command, "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert f"kvgate: out of memory ({hint}" in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="resource limits as on Linux")
+@pytest.mark.parametrize("hard, expected", [(4096, 4096), (200_000, 65_535)])
+def test_a_server_raises_its_open_files_limit(hard, expected):
+    """A soft limit of 1024 (systemd's) is ~1,000 idle keep-alive clients: every
+    connection after them would fail.  Servers raise it toward the hard limit."""
+    import resource
+
+    ours = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if ours != resource.RLIM_INFINITY and ours < hard:
+        hard = expected = min(ours, 65_535)  # an unprivileged run cannot raise its hard limit
+    script = ("import resource; from gateway.server import raise_open_files_limit; raise_open_files_limit(); "
+              "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True,
+        cwd=Path(__file__).resolve().parents[1],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
+    )
+    assert int(out.stdout) == expected
