@@ -133,6 +133,7 @@ class AsyncEngine:
         self._cached_view: dict[int, str] = {}
         self._next_seq_id = 0
         self._in_flight = False
+        self._step_started: float | None = None  # monotonic start of the step under way
         self._last_stats: dict | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
@@ -321,6 +322,7 @@ class AsyncEngine:
                 await self._wakeup.wait()
                 continue
             self._in_flight = True
+            self._step_started = time.monotonic()
             try:
                 outputs = await loop.run_in_executor(self._executor, self._step)
             except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
@@ -329,6 +331,7 @@ class AsyncEngine:
                 self._fail_all(exc)
             finally:
                 self._in_flight = False
+                self._step_started = None
             self._flush_events()
             self._deliver(outputs)
         self._idle.set()
@@ -488,6 +491,12 @@ class AsyncEngine:
         for key, tier in self._cached_view.items():
             view[tier].append(key)
         return view
+
+    def step_running_s(self) -> float:
+        """How long the model step under way has run; 0 between steps.  Read by
+        /health (the event loop answers it whatever the step's thread does)."""
+        started = self._step_started
+        return time.monotonic() - started if started is not None else 0.0
 
     def load(self) -> dict:
         """What a gateway prices a replica by, O(1) for every health probe: the

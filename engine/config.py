@@ -92,6 +92,10 @@ class EngineConfig(Section):
     # What torch.manual_seed takes: 64 bits (it reads a negative seed as seed +
     # 2**64, so those are refused: one seed, one spelling).
     seed: int = Field(0, ge=0, lt=2**64)
+    # A model step running longer than this is a hung engine (a stuck GPU kernel
+    # or collective): a `kvgate engine`'s /health answers 503, and its gateways
+    # take it out of routing.  vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S, 60 s.  0: never.
+    step_timeout_s: float = Field(60.0, ge=0, le=HOUR_S)
 
 
 class S3FifoConfig(Section):

@@ -41,8 +41,16 @@ class EngineEndpoints:
 
     async def health(self, request: web.Request) -> web.Response:
         """Alive, and how loaded: every gateway probing this engine learns the
-        requests it holds, other gateways' included (RemoteReplica._probe)."""
-        return web.json_response({"status": "ok", **self.gateway.replicas[0].engine.load()})
+        requests it holds, other gateways' included (RemoteReplica._probe).  A
+        model step running past engine.step_timeout_s is a hung engine: 503, and
+        the probing gateways' breakers take it out of routing."""
+        engine = self.gateway.replicas[0].engine
+        limit = self.gateway.config.engine.step_timeout_s
+        running = engine.step_running_s()
+        if limit and running > limit:
+            return web.json_response({"status": "stalled", "step_running_s": round(running, 1), **engine.load()},
+                                     status=503)
+        return web.json_response({"status": "ok", **engine.load()})
 
     async def info(self, request: web.Request) -> web.Response:
         """Block identity and limits: what a gateway needs to hash prompts as this engine does."""
