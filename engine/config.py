@@ -7,7 +7,7 @@ into the full ``config.yaml`` schema.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -33,12 +33,14 @@ class Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _empty_section(cls, value: Any, info: ValidationInfo) -> Any:
-        # A section whose keys are all commented out reads as null in YAML: it is
-        # an empty section (every key optional), not a type error.
+        # A section whose keys (or a list whose items) are all commented out reads
+        # as null in YAML: it is empty (every key optional), not a type error.
         if value is None:
             annotation = cls.model_fields[info.field_name].annotation
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 return {}
+            if get_origin(annotation) is list:
+                return []
         return value
 
 

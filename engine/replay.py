@@ -122,7 +122,7 @@ def replay_request(pool: BlockPool, request) -> int:
     if cacheable >= 0:
         # A recording (gateway/recorder.py): the engine computes the block holding
         # the prompt's last token for its logits, so it is never a hit there.
-        hit = min(hit, len(request.keys) - 1)
+        hit = min(hit, max(0, len(request.keys) - 1))
     return hit
 
 

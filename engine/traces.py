@@ -70,7 +70,7 @@ class Trace:
                     break
                 run += 1
             # A recording's last prompt block is never a hit (engine.replay.replay_request).
-            hits += min(run, len(request.keys) - 1) if request.cacheable >= 0 else run
+            hits += min(run, max(0, len(request.keys) - 1)) if request.cacheable >= 0 else run
             keys = request.keys
             if 0 <= request.cacheable < len(keys):
                 keys = keys[: request.cacheable]

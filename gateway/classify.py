@@ -222,7 +222,8 @@ class Classifier:
         if req.endpoint == CHAT and req.messages and req.longest_message >= 0:
             # The document's own first tokens: the template's preamble is the same for everyone.
             doc = req.messages[req.longest_message]["content"]
-            tokens = self.hasher.encode(doc[: n * 16])[:n]
+            # (Within the request's cache salt: the tokeniser's piece cache is per tenant.)
+            tokens = self.hasher.encode(doc[: n * 16], req.cache_salt or "")[:n]
         else:
             tokens = (first_tokens or [])[:n]
         return self.hasher.signature(tokens)

@@ -190,6 +190,9 @@ class ReplicaConfig(Section):
             if not is_http_url(self.metrics_url):
                 raise ValueError(f"metrics_url {without_userinfo(self.metrics_url)!r} is no http(s) URL with a host, "
                                  "e.g. http://vllm-0:8000/metrics")
+        if self.metrics_url is not None and self.api_key and "@" in urlsplit(self.metrics_url).netloc:
+            raise ValueError("the metrics_url's user:password@ and api_key are both credentials for the replica: "
+                             "give one")
         if self.url is not None and self.api_key and "@" in urlsplit(self.url).netloc:
             # aiohttp sends a URL's user:password as basic auth, and refuses every
             # request that also carries the api_key's bearer token.
@@ -346,19 +349,24 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _key_lines(node: yaml.Node, path: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
+def _key_lines(node: yaml.Node, path: tuple[str, ...] = (), inside: frozenset[int] = frozenset()) -> dict[tuple[str, ...], int]:
     """Dotted path (as pydantic's error locations, each part a string) -> the line
-    of its key, for errors that say where; list items by their index."""
+    of its key, for errors that say where; list items by their index.  A node
+    that contains itself (``&a [*a]``) is walked once: its value is an error of
+    its own, which validation reports."""
     lines: dict[tuple[str, ...], int] = {}
+    if id(node) in inside:
+        return lines
     if isinstance(node, yaml.MappingNode):
         children = [(key.value, key, value) for key, value in node.value if isinstance(key, yaml.ScalarNode)]
     elif isinstance(node, yaml.SequenceNode):
         children = [(str(i), item, item) for i, item in enumerate(node.value)]
     else:
         return lines
+    inside = inside | {id(node)}
     for name, where, value in children:
         lines[path + (name,)] = where.start_mark.line + 1
-        lines.update(_key_lines(value, path + (name,)))
+        lines.update(_key_lines(value, path + (name,), inside))
     return lines
 
 

@@ -196,7 +196,7 @@ class Dispatcher:
                         # show (a restart elsewhere is the request's one record).
                         self.observer.finished(Finished(
                             sub.context, replica.name, sub.prompt, usage.prompt[0] or len(sub.prompt.token_ids),
-                            cached or 0, max(usage.completion[0], received), arrival, parsed.user, generated,
+                            cached, max(usage.completion[0], received), arrival, parsed.user, generated,
                             parsed.cache_salt,
                         ))
                 try:

@@ -57,7 +57,9 @@ class Finished:
     replica: str
     prompt: Prompt  # token ids, image hashes and block keys, as the gateway computed them
     prompt_tokens: int
-    cached_tokens: int
+    # None: the replica never said (an external server cut off before its usage):
+    # recorded, but kept out of the hit figures, as out of the metrics' lookups.
+    cached_tokens: int | None
     completion_tokens: int
     arrival: float  # time.monotonic() when the request was sent to routing
     user: str | None  # the request's `user` field, scoped by tenant below
@@ -125,12 +127,13 @@ class Observer:
 
     def finished(self, done: Finished) -> None:
         ctx = done.ctx
-        self.reuse.record(ctx.workload, ctx.type, done.prompt_tokens, done.cached_tokens, self.wall_clock())
-        self.history.finished(ctx.workload, done.replica, done.prompt_tokens, done.cached_tokens,
-                              done.completion_tokens, time.monotonic())
-        user = user_identity(done.user, ctx.tenant)
-        if user is not None:
-            self.user_share.record(user, done.cached_tokens, time.monotonic())
+        if done.cached_tokens is not None:
+            self.reuse.record(ctx.workload, ctx.type, done.prompt_tokens, done.cached_tokens, self.wall_clock())
+            self.history.finished(ctx.workload, done.replica, done.prompt_tokens, done.cached_tokens,
+                                  done.completion_tokens, time.monotonic())
+            user = user_identity(done.user, ctx.tenant)
+            if user is not None:
+                self.user_share.record(user, done.cached_tokens, time.monotonic())
         if self.recorder is not None:
             prompt = done.prompt
             # Token ids come back from in-process engines only; remote streams carry text.

@@ -1,6 +1,8 @@
 """Record served traffic as a Qwen-Bailian trace for `kvgate replay` and `kvgate tune`.
 
-One JSON line per engine request, written when the request completes:
+One JSON line per engine request, written when the request ends (also when
+its client left or it failed after the engine's prefill, which cached its
+prompt all the same):
 ``chat_id``, ``parent_chat_id``, ``turn`` and ``type`` from the gateway's
 classification, ``timestamp`` (arrival, seconds since the recording began),
 ``input_length`` / ``output_length`` (engine-reported tokens) and
@@ -18,14 +20,16 @@ prompt gets a fresh id of its own, as in the Bailian traces:
 Fields beyond the public format (readers that do not know them ignore them),
 so that replay does what the engine did rather than approximately so:
 - ``workload``: the gateway's workload (otherwise guessed from the type);
-- ``cacheable_blocks``: the full prompt blocks, present when a partial block
-  follows; the engine never caches a partial block, so replay counts it as an
-  access but does not insert it;
+- ``cacheable_blocks``: the full prompt blocks, on every line; the engine never
+  caches a partial block, so replay counts it as an access but does not insert
+  it, and never counts the block holding the prompt's last token as a hit (the
+  engine computes that one for its logits);
 - ``output_hash_ids``: the blocks the engine filled with generated tokens and
   cached (in-process replicas, whose outputs carry token ids); a later turn
   that resends the answer hits them, so replay caches them after the prompt,
   uncounted;
-- ``block_tokens``: the engine's block size when it is not 16;
+- ``block_tokens``: the engine's block size when it is not 16 (on every line;
+  a file holds one size);
 - ``session_id``: the request's session as the engine's policy saw it (the
   ``user`` field when given, else the conversation), a small per-file id; the
   workload-aware policy keys its topic-switch detector and its shared class on

@@ -107,11 +107,23 @@ def test_a_replica_url_with_credentials_is_named_and_reported_without_them(tmp_p
     with pytest.raises(ConfigError, match="replicas.0.*no http") as info:
         load_config(path)
     assert "s3cret" not in str(info.value) and "sk-123" not in str(info.value)
-    # aiohttp refuses every request that has both: say so at start.
-    path.write_text("replicas:\n  - kind: openai\n    url: http://alice:s3cret@vllm-0:8000/v1\n    api_key: sk-123\n")
-    with pytest.raises(ConfigError, match="replicas.0: .*give one") as info:
+    # aiohttp refuses every request that has both: say so at start (for the metrics too).
+    for key in ("url", "metrics_url"):
+        urls = {"url": "http://vllm-0:8000/v1", "metrics_url": "http://vllm-0:8000/metrics"}
+        urls[key] = urls[key].replace("//", "//alice:s3cret@")
+        path.write_text(f"replicas:\n  - kind: openai\n    url: {urls['url']}\n    metrics_url: {urls['metrics_url']}\n"
+                        "    api_key: sk-123\n")
+        with pytest.raises(ConfigError, match="replicas.0: .*give one") as info:
+            load_config(path)
+        assert "s3cret" not in str(info.value) and "sk-123" not in str(info.value)
+
+
+def test_a_yaml_alias_that_contains_itself_is_one_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("replicas: &a [*a]\n")
+    with pytest.raises(ConfigError) as info:
         load_config(path)
-    assert "s3cret" not in str(info.value) and "sk-123" not in str(info.value)
+    assert str(info.value).count("\n") == 0 and "replicas.0" in str(info.value)
 
 
 def test_no_replica_is_named_engine(tmp_path):
@@ -355,7 +367,8 @@ def test_errors_give_the_line_of_their_key(tmp_path):
 def test_an_empty_section_is_an_empty_section(tmp_path):
     """`engine:` with every key commented out is YAML's null: every key takes its default."""
     path = tmp_path / "c.yaml"
-    path.write_text("engine:\n  # max_num_seqs: 4\ncache:\n  workload_aware:\n    fallback:\nserver:\n  limits:\n")
+    path.write_text("engine:\n  # max_num_seqs: 4\ncache:\n  workload_aware:\n    fallback:\nserver:\n  limits:\n"
+                    "replicas:\n  # - kind: engine\n")
     assert load_config(path) == KvgateConfig()
     # Not a section at all: said without the class name.
     assert _config_error(tmp_path, "engine: 5\n") == "c.yaml:1: engine: should be a section (a mapping of keys), got int"

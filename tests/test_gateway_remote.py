@@ -391,6 +391,47 @@ async def test_an_external_server_gets_no_client_kvgate_fields_and_shared_tenant
     assert not [r for r in caplog.records if "send_cache_salt" in r.getMessage()]
 
 
+async def test_a_stream_left_before_an_external_servers_usage_is_no_miss_on_the_dashboard(tiny_model_dir):
+    """An external server says its cache hit only in its usage, at the end: a
+    stream the client leaves before then has no known hit, and counts in neither
+    the metrics' lookups nor /stats' hit ratio (not as a whole-prompt miss)."""
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def chat(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(200):
+                chunk = {"choices": [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                await asyncio.sleep(0.02)
+        return resp
+
+    upstream = await _scripted_upstream(models, chat)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="ext")]))
+    gw = await start_server(app)
+    try:
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(gw.url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 300,
+                "stream": True})
+            for _ in range(3):
+                await resp.content.readline()
+            resp.close()
+            await wait_for(lambda: app[GATEWAY].router.inflight_requests == [0], what="the stream's end")
+            async with session.get(gw.url + "/stats") as r:
+                totals = (await r.json())["totals"]
+        assert (await metric_by_replica(gw.url, "kvgate_prompt_tokens_total"))["ext"] > 0
+        assert (await metric_by_replica(gw.url, "kvgate_prefix_cache_queries_tokens_total")).get("ext", 0) == 0
+        assert totals["prompt_tokens"] == 0 and totals["requests"] == 0
+    finally:
+        await gw.stop()
+        await upstream.stop()
+
+
 async def test_an_engine_restarted_with_another_block_size_is_noticed(tiny_model_dir, unused_tcp_port_factory, caplog):
     """A restarted engine answers a new /kv_events snapshot: the gateway learns its
     block identity again and says when its hashes can no longer match."""

@@ -269,6 +269,22 @@ def test_tenant_rule_and_sessions():
     assert [clf.classify(comp, Principal(), {}, 5, 1).parent_chat_id for _ in range(2)] == [-1, -1]
 
 
+def test_a_document_signature_is_tokenised_within_the_requests_cache_salt():
+    """The tokeniser's piece cache is per tenant (its salt): the file signature's
+    tokenising too, or one tenant could time which documents another sent."""
+    seen: list[str] = []
+
+    def encoder(text: str, namespace: str = "") -> list[int]:
+        seen.append(namespace)
+        return list(text.encode())
+
+    clf = Classifier(ClassifierConfig(file_min_tokens=100), PrefixHasher(ByteTokenizer(), 4, "salt", encoder=encoder))
+    doc = chat(messages=[{"role": "user", "content": "word " * 400}])
+    doc.cache_salt = "tenant:4:acme:"
+    assert clf.classify(doc, Principal("acme"), {}, 2000, 500).type == "file"
+    assert seen == ["tenant:4:acme:"]
+
+
 def test_to_b_chat_requests_are_api_calls():
     """The paper's to-B traffic is all type "api": a chat request that an API key or
     the workload header puts in to-b is one too, unless it carries an image or a file."""

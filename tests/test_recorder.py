@@ -334,3 +334,7 @@ def test_replay_of_a_recording_never_hits_the_block_holding_the_last_prompt_toke
     trace = load_trace(tmp_path / "r.jsonl")
     assert replay(trace, "lru", 100).hits == 2
     assert trace.ideal_hit_ratio() == 2 / 6
+    # A prompt of no blocks hits none (not -1).
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"chat_id": 1, "timestamp": 0, "input_length": 0, "hash_ids": [], "cacheable_blocks": 0}\n')
+    assert replay(load_trace(empty), "lru", 100).hits == 0 and load_trace(empty).ideal_hit_ratio() == 0
