@@ -294,6 +294,7 @@ class RemoteReplica(Replica):
         # for read_timeout_s while nothing else came either is a hung replica's.
         self._last_output = time.monotonic()
         self._open_until = 0.0
+        self._trip_reason = ""
         self._following = False
         self._live: set[aiohttp.ClientResponse] = set()
         self._events_resp: aiohttp.ClientResponse | None = None  # the /kv_events stream being followed
@@ -458,6 +459,7 @@ class RemoteReplica(Replica):
             log.warning("replica %s leaves routing: %s", self.name, why)
         self.trips += 1
         self.healthy = False
+        self._trip_reason = why  # what the streams it cuts tell their clients
         self._probe_failures = self._request_failures = 0
         self._open_until = time.monotonic() + self.router_cfg.breaker_reset_s
         if isinstance(self.index, ApproxIndex):
@@ -750,6 +752,10 @@ class RemoteReplica(Replica):
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, ReplicaUnavailable) as exc:
             # ValueError: a broken frame (JSONDecodeError) from a dying server.
             reason = str(exc) if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc)
+            if self.breaker_open and not isinstance(exc, ReplicaUnavailable):
+                # The breaker cut this stream (it closed the connection): its cause,
+                # not "the connection failed", is what went wrong.
+                reason = f"it was taken out of routing ({self._trip_reason})"
             if produced and not isinstance(exc, (ValueError, _EndedEarly)):
                 # The connection broke mid-answer: the replica is likely gone, and
                 # its other streams with it.  (Unless the breaker is what broke it.)

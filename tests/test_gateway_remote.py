@@ -739,6 +739,8 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
                 state["healthy"] = False
                 events = await asyncio.wait_for(sse_events(resp), 10)
             assert events[-1] == "[DONE]" and "error" in events[-2]
+            # Why, as the breaker saw it (its probes), not the connection it closed.
+            assert "taken out of routing (2 probes failed in a row)" in events[-2]["error"]["message"], events[-2]
             assert not replica.healthy
             # Non-streaming through a cut upstream: it would start over on another
             # replica, but this is the only one, now out of routing: a 503.
