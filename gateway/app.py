@@ -75,6 +75,8 @@ class Gateway:
         self.limits = config.server.limits
         self.max_inflight = config.server.limits.max_inflight_requests
         self.admitted = 0  # requests past their body, for max_inflight_requests
+        self.max_per_tenant = config.server.limits.max_inflight_per_tenant
+        self.tenant_admitted: dict[str, int] = {}  # the same per tenant (only those with requests in flight)
         self.replicas = replicas
         self.engine_mode = engine_mode
         self.metrics = GatewayMetrics("engine" if engine_mode else "gateway")
@@ -354,6 +356,7 @@ class Gateway:
         task = asyncio.current_task()
         self.live.add(task)
         admitted = False
+        tenant_admitted: str | None = None
         try:
             principal = self.authenticate(request)
             if self.refusing:
@@ -365,6 +368,12 @@ class Gateway:
                     raise errors.overloaded(self.max_inflight)
                 self.admitted += 1
                 admitted = True
+            if self.max_per_tenant is not None and principal.tenant is not None:
+                held = self.tenant_admitted.get(principal.tenant, 0)
+                if held >= self.max_per_tenant:
+                    raise errors.tenant_overloaded(self.max_per_tenant)
+                self.tenant_admitted[principal.tenant] = held + 1
+                tenant_admitted = principal.tenant
             parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
             if parsed.model != self.model_name:
                 raise errors.model_not_found(parsed.model)
@@ -399,6 +408,12 @@ class Gateway:
             self.live.discard(task)
             if admitted:
                 self.admitted -= 1
+            if tenant_admitted is not None:
+                held = self.tenant_admitted[tenant_admitted] - 1
+                if held:
+                    self.tenant_admitted[tenant_admitted] = held
+                else:
+                    del self.tenant_admitted[tenant_admitted]  # bounded by the tenants with requests in flight
             self.metrics.requests.labels(endpoint, workload, status).inc()
             if status == "200":
                 self.metrics.e2e.labels(workload).observe(time.perf_counter() - start)

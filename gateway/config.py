@@ -72,6 +72,10 @@ class LimitsConfig(Section):
     # time to first token grow without limit.  Counted once a request's body has
     # arrived, so slow uploads cannot hold the slots.
     max_inflight_requests: int | None = Field(None, ge=1)
+    # At most this many of them per tenant (an API key's tenant; requests without
+    # one are not counted): more get 429, so one tenant's burst cannot fill the
+    # engines' queues ahead of everyone else.  null: no per-tenant limit.
+    max_inflight_per_tenant: int | None = Field(None, ge=1)
 
 
 class ServerConfig(Section):

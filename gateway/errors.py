@@ -91,6 +91,11 @@ def overloaded(limit: int) -> ApiError:
                     "rate_limit_error", None, "server_overloaded")
 
 
+def tenant_overloaded(limit: int) -> ApiError:
+    return ApiError(429, f"Too many requests in flight for your organization ({limit} at once); retry shortly.",
+                    "rate_limit_error", None, "rate_limit_exceeded")
+
+
 def shutting_down() -> ApiError:
     # 503: OpenAI's SDK retries it, and behind a load balancer the retry lands
     # on an instance that is staying.

@@ -330,3 +330,30 @@ async def test_slow_uploads_hold_no_slot_and_time_out(tiny_model_dir):
             assert head.startswith(b"HTTP/1.1 408") and b"request_timeout" in head
             writer.close()
         assert app[GATEWAY].admitted == 0
+
+
+async def test_one_tenant_cannot_hold_more_than_its_share_in_flight(tiny_model_dir):
+    """limits.max_inflight_per_tenant: a tenant past its share gets a 429 while
+    another tenant is served, and its count frees as its requests end."""
+    keys = [ApiKeyConfig(key="sk-a", tenant="acme"), ApiKeyConfig(key="sk-g", tenant="globex")]
+    config = _config(tiny_model_dir, replicas=1, api_keys=keys, limits={"max_inflight_per_tenant": 2})
+    async with serving(create_app(config)) as (app, server, _):
+        acme, globex = (openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+                        for key in ("sk-a", "sk-g"))
+        try:
+            body = dict(model=MODEL, prompt="Count:", max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+            streams = [await acme.completions.create(**body) for _ in range(2)]
+            for stream in streams:
+                await stream.__anext__()  # both under way
+            with pytest.raises(openai.RateLimitError) as info:
+                await acme.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert info.value.code == "rate_limit_exceeded" and info.value.response.headers["Retry-After"] == "1"
+            assert (await globex.completions.create(model=MODEL, prompt="hi", max_tokens=2)).choices
+            for stream in streams:
+                await stream.close()
+            await wait_for(lambda: not app[GATEWAY].live, what="the streams' ends")
+            assert app[GATEWAY].tenant_admitted == {}
+            assert (await acme.completions.create(model=MODEL, prompt="hi", max_tokens=2)).choices
+        finally:
+            await acme.close()
+            await globex.close()
