@@ -286,15 +286,21 @@ async def test_engine_server_behind_gateway_end_to_end(tiny_model_dir):
         await engine_server.stop()
 
 
+async def _long_streams_under_way(client, count: int) -> list:
+    """``count`` streamed completions of 400 tokens, each past its first chunk (in flight)."""
+    body = dict(model=MODEL, prompt="Count:", max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+    streams = [await client.completions.create(**body) for _ in range(count)]
+    for stream in streams:
+        await stream.__anext__()
+    return streams
+
+
 async def test_requests_over_the_inflight_limit_get_429(tiny_model_dir):
     """limits.max_inflight_requests sheds load: beyond it a 429 with Retry-After
     (which OpenAI's SDKs wait for and retry), and the limit frees as requests end."""
     config = _config(tiny_model_dir, replicas=1, limits={"max_inflight_requests": 2})
     async with serving(create_app(config)) as (app, server, client):
-        body = dict(model=MODEL, prompt="Count:", max_tokens=400, stream=True, extra_body={"ignore_eos": True})
-        streams = [await client.completions.create(**body) for _ in range(2)]
-        for stream in streams:
-            await stream.__anext__()  # both under way
+        streams = await _long_streams_under_way(client, 2)
         with pytest.raises(openai.RateLimitError) as info:
             await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert info.value.code == "server_overloaded" and info.value.response.headers["Retry-After"] == "1"
@@ -341,10 +347,7 @@ async def test_one_tenant_cannot_hold_more_than_its_share_in_flight(tiny_model_d
         acme, globex = (openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
                         for key in ("sk-a", "sk-g"))
         try:
-            body = dict(model=MODEL, prompt="Count:", max_tokens=400, stream=True, extra_body={"ignore_eos": True})
-            streams = [await acme.completions.create(**body) for _ in range(2)]
-            for stream in streams:
-                await stream.__anext__()  # both under way
+            streams = await _long_streams_under_way(acme, 2)
             with pytest.raises(openai.RateLimitError) as info:
                 await acme.completions.create(model=MODEL, prompt="hi", max_tokens=2)
             assert info.value.code == "rate_limit_exceeded" and info.value.response.headers["Retry-After"] == "1"
