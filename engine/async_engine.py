@@ -63,8 +63,7 @@ def _check_kv_room(shape: KVShape, device: torch.device, device_blocks: int, hos
     the device tier in its free memory and the host tier in RAM; on CPU both in RAM."""
     per_block = shape.bytes_per_block
     if device.type == "cuda":
-        device_key = "engine.device_blocks" if engine_cfg.device_blocks else "engine.kv_memory_fraction"
-        tiers = [(device_key, device_blocks, 0, torch.cuda.mem_get_info(device)[0], "GPU memory is free"),
+        tiers = [(_kv_key(engine_cfg, 0), device_blocks, 0, torch.cuda.mem_get_info(device)[0], "GPU memory is free"),
                  ("engine.host_blocks_multiplier", 0, host_blocks, memory.available_ram(), "RAM is available")]
     else:
         tiers = [(_kv_key(engine_cfg, host_blocks), device_blocks, host_blocks, memory.available_ram(),

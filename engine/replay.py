@@ -110,20 +110,13 @@ def replay_request(pool: BlockPool, request) -> int:
     """
     ctx = request.context
     now = request.timestamp
-    keys = request.keys
-    cacheable = request.cacheable
-    if 0 <= cacheable < len(keys):
-        keys = keys[:cacheable]
+    keys = request.cacheable_keys()
     blocks, hit = pool.touch_or_insert(keys, ctx, now)
     if request.output_keys:
         blocks += _insert_outputs(pool, request.output_keys, ctx, len(keys), now)
     blocks.reverse()
     pool.release(blocks, ctx, now)
-    if cacheable >= 0:
-        # A recording (gateway/recorder.py): the engine computes the block holding
-        # the prompt's last token for its logits, so it is never a hit there.
-        hit = min(hit, max(0, len(request.keys) - 1))
-    return hit
+    return request.served_hits(hit)
 
 
 def replay(

@@ -44,6 +44,16 @@ class TraceRequest:
     # trailing partial block is counted as an access but never cached); -1: all.
     cacheable: int = -1
 
+    def cacheable_keys(self) -> list[int]:
+        """The keys a cache holds after this request (a recording's partial block is not one)."""
+        return self.keys[: self.cacheable] if 0 <= self.cacheable < len(self.keys) else self.keys
+
+    def served_hits(self, run: int) -> int:
+        """Hit blocks of a leading cached run of ``run`` keys: in a recording, all
+        but the block holding the prompt's last token, which the engine computes
+        for its logits."""
+        return min(run, max(0, len(self.keys) - 1)) if self.cacheable >= 0 else run
+
 
 @dataclass(slots=True)
 class Trace:
@@ -69,12 +79,8 @@ class Trace:
                 if key not in seen:
                     break
                 run += 1
-            # A recording's last prompt block is never a hit (engine.replay.replay_request).
-            hits += min(run, max(0, len(request.keys) - 1)) if request.cacheable >= 0 else run
-            keys = request.keys
-            if 0 <= request.cacheable < len(keys):
-                keys = keys[: request.cacheable]
-            seen.update(keys)
+            hits += request.served_hits(run)
+            seen.update(request.cacheable_keys())
             seen.update(request.output_keys)
         accesses = self.accesses
         return hits / accesses if accesses else 0.0

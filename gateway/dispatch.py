@@ -155,11 +155,6 @@ class Dispatcher:
                             series.queue_time.observe(out.queue_time_s)
                     yield batch
                 exhausted = True
-                prompt_tokens = usage.prompt[0] or len(sub.prompt.token_ids)
-                self.observer.finished(Finished(
-                    sub.context, replica.name, sub.prompt, prompt_tokens,
-                    usage.cached[0], usage.completion[0], arrival, parsed.user, generated, parsed.cache_salt,
-                ))
                 return
             except ValueError as exc:
                 # The engine refuses requests it cannot run (prompt too long for its
@@ -190,15 +185,18 @@ class Dispatcher:
             finally:
                 if produced:  # the replica did the prefill (and generated what came)
                     _count_work(series, usage, len(sub.prompt.token_ids), received, cached, predicted)
-                    if not exhausted and not restart:
-                        # Cut short (client gone, error mid-stream): the replica cached its
-                        # prompt all the same, which a recording and the reuse figures must
-                        # show (a restart elsewhere is the request's one record).
-                        self.observer.finished(Finished(
-                            sub.context, replica.name, sub.prompt, usage.prompt[0] or len(sub.prompt.token_ids),
-                            cached, max(usage.completion[0], received), arrival, parsed.user, generated,
-                            parsed.cache_salt,
-                        ))
+                if exhausted or (produced and not restart):
+                    # Run to its end, or cut short after its prefill (client gone, error
+                    # mid-stream): the replica cached its prompt all the same, which a
+                    # recording and the reuse figures must show (a restart elsewhere is
+                    # the request's one record).  Cut short, it has usage for its
+                    # finished choices only.
+                    self.observer.finished(Finished(
+                        sub.context, replica.name, sub.prompt, usage.prompt[0] or len(sub.prompt.token_ids),
+                        usage.cached[0] if exhausted else cached,
+                        usage.completion[0] if exhausted else max(usage.completion[0], received),
+                        arrival, parsed.user, generated, parsed.cache_salt,
+                    ))
                 try:
                     if not exhausted:
                         await aclose(gen)

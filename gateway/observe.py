@@ -145,7 +145,7 @@ class Observer:
             except (OSError, ValueError) as exc:
                 # A full disk (or a file gone from under it) must not fail requests:
                 # stop recording and say so once.
-                self._stop_recording(f"trace recording to {self.recorder.path} failed ({exc}); recording stopped")
+                self._stop_recording(exc)
 
     def block_identity(self, block_size: int, salt: str | bytes) -> None:
         """The engines' block identity, once a remote one has told it (it may differ
@@ -156,13 +156,13 @@ class Observer:
             try:
                 self.recorder.set_block_tokens(block_size)
             except OSError as exc:
-                self._stop_recording(f"trace recording to {self.recorder.path} failed ({exc}); recording stopped")
+                self._stop_recording(exc)
             else:
                 log.info("recording block ids per %d tokens from now on", block_size)
 
-    def _stop_recording(self, why: str) -> None:
+    def _stop_recording(self, exc: Exception) -> None:
         recorder, self.recorder = self.recorder, None
-        log.error("%s", why)
+        log.error("trace recording to %s failed (%s); recording stopped", recorder.path, exc)
         with contextlib.suppress(OSError, ValueError):
             recorder.close()  # flushing the line that failed may fail again
 
