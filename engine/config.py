@@ -346,6 +346,8 @@ def format_config_error(exc: ValidationError, source: str, model: type[BaseModel
     for err in exc.errors():
         loc = ".".join(str(part) for part in err["loc"]) or "(top level)"
         why = err["msg"]
+        if err["type"] == "value_error":
+            why = why.removeprefix("Value error, ")  # pydantic's wrapping of our own checks' words
         if err["type"] == "extra_forbidden" and model is not None:
             allowed = _allowed_keys(model, err["loc"][:-1])
             if allowed:

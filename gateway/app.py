@@ -75,6 +75,7 @@ class Gateway:
         self.limits = config.server.limits
         self.max_inflight = config.server.limits.max_inflight_requests
         self.admitted = 0  # requests past their body, for max_inflight_requests
+        self.pending_body_bytes = 0  # of bodies still arriving, for max_pending_body_bytes
         self.max_per_tenant = config.server.limits.max_inflight_per_tenant
         self.tenant_admitted: dict[str, int] = {}  # the same per tenant (only those with requests in flight)
         self.replicas = replicas
@@ -336,9 +337,8 @@ class Gateway:
                 return parse_json(raw)
             if request.content_length is not None and request.content_length > limit:
                 raise errors.too_large(limit)
-            raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
-        except web.HTTPRequestEntityTooLarge:
-            raise errors.too_large(limit) from None
+            raw = await asyncio.wait_for(self._read_pending_body(content, request.content_length, limit),
+                                         self.limits.body_timeout_s)
         except asyncio.TimeoutError:
             raise errors.body_timeout(self.limits.body_timeout_s) from None
         except RequestPayloadError:
@@ -346,6 +346,35 @@ class Gateway:
             raise bad_request("The request body could not be read: it does not decode as its Content-Encoding "
                               "says, or its framing is broken.") from None
         return parse_json(raw)
+
+    async def _read_pending_body(self, content, content_length: int | None, limit: int) -> bytes:
+        """A body still arriving, within limits.max_pending_body_bytes of all such
+        bodies together: a declared length is reserved before any of it is read,
+        a chunked body's bytes as they come.  Beyond the budget a 429 (OpenAI's
+        SDKs retry it), and the body is never buffered."""
+        budget = self.limits.max_pending_body_bytes
+        reserved = 0
+        try:
+            if content_length is not None and budget is not None:
+                if self.pending_body_bytes + content_length > budget:
+                    raise errors.bodies_overloaded(budget)
+                self.pending_body_bytes += content_length
+                reserved = content_length
+            chunks, size = [], 0
+            while chunk := await content.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise errors.too_large(limit)  # aiohttp decodes a compressed body as it comes
+                if size > reserved and budget is not None:
+                    grow = size - reserved
+                    if self.pending_body_bytes + grow > budget:
+                        raise errors.bodies_overloaded(budget)
+                    self.pending_body_bytes += grow
+                    reserved = size
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            self.pending_body_bytes -= reserved
 
     # -- completions
 

@@ -76,6 +76,20 @@ class LimitsConfig(Section):
     # one are not counted): more get 429, so one tenant's burst cannot fill the
     # engines' queues ahead of everyone else.  null: no per-tenant limit.
     max_inflight_per_tenant: int | None = Field(None, ge=1)
+    # Request bodies still arriving may hold at most this many bytes together
+    # (a body's Content-Length is reserved when its reading starts; a chunked one
+    # counts as it arrives).  More get 429 with Retry-After before their bytes
+    # are read, so slow or stalled uploads cannot fill memory with bodies of up
+    # to max_body_bytes each until body_timeout_s.  A body that arrived with its
+    # headers (any small request) is not counted.  null: no limit.
+    max_pending_body_bytes: int | None = Field(256 * 1024 * 1024, ge=1024)
+
+    @model_validator(mode="after")
+    def _one_body_fits(self) -> "LimitsConfig":
+        if self.max_pending_body_bytes is not None and self.max_pending_body_bytes < self.max_body_bytes:
+            raise ValueError(f"max_pending_body_bytes ({self.max_pending_body_bytes}) must be at least "
+                             f"max_body_bytes ({self.max_body_bytes}), or no body of that size could be read")
+        return self
 
 
 class ServerConfig(Section):

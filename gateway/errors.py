@@ -91,6 +91,11 @@ def overloaded(limit: int) -> ApiError:
                     "rate_limit_error", None, "server_overloaded")
 
 
+def bodies_overloaded(limit: int) -> ApiError:
+    return ApiError(429, f"The server is receiving too many request bodies at once ({limit} bytes together); "
+                    "retry shortly.", "rate_limit_error", None, "server_overloaded")
+
+
 def tenant_overloaded(limit: int) -> ApiError:
     return ApiError(429, f"Too many requests in flight for your organization ({limit} at once); retry shortly.",
                     "rate_limit_error", None, "rate_limit_exceeded")

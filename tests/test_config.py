@@ -358,8 +358,8 @@ def test_errors_give_the_line_of_their_key(tmp_path):
     text = ("model:\n  dtype: auto\nreplicas:\n  - kind: engine\n    url: http://e:8001\n"
             "  - kind: engine\n    name: engine\n    url: http://f:8001\nclassifier:\n  rules:\n    - when: tenant\n")
     assert _config_error(tmp_path, text).splitlines() == [
-        "c.yaml:11: classifier.rules.0: Value error, a rule with when: tenant needs tenant",
-        "c.yaml:7: replicas.1.name: Value error, 'engine' is the name a `kvgate engine` gives its own series "
+        "c.yaml:11: classifier.rules.0: a rule with when: tenant needs tenant",
+        "c.yaml:7: replicas.1.name: 'engine' is the name a `kvgate engine` gives its own series "
         "(dashboards drop them): choose another (got 'engine')",
     ]
 
@@ -380,7 +380,7 @@ def test_an_empty_string_is_refused(tmp_path, key):
     as a hub id; served_name and record_trace "" quietly meant null."""
     section, name = key.split(".")
     message = _config_error(tmp_path, f"{section}:\n  {name}: ''\n")
-    assert message.startswith(f"c.yaml:2: {key}: Value error, an empty string; ")
+    assert message.startswith(f"c.yaml:2: {key}: an empty string; ")
     assert ("leave the key out" in message) and ("null" in message or key == "model.cache_dir")
 
 
@@ -406,14 +406,14 @@ def test_an_empty_api_key_in_the_environment_is_refused(monkeypatch):
 ])
 def test_replica_metrics_url_is_checked_like_url(tmp_path, replica, why):
     # Unchecked, a bad one started fine and the external-load term silently disappeared.
-    assert f"c.yaml:2: replicas.0: Value error, {why}" in _config_error(tmp_path, f"replicas:\n  - {replica}\n")
+    assert f"c.yaml:2: replicas.0: {why}" in _config_error(tmp_path, f"replicas:\n  - {replica}\n")
 
 
 @pytest.mark.parametrize("interval", ["1.0e-6", "0.05"])
 def test_status_lines_are_off_or_at_least_a_second_apart(tmp_path, interval):
     # 1e-6 made an idle gateway spin at 100% CPU.
     message = _config_error(tmp_path, f"server:\n  log_stats_interval_s: {interval}\n")
-    assert message.startswith("c.yaml:2: server.log_stats_interval_s: Value error, give 0 (no status lines) or at "
+    assert message.startswith("c.yaml:2: server.log_stats_interval_s: give 0 (no status lines) or at "
                               "least 0.1 seconds")
     path = tmp_path / "ok.yaml"
     for ok in (0, 0.1):
@@ -498,3 +498,11 @@ async def test_a_file_rule_that_can_never_fire_is_warned_about_at_start(tiny_mod
         "classifier.file_min_tokens (2048) is not below the 2048 tokens the model serves (max_model_len): no request "
         "can be classified as a file, so the file rule, cache.workload_aware.overrides.file and signatures never "
         "apply; set classifier.file_min_tokens below 2048"], 2047: []}
+
+
+def test_the_pending_body_budget_must_hold_one_whole_body(tmp_path):
+    message = _config_error(tmp_path, "server:\n  limits:\n    max_body_bytes: 2048\n    max_pending_body_bytes: 1024\n")
+    assert "server.limits" in message and "must be at least max_body_bytes (2048)" in message
+    path = tmp_path / "ok.yaml"
+    path.write_text("server:\n  limits:\n    max_pending_body_bytes: null\n")
+    assert load_config(path).server.limits.max_pending_body_bytes is None

@@ -7,6 +7,7 @@ One module-scoped gateway with two in-process replicas serves most tests
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import openai
@@ -336,6 +337,52 @@ async def test_slow_uploads_hold_no_slot_and_time_out(tiny_model_dir):
             assert head.startswith(b"HTTP/1.1 408") and b"request_timeout" in head
             writer.close()
         assert app[GATEWAY].admitted == 0
+
+
+async def test_bodies_still_arriving_are_bounded_in_bytes(tiny_model_dir):
+    """limits.max_pending_body_bytes: stalled uploads reserve their declared
+    length (chunked ones what has come); past the budget a body gets 429 before
+    any of it is buffered, small requests are still served, and the budget
+    frees when the uploads end."""
+    mib = 1024 * 1024
+    limits = {"max_body_bytes": mib, "max_pending_body_bytes": 2 * mib, "body_timeout_s": 30.0}
+    config = _config(tiny_model_dir, replicas=1, limits=limits)
+    head = ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: {}\r\n\r\n")
+    chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n")
+    async with serving(create_app(config)) as (app, server, client):
+        gateway = app[GATEWAY]
+        host, port = server.url.split("//")[1].split(":")
+
+        async def connect(first: bytes):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(first)
+            await writer.drain()
+            return reader, writer
+
+        stalled = [await connect(head.format(mib).encode() + b"{") for _ in range(2)]
+        await wait_for(lambda: gateway.pending_body_bytes == 2 * mib, what="two reservations")
+        refused = [await connect(head.format(1000).encode() + b"{"),
+                   await connect(chunked + b"1\r\n{\r\n")]
+        for reader, writer in refused:
+            answer = await asyncio.wait_for(reader.read(4096), 10)
+            assert answer.startswith(b"HTTP/1.1 429") and b"Retry-After: 1" in answer
+            assert b'"code": "server_overloaded"' in answer and b"request bodies" in answer
+            writer.close()
+        # A small request arrives with its headers and needs no reservation.
+        done = await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert done.usage.completion_tokens >= 1
+        for reader, writer in stalled:
+            writer.close()
+        await wait_for(lambda: gateway.pending_body_bytes == 0, what="the stalled uploads' release")
+        # A chunked body is counted as it arrives and served in full once the room is back.
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+        reader, writer = await connect(chunked + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        answer = await asyncio.wait_for(reader.read(65536), 60)
+        assert answer.startswith(b"HTTP/1.1 200") and b'"completion_tokens"' in answer
+        writer.close()
+        assert gateway.pending_body_bytes == 0
 
 
 async def test_one_tenant_cannot_hold_more_than_its_share_in_flight(tiny_model_dir):
