@@ -381,6 +381,7 @@ class Gateway:
     async def serve(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         start = time.perf_counter()
         workload = "unknown"
+        subs: list[Sub] = []
         status = "500"
         task = asyncio.current_task()
         self.live.add(task)
@@ -445,7 +446,7 @@ class Gateway:
                     del self.tenant_admitted[tenant_admitted]  # bounded by the tenants with requests in flight
             self.metrics.requests.labels(endpoint, workload, status).inc()
             if status == "200":
-                self.metrics.e2e.labels(workload).observe(time.perf_counter() - start)
+                self.metrics.request_series(workload, subs[0].replica).e2e.observe(time.perf_counter() - start)
 
     async def prepare(self, request: web.Request, parsed: ParsedRequest, principal: Principal) -> tuple[list[Sub], int]:
         """Tokenise, check lengths, classify: everything before routing."""

@@ -46,6 +46,7 @@ class Sub:
     source: object  # the prompt as the client sent it (for external replicas)
     context: RequestContext
     shift: int  # choice index offset of this prompt's choices
+    replica: str = ""  # the replica serving it now (set by the dispatcher), for latency series
 
 
 class Dispatcher:
@@ -108,6 +109,7 @@ class Dispatcher:
                                          "rate_limit_error", "server_overloaded")
                 raise errors.no_replica()
             replica = self.replicas[decision.replica]
+            sub.replica = replica.name
             ticket = router.acquire(decision.replica, load, sub.prompt.keys, decision.matched_blocks)
             self.metrics.decisions.labels(replica.name, decision.reason).inc()
             series = self.metrics.request_series(workload, replica.name)

@@ -62,6 +62,8 @@ class RequestSeries(NamedTuple):
     predicted_hits: "_CounterChild"
     prompt_tokens: "_CounterChild"
     generation_tokens: "_CounterChild"
+    ttft: "_HistogramChild"
+    e2e: "_HistogramChild"
 
 
 def _kvgate_version() -> str:
@@ -100,12 +102,13 @@ class GatewayMetrics:
         self.ttft = LoopHistogram(
             "kvgate_time_to_first_token_seconds", "Time from request arrival until the gateway has the first "
             "generated tokens from the replica (a stream sends them then; a non-streaming response waits for the "
-            "whole answer).",
-            ["workload"], buckets=_LATENCY_BUCKETS, registry=r,
+            "whole answer), by the replica that sent them.",
+            ["workload", "replica"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.e2e = LoopHistogram(
-            "kvgate_e2e_request_latency_seconds", "Time from arrival to the last byte of successful (HTTP 200) requests.",
-            ["workload"], buckets=_LATENCY_BUCKETS, registry=r,
+            "kvgate_e2e_request_latency_seconds", "Time from arrival to the last byte of successful (HTTP 200) requests, "
+            "by the replica that served the request's (first) prompt.",
+            ["workload", "replica"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.queue_time = LoopHistogram(
             "kvgate_queue_time_seconds", "Time an engine request waited before its first step (one per request, "
@@ -116,11 +119,8 @@ class GatewayMetrics:
             "kvgate_inter_token_latency_seconds", "Time between successive deltas of one choice as the gateway receives them (tokens that arrive together are one delta).",
             ["workload", "replica"], buckets=_ITL_BUCKETS, registry=r,
         )
-        # (Queue time and inter-token latency are by replica too, which finds a slow
-        # one; from zero, as the request counts above: watch_replica.)
-        for histogram in (self.ttft, self.e2e):
-            for workload in WORKLOADS:
-                histogram.labels(workload)  # from zero, as the request counts above
+        # (The latency histograms are by replica, which finds a slow one; from zero,
+        # as the request counts above: watch_replica.)
         self.prefix_queries = LoopCounter(
             "kvgate_prefix_cache_queries_tokens", "Prompt tokens looked up in a replica's prefix cache.",
             ["workload", "replica"], registry=r,
@@ -171,6 +171,7 @@ class GatewayMetrics:
                 self.prefix_queries.labels(workload, replica), self.prefix_hits.labels(workload, replica),
                 self.predicted_hits.labels(workload, replica), self.prompt_tokens.labels(workload, replica),
                 self.generation_tokens.labels(workload, replica),
+                self.ttft.labels(workload, replica), self.e2e.labels(workload, replica),
             )
         return series
 

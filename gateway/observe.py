@@ -121,8 +121,8 @@ class Observer:
 
     # -- request hooks
 
-    def first_token(self, workload: str, ttft_s: float) -> None:
-        self.metrics.ttft.labels(workload).observe(ttft_s)
+    def first_token(self, workload: str, replica: str, ttft_s: float) -> None:
+        self.metrics.request_series(workload, replica).ttft.observe(ttft_s)
         self.history.first_token(ttft_s, time.monotonic())
 
     def finished(self, done: Finished) -> None:

@@ -88,7 +88,7 @@ class Responder:
                     group = ((0, group),)
                 if first:
                     first = False
-                    self.observer.first_token(workload, time.perf_counter() - start)
+                    self.observer.first_token(workload, subs[group[0][0] // n].replica, time.perf_counter() - start)
                 for shift, batch in group:
                     if batch is RESTART:
                         # Its replica failed mid-way: the sub-request starts over on another.
@@ -151,7 +151,7 @@ class Responder:
                             if self.engine_mode and out.cached_tokens is not None:
                                 resp.headers[CACHED_TOKENS_HEADER] = str(out.cached_tokens)
                             await resp.prepare(request)
-                            self.observer.first_token(workload, time.perf_counter() - start)
+                            self.observer.first_token(workload, subs[sub].replica, time.perf_counter() - start)
                         index = shift + out.index
                         state = states[index]
                         text = out.text

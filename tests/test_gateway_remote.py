@@ -220,6 +220,11 @@ async def test_dead_replica_is_retried_before_first_byte_and_leaves_routing(tiny
                 text = await resp.text()
         assert sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
                    if sample.name == "kvgate_queue_time_seconds_count") == 6
+        # Time to first token and end-to-end latency go to the replica that answered, not the one retried away from.
+        for name in ("kvgate_time_to_first_token_seconds_count", "kvgate_e2e_request_latency_seconds_count"):
+            by_replica = {sample.labels["replica"]: sample.value for family in text_string_to_metric_families(text)
+                          for sample in family.samples if sample.name == name and sample.labels["workload"] == "to-c"}
+            assert by_replica == {replicas[0].name: 6, replicas[1].name: 0}, name
         assert app[GATEWAY].router.inflight_requests == [0, 0]
         assert [m.id for m in (await client.models.list()).data] == [MODEL]  # one replica is enough
     finally:
