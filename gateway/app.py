@@ -661,7 +661,9 @@ async def _unmatched(request: web.Request) -> web.Response:
         if resource is not request.match_info.route.resource:
             allowed |= (await resource.resolve(request))[1]
     if allowed:
-        raise ApiError(405, f"Method {request.method} not allowed for {request.path}.", code="method_not_allowed")
+        resp = ApiError(405, f"Method {request.method} not allowed for {request.path}.", code="method_not_allowed").response()
+        resp.headers["Allow"] = ", ".join(sorted(allowed))  # a 405 says what is allowed (RFC 9110)
+        return resp
     raise errors.not_found(request.path)
 
 

@@ -122,7 +122,7 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
     """Validate a request body; ``engine_mode`` (`kvgate engine`) lets completions
     carry chat's top_logprobs range, since a gateway forwards chat as token ids."""
     model = body.get("model")
-    if model is None:
+    if model is None or model == "":
         raise bad_request("you must provide a model parameter", "model")
     if not isinstance(model, str) or not model:
         raise bad_request(_type_msg("model", "a string", model), "model")
@@ -156,6 +156,8 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
         req.top_with_sampled = not engine_mode
         if "echo" in body or "suffix" in body or "best_of" in body:
             _parse_completion_extras(req, body)
+    if not _VLLM_EXTENSIONS.keys().isdisjoint(body) and req.engine_unsupported is None:
+        _check_vllm_extensions(req, body, endpoint)
     # Each prompt's n choices are decoded on their own: cap one request's share.
     n, prompts = req.sampling.n, len(req.prompts) if req.prompts is not None else 1
     if prompts * n > limits.max_choices:
@@ -166,6 +168,40 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
 
 
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+# vLLM's request extensions the kvgate engine does not do, each with the test for
+# a value that asks for something (a default value changes nothing).  Answered
+# in plain text they would look honoured: a 400 instead, or an external server.
+_VLLM_EXTENSIONS = {
+    "guided_json": lambda v: v is not None,
+    "guided_regex": lambda v: v is not None,
+    "guided_choice": lambda v: v is not None,
+    "guided_grammar": lambda v: v is not None,
+    "structured_outputs": lambda v: v is not None,
+    "allowed_token_ids": lambda v: v is not None,
+    "bad_words": lambda v: bool(v),
+    "logits_processors": lambda v: bool(v),
+    "prompt_logprobs": lambda v: v is not None,
+    "truncate_prompt_tokens": lambda v: v is not None,
+    "use_beam_search": lambda v: bool(v),
+    "skip_special_tokens": lambda v: v is False,
+    "add_generation_prompt": lambda v: v is False,
+    "continue_final_message": lambda v: bool(v),
+    "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") != "text",
+}
+_CHAT_ONLY = ("add_generation_prompt", "continue_final_message")
+
+
+def _check_vllm_extensions(req: ParsedRequest, body: dict, endpoint: str) -> None:
+    for field, asks in _VLLM_EXTENSIONS.items():
+        if field not in body or (field == "response_format" and endpoint == CHAT):  # chat's: _parse_chat_extras
+            continue
+        if field in _CHAT_ONLY and endpoint != CHAT:
+            continue
+        if asks(body[field]):
+            req.engine_unsupported = (f"'{field}' is not supported by the kvgate engine; send it to a gateway in front "
+                                      "of a server that supports it (e.g. vLLM).", field)
+            return
 
 
 def _parse_chat_extras(req: ParsedRequest, body: dict) -> None:
@@ -279,9 +315,11 @@ def _parse_sampling(req: ParsedRequest, body: dict, limits: LimitsConfig, max_lo
         s.include_stop_str_in_output = _bool(body, "include_stop_str_in_output", False)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(type(x) is int and x >= 0 for x in stop_ids):
-            raise bad_request(_type_msg("stop_token_ids", "an array of token ids (integers >= 0)", stop_ids),
+        if not isinstance(stop_ids, list) or not all(type(x) is int for x in stop_ids):
+            raise bad_request(_type_msg("stop_token_ids", "an array of token ids (integers)", stop_ids),
                               "stop_token_ids")
+        if any(x < 0 for x in stop_ids):
+            raise bad_request(f"Invalid 'stop_token_ids': {min(stop_ids)}. Token ids must be 0 or more.", "stop_token_ids")
         if len(stop_ids) > _MAX_STOP_TOKEN_IDS:
             raise bad_request(f"'stop_token_ids' may hold at most {_MAX_STOP_TOKEN_IDS} ids, got {len(stop_ids)}.",
                               "stop_token_ids")

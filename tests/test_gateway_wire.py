@@ -159,6 +159,11 @@ async def test_vllm_sampling_extensions(gw):
         with pytest.raises(openai.BadRequestError) as info:
             await client.completions.create(**base, extra_body=body)
         assert info.value.body["param"] == param, body
+    # The value, not its type, is what is wrong: the message says so.
+    with pytest.raises(openai.BadRequestError, match=r"Invalid 'stop_token_ids': -1\. Token ids must be 0 or more"):
+        await client.completions.create(**base, extra_body={"stop_token_ids": [3, -1]})
+    with pytest.raises(openai.BadRequestError, match="you must provide a model parameter"):
+        await client.completions.create(**dict(base, model=""))
 
 
 async def test_logit_bias_and_echo(gw):
@@ -246,6 +251,41 @@ async def test_completion_fields_the_engine_cannot_honour_are_refused(gw, fields
         await client.completions.create(model=MODEL, prompt="x", max_tokens=2, best_of=3, stream=True)
 
 
+@pytest.mark.parametrize("endpoint, fields", [
+    ("chat", {"guided_choice": ["yes", "no"]}),
+    ("chat", {"guided_json": {"type": "object"}}),
+    ("chat", {"structured_outputs": {"regex": "[0-9]+"}}),
+    ("chat", {"bad_words": ["Hello"]}),
+    ("chat", {"allowed_token_ids": [1, 2]}),
+    ("chat", {"add_generation_prompt": False}),
+    ("chat", {"continue_final_message": True}),
+    ("completions", {"guided_regex": "[0-9]+"}),
+    ("completions", {"response_format": {"type": "json_object"}}),
+    ("completions", {"prompt_logprobs": 1}),
+    ("completions", {"truncate_prompt_tokens": 8}),
+    ("completions", {"use_beam_search": True}),
+    ("completions", {"skip_special_tokens": False}),
+])
+async def test_vllm_extensions_the_engine_cannot_honour_are_refused(gw, endpoint, fields):
+    """vLLM's own request fields for guided decoding, banned words and prompt
+    handling: answered in plain text they would look honoured, so a 400 naming
+    the field; their default values change nothing and pass."""
+    app, server, client, engines, seen = gw
+    (field, value), = fields.items()
+    if endpoint == "chat":
+        create = lambda **kw: client.chat.completions.create(  # noqa: E731
+            model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=2, **kw)
+    else:
+        create = lambda **kw: client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kw)  # noqa: E731
+    with pytest.raises(openai.BadRequestError) as err:
+        await create(extra_body=fields)
+    assert err.value.body["param"] == field and "not supported by the kvgate engine" in err.value.message
+    defaults = {"bad_words": [], "add_generation_prompt": True, "continue_final_message": False,
+                "use_beam_search": False, "skip_special_tokens": True, "response_format": {"type": "text"}}
+    ok = await create(extra_body={field: defaults.get(field)})
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
 async def test_errors_are_sdk_exceptions_and_server_survives(gw):
     app, server, client, engines, seen = gw
     with pytest.raises(openai.NotFoundError) as info:
@@ -277,6 +317,7 @@ async def test_errors_are_sdk_exceptions_and_server_survives(gw):
         # A known path with the wrong method: 405, still in OpenAI's error shape.
         async with s.get(server.url + "/v1/chat/completions") as r:
             assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
+            assert r.headers["Allow"] == "POST"
         async with s.head(server.url + "/health") as r:
             assert r.status == 200
         async with s.get(server.url + "/health") as r:
