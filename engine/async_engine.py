@@ -304,6 +304,10 @@ class AsyncEngine:
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
         if not 0 <= s.min_p <= 1 or s.repetition_penalty <= 0 or not 0 <= s.min_tokens <= s.max_tokens:
             raise ValueError("need 0 <= min_p <= 1, repetition_penalty > 0 and 0 <= min_tokens <= max_tokens")
+        # Choice i is seeded with seed + i; torch takes 64 bits (a negative seed wraps).
+        if s.seed is not None and not -(2**63) <= s.seed <= 2**64 - s.n:
+            raise ValueError(f"seed must lie in [-2**63, 2**64 - n] so that seed + choice index fits in 64 bits "
+                             f"(got seed={s.seed}, n={s.n})")
 
     # ---- the loop (event loop thread) -----------------------------------------
 
@@ -341,7 +345,11 @@ class AsyncEngine:
             # This very request, not only its id: one aborted before the loop
             # took it in may have had its id reused by a new request since.
             if self._requests.get(state.request.request_id) is state:
-                self._add(state)
+                try:
+                    self._add(state)
+                except Exception as exc:  # noqa: BLE001 - fail this request, not its reader's wait
+                    log.exception("could not take in request %s", state.request.request_id)
+                    self._fail_add(state, exc)
         aborts, self._pending_aborts = self._pending_aborts, []
         for request_id in aborts:
             self._abort_now(request_id)
@@ -359,6 +367,20 @@ class AsyncEngine:
         # prompt, then take its blocks from the prefix cache.
         first.forks = forks
         self.scheduler.add(first)
+
+    def _fail_add(self, state: _RequestState, exc: Exception) -> None:
+        """Drop a request whose intake raised and hand the error to its reader."""
+        for seq in state.seqs:
+            try:
+                self.scheduler.finish(seq, "abort")  # no-op bookkeeping if it never reached the scheduler
+            except Exception:  # noqa: BLE001
+                log.exception("could not release the blocks of %s", state.request.request_id)
+                seq.status, seq.block_table = Status.FINISHED, []
+        del self._requests[state.request.request_id]
+        # A RuntimeError: the gateway reads a ValueError as the caller's fault (400).
+        error = RuntimeError(f"engine could not take in the request: {exc}")
+        error.__cause__ = exc
+        state.queue.put_nowait(error)
 
     def _abort_now(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)

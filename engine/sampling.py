@@ -107,15 +107,16 @@ class SequenceSampler:
                 self._bias = (ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype))
             logits = logits.clone()
             logits[self._bias[0]] += self._bias[1]
+        # vLLM's order: repetition, then frequency, then presence (the results differ otherwise).
+        if p.repetition_penalty != 1.0:
+            seen = self._seen_mask(logits.shape[-1])
+            rp = p.repetition_penalty
+            logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
         if self.counts and (p.presence_penalty or p.frequency_penalty):
             ids = torch.tensor(list(self.counts), dtype=torch.long)
             counts = torch.tensor(list(self.counts.values()), dtype=logits.dtype)
             logits = logits.clone()
             logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
-        if p.repetition_penalty != 1.0:
-            seen = self._seen_mask(logits.shape[-1])
-            rp = p.repetition_penalty
-            logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
         if self.num_generated < p.min_tokens:
             if self._end_ids is None:
                 ends = [t for t in self.eos_ids | self.stop_ids if 0 <= t < logits.shape[-1]]

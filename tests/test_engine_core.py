@@ -438,3 +438,35 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(engines
     engine._step = real_step
     out = await asyncio.wait_for(collect(engine, greedy("b", list(range(5, 40)), 4)), 30)
     assert len(tokens(out[0])) == 4
+
+
+async def test_a_seed_whose_choices_overflow_64_bits_is_refused(engines):
+    """Choice i is seeded with seed + i: past 2**64 - 1 torch cannot take it, so
+    the request is refused up front (it used to hang its reader)."""
+    engine = engines()
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=2**64 - 1, n=2)
+    with pytest.raises(ValueError, match=r"seed must lie in \[-2\*\*63, 2\*\*64 - n\]"):
+        await asyncio.wait_for(collect(engine, GenerationRequest("seed", [5, 6, 7], params)), 30)
+    # The largest seed that fits still runs.
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=2**64 - 2, n=2)
+    out = await asyncio.wait_for(collect(engine, GenerationRequest("seed", [5, 6, 7], params)), 30)
+    assert sorted(out) == [0, 1] and all(len(tokens(v)) == 3 for v in out.values())
+
+
+async def test_a_request_that_fails_to_be_taken_in_fails_its_reader_and_the_engine_serves_on(engines):
+    """An exception while the loop takes a request in reaches that request's
+    reader (it used to be only logged, the reader waiting forever); its state is
+    dropped and later requests are served."""
+    engine = engines()
+    real_add = engine.scheduler.add
+
+    def failing_add(seq, front=False):
+        raise RuntimeError("injected")
+
+    engine.scheduler.add = failing_add
+    with pytest.raises(RuntimeError, match="could not take in the request: injected"):
+        await asyncio.wait_for(collect(engine, greedy("a", list(range(5, 20)), 4, n=2)), 30)
+    assert not engine._requests
+    engine.scheduler.add = real_add
+    out = await asyncio.wait_for(collect(engine, greedy("a", list(range(5, 20)), 4)), 30)
+    assert len(tokens(out[0])) == 4

@@ -255,6 +255,21 @@ def test_repetition_penalty_counts_prompt_and_output_tokens_as_vllm():
     assert penal.sample(torch.tensor([-1.5, -1.6, -1.7, -1.0]))[0] == 0  # token 3: -1.0 x 2 = -2.0
 
 
+def test_repetition_penalty_comes_before_frequency_and_presence_as_vllm():
+    # vLLM: repetition first, then frequency, then presence.  Token 0 (2.0, generated
+    # once): 2.0 / 2 - 1.0 = 0.0 < 0.3, so token 1 wins; the other order gives 0.5.
+    logits = torch.tensor([2.0, 0.3, -5.0, -5.0])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0)
+    sampler = SequenceSampler(params, _Tok(), [2], set())
+    sampler.accept(0, 0, 100)
+    assert sampler.sample(logits)[0] == 1
+    # Presence likewise: 1.0 / 2 - 0.6 = -0.1 < 0.0 (the other order: (1.0 - 0.6) / 2 = 0.2).
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, presence_penalty=0.6)
+    sampler = SequenceSampler(params, _Tok(), [2], set())
+    sampler.accept(0, 0, 100)
+    assert sampler.sample(torch.tensor([1.0, 0.0, -5.0, -5.0]))[0] == 1
+
+
 def test_min_tokens_holds_back_eos_stop_ids_and_stop_strings():
     eos, stop_id = 300, 301
     params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=3, stop=["b"], stop_token_ids=[stop_id])
