@@ -26,7 +26,15 @@ from gateway.metrics import GatewayMetrics, RequestSeries
 from gateway.observe import Finished, Observer
 from gateway.prefix import Prompt
 from gateway.protocol import CHAT, ParsedRequest, new_id
-from gateway.replicas import USAGE_ALL, Job, Replica, ReplicaBusy, ReplicaUnavailable, UpstreamError
+from gateway.replicas import (
+    USAGE_ALL,
+    Job,
+    Replica,
+    ReplicaAnswerFailed,
+    ReplicaBusy,
+    ReplicaUnavailable,
+    UpstreamError,
+)
 from gateway.router import Router
 from gateway.usage import UsageSum
 
@@ -94,6 +102,9 @@ class Dispatcher:
         arrival = time.monotonic()
         tried: list[int] = []
         busy: ReplicaBusy | None = None
+        # Replicas that failed this request with a server error: their failure is
+        # counted once another replica serves it (the request was not the cause).
+        answer_failed: list[tuple[Replica, ReplicaAnswerFailed]] = []
         restart = False
         # A request only an external server can honour (tools, JSON output) goes to one.
         external_only = parsed.engine_unsupported is not None
@@ -107,6 +118,10 @@ class Dispatcher:
                 if busy is not None:  # every replica that could take it refused: at capacity
                     raise errors.relayed(429, busy.body, "Every replica is at capacity; retry shortly.",
                                          "rate_limit_error", "server_overloaded")
+                if answer_failed:  # every replica failed it: the client gets what the last one said
+                    failed = answer_failed[-1][1]
+                    raise errors.relayed(failed.status, failed.body, "The model server failed the request.",
+                                         "api_error") from None
                 raise errors.no_replica()
             replica = self.replicas[decision.replica]
             sub.replica = replica.name
@@ -130,6 +145,10 @@ class Dispatcher:
             gen = replica.generate(job)
             try:
                 async for batch in gen:
+                    if not produced and answer_failed:
+                        for failed_replica, _ in answer_failed:
+                            failed_replica.note_request_failure()
+                        answer_failed.clear()
                     produced = True
                     # Tokens that arrived together leave as one delta per choice (one
                     # frame), and the inter-token gap is measured between deltas:
@@ -181,6 +200,8 @@ class Dispatcher:
                             "failed mid-response" if produced else "unavailable", exc)
                 restart = produced
                 tried.append(decision.replica)
+                if isinstance(exc, ReplicaAnswerFailed):
+                    answer_failed.append((replica, exc))
             except UpstreamError as exc:
                 status = exc.status if 400 <= exc.status < 600 else 502
                 raise errors.relayed(status, exc.body, str(exc), "api_error") from None

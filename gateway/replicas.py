@@ -67,6 +67,25 @@ class ReplicaBusy(ReplicaUnavailable):
         self.body = body
 
 
+class ReplicaAnswerFailed(ReplicaUnavailable):
+    """The replica answered a well-formed server error (HTTP 5xx, or an error
+    event before the first token).  The request itself may be the cause, so it
+    counts toward the replica's breaker only once another replica has served the
+    same request (``Replica.note_request_failure``): a request that fails
+    everywhere must not take the whole fleet out of routing.  ``status`` and
+    ``body`` are for the client when every replica fails it."""
+
+    def __init__(self, message: str, status: int, body: dict) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+class ReplicaStopping(ReplicaUnavailable):
+    """The replica is shutting down and ended the request (a `kvgate engine`
+    past its drain time): another replica may take it; no failure of this one."""
+
+
 class UpstreamError(RuntimeError):
     """The replica answered with an OpenAI error; ``status`` and ``body`` pass through."""
 
@@ -120,6 +139,9 @@ class Replica:
         """The job's outputs in lists: each holds what arrived together, so the
         gateway sends it in one write.  Closing the iterator aborts the job."""
         raise NotImplementedError
+
+    def note_request_failure(self) -> None:
+        """A request this replica failed (``ReplicaAnswerFailed``) was served by another."""
 
 
 # ----------------------------------------------------------------------------- in-process
@@ -290,13 +312,17 @@ class RemoteReplica(Replica):
         # each good probe (at a few requests per probe interval it never tripped).
         self._probe_failures = 0
         self._request_failures = 0
+        # When the current run of failures began: a stream with output since then
+        # is being served, and a breaker trip leaves it to finish.
+        self._failing_since: float | None = None
+        self._key_refused = False  # /kv_events answered 401/403: said once, not at every retry
         # When any request last got output from this replica: a request left silent
         # for read_timeout_s while nothing else came either is a hung replica's.
         self._last_output = time.monotonic()
         self._open_until = 0.0
         self._trip_reason = ""
         self._following = False
-        self._live: set[aiohttp.ClientResponse] = set()
+        self._live: dict[aiohttp.ClientResponse, float] = {}  # -> when it last had output (0: none yet)
         self._events_resp: aiohttp.ClientResponse | None = None  # the /kv_events stream being followed
         # Resolved when the breaker opens: requests still waiting for their
         # response headers give up then (and go to another replica).
@@ -427,6 +453,8 @@ class RemoteReplica(Replica):
             await asyncio.sleep(interval)
             if await self._probe():
                 self._probe_failures = 0
+                if not self._request_failures:
+                    self._failing_since = None
                 if self.kind == "openai" and not self.info_known:
                     # Down when the gateway started: its model name is still to learn.
                     with contextlib.suppress(Exception):
@@ -442,7 +470,12 @@ class RemoteReplica(Replica):
             log.info("replica %s is healthy: %s routing", self.name, "back in" if self._was_healthy else "in")
         self.healthy = self._was_healthy = True
 
+    def note_request_failure(self) -> None:
+        self._note_failure()
+
     def _note_failure(self, probe: bool = False) -> None:
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
         if probe:
             self._probe_failures += 1
             failures, what = self._probe_failures, "probes"
@@ -461,11 +494,15 @@ class RemoteReplica(Replica):
         self.healthy = False
         self._trip_reason = why  # what the streams it cuts tell their clients
         self._probe_failures = self._request_failures = 0
+        failing_since, self._failing_since = self._failing_since, None
         self._open_until = time.monotonic() + self.router_cfg.breaker_reset_s
         if isinstance(self.index, ApproxIndex):
             self.index.clear()  # a restarted server holds none of it
         if not self.draining:
-            self._cut_live()
+            # Streams with output since the failures began are being served (a
+            # replica too busy for its probes): they finish.  The rest, hung or
+            # not yet started, are cut; those with no output go to another replica.
+            self._cut_live(spare_since=failing_since)
             if self.kind == "engine":
                 # Whatever comes back after the breaker (this engine or a restarted
                 # one) rejoins on a fresh snapshot and /kvgate/info, not on the
@@ -474,10 +511,11 @@ class RemoteReplica(Replica):
                 if self._events_resp is not None:
                     self._events_resp.close()  # its reader fails at once: a resync
 
-    def _cut_live(self) -> None:
+    def _cut_live(self, spare_since: float | None = None) -> None:
         # Closing a response makes its reader fail at once (-> an error event).
-        for resp in list(self._live):
-            resp.close()
+        for resp, last_output in list(self._live.items()):
+            if spare_since is None or last_output <= spare_since:
+                resp.close()
         if self._cut is not None and not self._cut.done():
             self._cut.set_result(None)
         self._cut = None
@@ -502,8 +540,16 @@ class RemoteReplica(Replica):
                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
                                                   sock_read=_KV_EVENTS_SILENT_S),
                 ) as resp:
+                    if resp.status in (401, 403):
+                        # Its /health needs no key, so nothing else shows it: a setting to fix.
+                        if not self._key_refused:
+                            log.warning("replica %s refuses the gateway's key (/kv_events answered %d): it stays out "
+                                        "of routing until its replicas[].api_key is one of the engine's keys",
+                                        self.name, resp.status)
+                        self._key_refused = True
                     if resp.status != 200:
                         raise ReplicaUnavailable(f"/kv_events answered {resp.status}")
+                    self._key_refused = False
                     self._events_resp = resp
                     last = None
                     async for event, data in _sse_events(resp.content):
@@ -531,6 +577,7 @@ class RemoteReplica(Replica):
                                 raise ReplicaUnavailable(f"/kvgate/info failed: {_plain_reason(exc)}") from None
                             self._following = True
                             self._probe_failures = self._request_failures = 0  # a (re)started engine
+                            self._failing_since = None
                             self._maybe_rejoin()
                             backoff = 0.2
                             continue
@@ -550,7 +597,7 @@ class RemoteReplica(Replica):
                 if self.healthy:
                     self._trip(f"unreachable ({exc})")
             except Exception as exc:  # noqa: BLE001 - any other failure means: resync
-                if not self.draining:  # a stopping engine ends the stream on purpose
+                if not self.draining and not self._key_refused:  # a stopping engine ends it on purpose
                     log.info("replica %s: kv event stream lost (%s); resyncing", self.name,
                              exc if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc))
             finally:
@@ -688,7 +735,7 @@ class RemoteReplica(Replica):
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             self._note_failure()
             raise ReplicaUnavailable(f"replica {self.name}: {_plain_reason(exc)}") from exc
-        self._live.add(resp)
+        self._live[resp] = 0.0
         produced = False
         try:
             if resp.status != 200:
@@ -698,8 +745,10 @@ class RemoteReplica(Replica):
                     err = {}
                 if resp.status == 429:
                     raise ReplicaBusy(f"replica {self.name} is at capacity", err if isinstance(err, dict) else {})
-                if resp.status >= 500 or not isinstance(err, dict) or "error" not in err:
+                if not isinstance(err, dict) or "error" not in err:
                     raise ReplicaUnavailable(f"replica {self.name} answered {resp.status}")  # counted below
+                if resp.status >= 500:
+                    raise ReplicaAnswerFailed(f"replica {self.name} answered {resp.status}", resp.status, err)
                 raise UpstreamError(resp.status, err)
             if isinstance(self.index, ApproxIndex):
                 # Only a prompt the server accepted can be in its cache.
@@ -716,22 +765,28 @@ class RemoteReplica(Replica):
                     break
                 if isinstance(chunk, dict) and "error" in chunk:
                     status = _in_stream_error_status(chunk)
+                    if status == 503 and _error_code(chunk) == "server_shutting_down":
+                        # Past its drain time: nothing of this replica's failing, and a
+                        # non-streaming answer may start over elsewhere.
+                        raise ReplicaStopping(f"replica {self.name} is shutting down")
                     if status >= 500 and not produced:
                         # Failed before a token (vLLM and SGLang answer 200, then the
-                        # error): another replica may well succeed, and this one's
-                        # failures must count toward its breaker.
-                        raise ReplicaUnavailable(f"replica {self.name} failed before its first token: "
-                                                 f"{UpstreamError(status, chunk)}")
+                        # error): another replica may well succeed, and if it does,
+                        # this failure counts toward this one's breaker.
+                        raise ReplicaAnswerFailed(f"replica {self.name} failed before its first token: "
+                                                  f"{UpstreamError(status, chunk)}", status, chunk)
                     raise UpstreamError(status, chunk)
                 batch = _outputs_of(chunk, rid, chat)
                 finished.update(o.index for o in batch if o.finish_reason is not None)
                 if batch:
                     if not produced:
                         self._request_failures = 0  # a 200 alone is not success: an error event may follow
+                        if not self._probe_failures:
+                            self._failing_since = None
                         batch[0].queue_time_s = queue_time
                         batch[0].cached_tokens = cached
                     produced = True
-                    self._last_output = time.monotonic()
+                    self._last_output = self._live[resp] = time.monotonic()
                     yield batch
             if not ended and len(finished) < job.request.sampling.n:
                 # EOF without [DONE] before every choice finished: a silent
@@ -747,8 +802,8 @@ class RemoteReplica(Replica):
             if not produced and self._last_output < started:
                 self._note_failure()
             raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
-        except ReplicaBusy:
-            raise  # at capacity, not failing
+        except (ReplicaBusy, ReplicaAnswerFailed, ReplicaStopping):
+            raise  # at capacity, or counted by the dispatcher, or leaving: not failing here
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, ReplicaUnavailable) as exc:
             # ValueError: a broken frame (JSONDecodeError) from a dying server.
             reason = str(exc) if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc)
@@ -769,7 +824,7 @@ class RemoteReplica(Replica):
                 raise
             raise ReplicaUnavailable(f"replica {self.name} failed mid-request: {reason}") from exc
         finally:
-            self._live.discard(resp)
+            self._live.pop(resp, None)
             # Closing the connection is what aborts the request upstream.
             resp.close()
 
@@ -874,11 +929,18 @@ class _EndedEarly(ReplicaUnavailable):
     """A stream that ended cleanly (no broken connection) before [DONE]."""
 
 
+def _error_code(chunk: dict) -> object:
+    error = chunk.get("error")
+    return error.get("code") if isinstance(error, dict) else None
+
+
 def _in_stream_error_status(chunk: dict) -> int:
     """The HTTP status an error event stands for: its ``code`` when that is one
-    (vLLM sends 400 for a request it refuses mid-stream), else 500."""
-    error = chunk.get("error")
-    code = error.get("code") if isinstance(error, dict) else None
+    (vLLM sends 400 for a request it refuses mid-stream), 503 for a `kvgate
+    engine` that is shutting down, else 500."""
+    code = _error_code(chunk)
+    if code == "server_shutting_down":
+        return 503
     return code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599 else 500
 
 

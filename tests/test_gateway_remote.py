@@ -22,7 +22,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import GATEWAY, create_app
-from gateway.config import ReplicaConfig, RouterConfig
+from gateway.config import ApiKeyConfig, ReplicaConfig, RouterConfig
 from gateway.replicas import ReplicaUnavailable, parse_backend_metrics
 from gateway.server import start_server
 from tests.engine_procs import (
@@ -1539,4 +1539,128 @@ async def test_a_kvgate_engine_refuses_a_session_no_gateway_would_send(tiny_mode
                 error = (await resp.json())["error"]
                 assert resp.status == 400 and error["param"] == "kvgate_context.session", error
     finally:
+        await server.stop()
+
+
+async def test_a_request_every_replica_fails_leaves_the_fleet_in_routing(tiny_model_dir):
+    """One request that makes every server answer 500 (a poison prompt), sent
+    with the SDK's retries: each replica's failure is counted only once another
+    replica has served the same request, so the fleet stays in routing, other
+    clients' streams run on, and the client gets the servers' own error."""
+    async def poisoned(request):
+        body = await request.json()
+        if body["messages"][-1]["content"] == "poison":
+            if body.get("stream"):  # vLLM's way: 200, then an error event before any token
+                return web.Response(body=_sse({"error": {"message": "EngineCore hit NaN", "type": "InternalServerError",
+                                                         "code": 500}}) + b"data: [DONE]\n\n",
+                                    content_type="text/event-stream")
+            return web.json_response({"error": {"message": "EngineCore hit NaN", "type": "InternalServerError",
+                                                "param": None, "code": None}}, status=500)
+        return await _answer_fine(request)
+
+    router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=3)
+    async with _gateway_over_pair(tiny_model_dir, poisoned, poisoned, ("a", "b"), router) as (gateway, _, client, _):
+        retrying = openai.AsyncOpenAI(base_url=client.base_url, api_key="x", max_retries=2, timeout=60)
+        try:
+            for stream in (False, True):
+                with pytest.raises(openai.InternalServerError) as info:
+                    await retrying.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "poison"}],
+                                                           stream=stream)
+                assert info.value.status_code == 500 and "EngineCore hit NaN" in info.value.message
+        finally:
+            await retrying.close()
+        assert all(r.healthy for r in gateway.replicas) and [r.trips for r in gateway.replicas] == [0, 0]
+        fine = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert fine.choices[0].message.content == "Fine"
+        assert gateway.router.inflight_requests == [0, 0]
+
+
+async def test_a_replica_too_busy_for_its_probes_finishes_the_streams_it_is_serving(tiny_model_dir):
+    """Probes that time out take the replica out of routing, but a stream that
+    keeps producing tokens meanwhile is being served: it runs to its end.  (A
+    hung replica's streams, silent since its probes began failing, are still
+    cut: test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoins.)"""
+    state = {"slow": False}
+
+    async def models(request):
+        if state["slow"]:
+            await asyncio.sleep(2)
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def chat(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        state["slow"] = True
+        for i in range(30):
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"{i} "}, "finish_reason": None if i < 29 else "length"}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await asyncio.sleep(0.1)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    upstream = await _scripted_upstream(models, chat)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                         router=RouterConfig(health_interval_s=0.1, health_timeout_s=0.3, breaker_failures=2))
+    app = create_app(config)
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy, what="healthy")
+        parts = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}],
+                                                     stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in parts if c.choices])
+        assert text == "".join(f"{i} " for i in range(30))
+        assert replica.trips >= 1  # it did leave routing meanwhile
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
+
+
+async def test_a_non_streaming_answer_cut_by_a_stopping_engine_starts_over_on_another(tiny_model_dir):
+    """A `kvgate engine` past its drain time ends its streams with a 503
+    server_shutting_down event: a non-streaming answer (nothing sent yet) starts
+    over on another replica, and the stopping one is not counted as failing."""
+    async def stopping(request):
+        await request.read()
+        chunk = {"choices": [{"index": 0, "delta": {"content": "Half"}, "finish_reason": None}]}
+        error = {"error": {"message": "The server is shutting down; retry the request.", "type": "service_unavailable",
+                           "param": None, "code": "server_shutting_down"}}
+        return web.Response(body=_sse(chunk, error) + b"data: [DONE]\n\n", content_type="text/event-stream")
+
+    router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=1)
+    async with _gateway_over_pair(tiny_model_dir, stopping, _answer_fine, ("stopping", "good"), router) as (
+            gateway, _, client, _):
+        for _ in range(2):  # one starts on each replica
+            out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            assert out.choices[0].message.content == "Fine"
+        with pytest.raises(openai.APIError) as info:  # a stream already under way says why it ended
+            parts = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                         stream=True)
+            async for _ in parts:
+                pass
+        assert "shutting down" in str(info.value.message)
+        assert gateway.replicas[0].trips == 0
+
+
+async def test_an_engine_that_refuses_the_gateways_key_is_named_once(tiny_model_dir, caplog):
+    """An engine with API keys answers /health without one, so only its KV
+    events refuse a gateway that has the wrong key: a warning naming the
+    setting, once, not an INFO resync line every two seconds."""
+    caplog.set_level(logging.INFO, logger="gateway.replicas")
+    engine, server = await _engine_server(tiny_model_dir, api_keys=[ApiKeyConfig(key="sk-engine")])
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=server.url, api_key="sk-wrong")]))
+    gw = await start_server(app)
+    try:
+        await wait_for(lambda: any("refuses the gateway's key" in r.message for r in caplog.records),
+                       what="the warning")
+        await asyncio.sleep(2.5)  # a retry or two later
+        refused = [r for r in caplog.records if "refuses the gateway's key" in r.message]
+        assert len(refused) == 1 and refused[0].levelname == "WARNING" and "api_key" in refused[0].message
+        assert not [r for r in caplog.records if "resyncing" in r.message]
+        assert not app[GATEWAY].replicas[0].healthy
+    finally:
+        await gw.stop()
         await server.stop()
