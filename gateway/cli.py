@@ -170,6 +170,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     for url in args.replica:
         _check_replica_url(url)
     config = _load_config(args.config)
+    _check_replica_servers(config, args.replica)
     if args.record_trace:
         config.server.record_trace = args.record_trace
     recording = config.server.record_trace
@@ -219,11 +220,30 @@ def _startup_errors():
 def _check_replica_url(url: str) -> None:
     """Refuse a --replica that is no http(s) URL now, not at the first request
     routed to it after the model has loaded."""
-    from gateway.config import is_http_url, without_userinfo
+    from gateway.config import is_http_url, replica_url_problem, without_userinfo
 
-    if not is_http_url(url[len("openai+"):] if url.startswith("openai+") else url):
+    bare = url[len("openai+"):] if url.startswith("openai+") else url
+    if not is_http_url(bare):
         raise CliError(f"--replica {without_userinfo(url)!r}: give a URL like http://host:8001 "
                        "(openai+http://... for an external server)")
+    problem = replica_url_problem(bare)
+    if problem:
+        raise CliError(f"--replica {without_userinfo(url)!r} {problem}")
+
+
+def _check_replica_servers(config, urls: Sequence[str]) -> None:
+    """Refuse a --replica that reaches the same server as a config replica or an
+    earlier --replica (what a config file's own replicas are checked for): one
+    server listed twice gets twice the traffic and two indexes of one cache."""
+    from gateway.config import replica_base_url, same_servers, without_userinfo
+
+    entries = [(f"replicas.{i}", spec.url) for i, spec in enumerate(config.replicas)]
+    entries += [(f"--replica {without_userinfo(url)!r}", url.removeprefix("openai+")) for url in urls]
+    pairs = same_servers([url for _, url in entries])
+    if pairs:  # one line: the first (a config's own duplicates were refused as it loaded)
+        later, first = pairs[0]
+        server = without_userinfo(replica_base_url(entries[first][1]))
+        raise CliError(f"{entries[later][0]}: the same server as {entries[first][0]} ({server})")
 
 
 def _port(text: str) -> int:

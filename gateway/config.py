@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from engine.config import (
     HOUR_S,
@@ -197,9 +198,16 @@ class ReplicaConfig(Section):
     def _url_for_remote(self) -> "ReplicaConfig":
         if self.kind != "inprocess" and not self.url:
             raise ValueError(f"url is required for a replica of kind {self.kind!r}")
-        if self.url is not None and not is_http_url(self.url):
-            raise ValueError(f"url {without_userinfo(self.url)!r} is no http(s) URL with a host, "
-                             "e.g. http://10.0.0.5:8001")
+        if self.kind == "inprocess" and self.url is not None:
+            # Not silently an engine inside the gateway (the default kind) that
+            # loads the model here and never contacts the URL.
+            raise ValueError(f"url {without_userinfo(self.url)!r} needs a remote kind: set kind: engine (a `kvgate "
+                             "engine` server) or kind: openai (vLLM, SGLang); kind inprocess, the default, is an "
+                             "engine inside the gateway and has no url")
+        if self.url is not None:
+            problem = replica_url_problem(self.url)
+            if problem:
+                raise ValueError(f"url {without_userinfo(self.url)!r} {problem}")
         if self.metrics_url is not None:
             if self.kind != "openai":
                 # Only an external server's load comes from its /metrics; a `kvgate
@@ -232,6 +240,54 @@ def is_http_url(url: str) -> bool:
     except ValueError:  # e.g. an unclosed [IPv6 bracket
         return False
     return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+def replica_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a replica's base URL (to follow the URL in a
+    message), or None.  The gateway appends its paths (/v1/completions,
+    /kvgate/info) to the base, so a ?query or #fragment (even an empty one)
+    would swallow them: every request and probe would miss, the replica dead
+    forever."""
+    if not is_http_url(url):
+        return "is no http(s) URL with a host, e.g. http://10.0.0.5:8001"
+    if "?" in url or "#" in url:  # userinfo cannot hold either: they would end the host
+        return "has a ?query or #fragment: a replica URL is scheme://host:port[/path], with neither"
+    return None
+
+
+def replica_base_url(url: str) -> str:
+    """What the gateway puts its paths after: ``url`` without trailing slashes
+    and /v1 (the replica's requests go to this plus /v1/... or /kvgate/...)."""
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def _server_of(url: str) -> tuple[str, int, str] | None:
+    """host, port (the scheme's if none) and path of the server a replica URL
+    reaches; None for no valid replica URL (refused elsewhere).  No scheme and no
+    user:password@: http and https to one host:port, or two credentials, are
+    still one server."""
+    if replica_url_problem(url):
+        return None
+    parts = urlsplit(replica_base_url(url))
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80), parts.path.rstrip("/")
+
+
+def same_servers(urls: Sequence[str | None]) -> list[tuple[int, int]]:
+    """(later, first) for each URL of ``urls`` (None: no remote replica) that
+    reaches the same server as an earlier one: one server listed twice gets twice
+    the traffic and two indexes of one cache."""
+    first: dict[tuple[str, int, str], int] = {}
+    pairs = []
+    for i, url in enumerate(urls):
+        server = _server_of(url) if url is not None else None
+        if server is None:
+            continue
+        if server in first:
+            pairs.append((i, first[server]))
+        else:
+            first[server] = i
+    return pairs
 
 
 class RouterConfig(Section):
@@ -338,6 +394,19 @@ class KvgateConfig(Section):
     classifier: ClassifierConfig = ClassifierConfig()
     # Empty: one in-process engine serving `model`.
     replicas: list[ReplicaConfig] = []
+
+    @model_validator(mode="after")
+    def _one_replica_per_server(self) -> "KvgateConfig":
+        pairs = same_servers([spec.url for spec in self.replicas])
+        if pairs:
+            # Each at its own entry (replicas.N, with its line), not at the list.
+            # The input is a mapping so that the message echoes no URL (credentials).
+            raise ValidationError.from_exception_data(type(self).__name__, [
+                {"type": PydanticCustomError("value_error", "the same server as replicas.{first} ({url})",
+                                             {"first": first, "url": without_userinfo(replica_base_url(self.replicas[first].url))}),
+                 "loc": ("replicas", later), "input": {}}
+                for later, first in pairs])
+        return self
 
 
 class _DuplicateKey(yaml.YAMLError):

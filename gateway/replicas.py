@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from engine.request import GenerationOutput, GenerationRequest, TokenLogprob, Usage
-from gateway.config import KvgateConfig, ReplicaConfig, RouterConfig, without_userinfo
+from gateway.config import KvgateConfig, ReplicaConfig, RouterConfig, replica_base_url, without_userinfo
 from gateway.protocol import CHAT, ParsedRequest
 from gateway.router import ApproxIndex, BackendLoad, ExactIndex
 from gateway.startup_thread import in_daemon_thread
@@ -253,11 +253,6 @@ async def _single_output_batches(outputs: AsyncIterator[GenerationOutput]) -> As
 # ----------------------------------------------------------------------------- remote
 
 
-def _base_url(url: str) -> str:
-    url = url.rstrip("/")
-    return url[:-3] if url.endswith("/v1") else url
-
-
 def _host_port(url: str) -> str:
     """A remote replica's default name: its URL's host:port.  Never its user:password@
     (aiohttp sends those as basic auth; the name is a label on /metrics, /stats and
@@ -295,7 +290,7 @@ class RemoteReplica(Replica):
         super().__init__(name or cfg.name or _host_port(cfg.url))
         self.cfg = cfg
         self.kind = cfg.kind
-        self.base = _base_url(cfg.url)
+        self.base = replica_base_url(cfg.url)
         self.router_cfg = router_cfg
         self.info = fallback
         if cfg.kind == "openai":

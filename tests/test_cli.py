@@ -123,6 +123,75 @@ def test_serve_accepts_replica_urls(url):
     _check_replica_url(url)
 
 
+def _serve_errors(monkeypatch, capsys, *argv):
+    """`kvgate serve ARGV`'s exit status and stderr, failing if the gateway starts."""
+    import gateway.server
+
+    def run_gateway(*args, **kwargs):  # fail now rather than serve (or load a model) until killed
+        raise AssertionError(f"the gateway started with {argv!r}")
+
+    monkeypatch.setattr(gateway.server, "run_gateway", run_gateway)
+    code = main(["serve", *argv])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["http://h:8001/?x=1", "http://h:8001#f", "openai+http://h:8001/v1?", "http://h:8001#",
+                                 "openai+https://alice:s3cret@h/v1?key=1"])
+def test_serve_refuses_a_replica_url_with_a_query_or_fragment(capsys, monkeypatch, url):
+    # Requests went to http://h:8001/?x=1/kvgate/info: the replica looked dead for good.
+    assert _serve_errors(monkeypatch, capsys, "--replica", url) == (2, (
+        f"kvgate: --replica {url.replace('alice:s3cret@', '')!r} has a ?query or #fragment: a replica URL is "
+        "scheme://host:port[/path], with neither\n"))
+
+
+@pytest.mark.parametrize("urls, why", [
+    (["http://h:8001", "http://h:8002", "http://h:8001/"],
+     "--replica 'http://h:8001/': the same server as --replica 'http://h:8001' (http://h:8001)"),
+    (["openai+http://alice:s3cret@h:8001/v1/", "http://H:8001"],
+     "--replica 'http://H:8001': the same server as --replica 'openai+http://h:8001/v1/' (http://h:8001)"),
+])
+def test_serve_refuses_one_server_given_twice(capsys, monkeypatch, urls, why):
+    argv = [arg for url in urls for arg in ("--replica", url)]
+    assert _serve_errors(monkeypatch, capsys, *argv) == (2, f"kvgate: {why}\n")
+
+
+def test_serve_refuses_a_replica_flag_that_repeats_a_config_replica(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("replicas:\n  - {kind: engine, url: 'http://e:8000'}\n"
+                    "  - {kind: openai, url: 'http://alice:s3cret@vllm-0:8000/v1'}\n")
+    assert _serve_errors(monkeypatch, capsys, "--config", str(path), "--replica", "http://e:8001",
+                         "--replica", "openai+http://vllm-0:8000") == (
+        2, "kvgate: --replica 'openai+http://vllm-0:8000': the same server as replicas.1 (http://vllm-0:8000)\n")
+
+
+def test_serve_reports_config_replica_defects_in_one_line_each(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("replicas:\n  - url: http://127.0.0.1:8001\n")
+    code, err = _serve_errors(monkeypatch, capsys, "--config", str(path))
+    assert code == 2 and err.startswith(f"kvgate: {path}:2: replicas.0: url 'http://127.0.0.1:8001' needs a remote "
+                                        "kind: set kind: engine") and err.count("\n") == 1
+    path.write_text("replicas:\n  - {kind: engine, url: 'http://e:8001'}\n  - {kind: openai, url: 'http://e:8001/v1'}\n"
+                    "  - {kind: engine, url: 'http://e:8001?'}\n")
+    code, err = _serve_errors(monkeypatch, capsys, "--config", str(path))
+    assert (code, err) == (2, f"kvgate: {path}:4: replicas.2: url 'http://e:8001?' has a ?query or #fragment: "
+                              "a replica URL is scheme://host:port[/path], with neither\n")
+    path.write_text("replicas:\n  - {kind: engine, url: 'http://e:8001'}\n  - {kind: openai, url: 'http://e:8001/v1'}\n")
+    code, err = _serve_errors(monkeypatch, capsys, "--config", str(path))
+    assert (code, err) == (2, f"kvgate: {path}:3: replicas.1: the same server as replicas.0 (http://e:8001)\n")
+
+
+def test_serve_starts_with_distinct_replicas(tmp_path, monkeypatch):
+    import gateway.server
+
+    started = []
+    monkeypatch.setattr(gateway.server, "run_gateway", lambda config, host, port, urls: started.append(urls))
+    path = tmp_path / "c.yaml"
+    path.write_text("replicas:\n  - {kind: engine, url: 'http://e:8000'}\n  - {kind: inprocess}\n")
+    urls = ["http://e:8001", "openai+http://e:8002/v1", "openai+https://e:8001/b"]
+    assert main(["serve", "--config", str(path), *(arg for url in urls for arg in ("--replica", url))]) == 0
+    assert started == [urls]
+
+
 def test_log_level_is_checked_before_anything_runs(capsys, monkeypatch):
     assert main(["serve", "--log-level", "loud"]) == 2
     assert "log level 'loud': choose debug, info, warning or error" in capsys.readouterr().err

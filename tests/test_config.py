@@ -506,3 +506,71 @@ def test_the_pending_body_budget_must_hold_one_whole_body(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("server:\n  limits:\n    max_pending_body_bytes: null\n")
     assert load_config(path).server.limits.max_pending_body_bytes is None
+
+
+@pytest.mark.parametrize("kind", ["", "kind: inprocess, "])
+def test_a_replica_url_needs_a_remote_kind(tmp_path, kind):
+    # Without kind (inprocess by default), the replica loaded the model inside the
+    # gateway and never contacted its URL.
+    why = _config_error(tmp_path, f"replicas:\n  - {{{kind}url: 'http://alice:s3cret@127.0.0.1:8001'}}\n")
+    assert why == ("c.yaml:2: replicas.0: url 'http://127.0.0.1:8001' needs a remote kind: set kind: engine "
+                   "(a `kvgate engine` server) or kind: openai (vLLM, SGLang); kind inprocess, the default, "
+                   "is an engine inside the gateway and has no url")
+    with pytest.raises(ValueError, match="needs a remote kind"):
+        ReplicaConfig(url="http://127.0.0.1:8001")
+    assert ReplicaConfig().kind == "inprocess" and ReplicaConfig(kind="engine", url="http://e:8001").url
+
+
+@pytest.mark.parametrize("url", ["http://h:8001/?x=1", "http://h:8001#f", "http://h:8001?", "https://h/v1?key=1",
+                                 "http://alice:s3cret@h:8001/#"])
+@pytest.mark.parametrize("kind", ["engine", "openai"])
+def test_a_replica_url_has_no_query_or_fragment(tmp_path, url, kind):
+    # The gateway appends its paths to the URL: http://h:8001/?x=1/kvgate/info
+    # reached no endpoint, and the replica stayed dead for good.
+    why = _config_error(tmp_path, f"replicas:\n  - kind: {kind}\n    url: '{url}'\n")
+    shown = url.replace("alice:s3cret@", "")
+    assert why == (f"c.yaml:2: replicas.0: url {shown!r} has a ?query or #fragment: a replica URL is "
+                   "scheme://host:port[/path], with neither")
+    # A metrics_url is fetched as it is: a query there is the user's business.
+    path = tmp_path / "ok.yaml"
+    path.write_text("replicas:\n  - {kind: openai, url: 'http://h:8001/v1', metrics_url: 'http://h:8001/metrics?x=1'}\n")
+    assert load_config(path).replicas[0].metrics_url == "http://h:8001/metrics?x=1"
+
+
+def test_one_server_listed_twice_is_refused(tmp_path):
+    # One server as two replicas (h:8001 and h:8001-1) got double the traffic and two
+    # indexes of one cache; the same URLs the gateway builds its requests from
+    # (no trailing / or /v1) are the same server, whatever the kind or credentials.
+    text = ("replicas:\n"
+            "  - {kind: engine, url: 'http://alice:s3cret@h:8001'}\n"
+            "  - {kind: engine, url: 'http://h:8002'}\n"
+            "  - {kind: engine, url: 'http://h:8001/'}\n"
+            "  - {kind: openai, url: 'http://H:8001/v1/'}\n"
+            "  - {kind: openai, url: 'https://h:8002/v1'}\n"
+            "  - kind: engine\n"
+            "    url: http://h\n"
+            "  - {kind: engine, url: 'http://h:80/'}\n")
+    assert _config_error(tmp_path, text).splitlines() == [
+        "c.yaml:4: replicas.2: the same server as replicas.0 (http://h:8001)",
+        "c.yaml:5: replicas.3: the same server as replicas.0 (http://h:8001)",
+        "c.yaml:6: replicas.4: the same server as replicas.1 (http://h:8002)",
+        "c.yaml:9: replicas.6: the same server as replicas.5 (http://h)",
+    ]
+    with pytest.raises(ValueError, match=r"replicas\.1\n.*the same server as replicas\.0 \(http://10\.0\.0\.5:8001\)"):
+        KvgateConfig(replicas=[ReplicaConfig(kind="engine", url="http://10.0.0.5:8001/v1"),
+                               ReplicaConfig(kind="openai", url="http://10.0.0.5:8001")])
+
+
+def test_servers_that_differ_are_all_replicas(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("replicas:\n"
+                    "  - {kind: engine, url: 'http://h:8001'}\n"
+                    "  - {kind: engine, url: 'http://h:8002'}\n"
+                    "  - {kind: openai, url: 'http://g:8001/v1'}\n"
+                    "  - {kind: openai, url: 'http://proxy:80/a/v1'}\n"
+                    "  - {kind: openai, url: 'http://proxy:80/b/v1'}\n"
+                    "  - {kind: inprocess}\n"
+                    "  - {kind: inprocess}\n")
+    config = load_config(path)
+    assert [r.name for r in build_replicas(config)] == [
+        "h:8001", "h:8002", "g:8001", "proxy:80", "proxy:80-4", "inprocess-5", "inprocess-6"]
