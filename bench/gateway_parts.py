@@ -81,10 +81,10 @@ def _parts(gw) -> dict[str, float]:
         series.prefix_hits.inc(32)
         series.queue_time.observe(0.0)
         metrics.requests.labels("chat", ctx.workload, "200").inc()
-        metrics.e2e.labels(ctx.workload).observe(0.001)
+        series.e2e.observe(0.001)
 
     def observe():
-        observer.first_token(ctx.workload, 0.001)
+        observer.first_token(ctx.workload, "r0", 0.001)
         observer.finished(Finished(ctx, "r0", prompt, 40, 32, 8, time.monotonic(), None, None))
 
     def request_objects():

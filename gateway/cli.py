@@ -239,7 +239,8 @@ def _check_replica_servers(config, urls: Sequence[str]) -> None:
 
     entries = [(f"replicas.{i}", spec.url) for i, spec in enumerate(config.replicas)]
     entries += [(f"--replica {without_userinfo(url)!r}", url.removeprefix("openai+")) for url in urls]
-    pairs = same_servers([url for _, url in entries])
+    # A flag's replica names no model (the server's own): the config's entries say theirs.
+    pairs = same_servers([url for _, url in entries], [spec.model for spec in config.replicas])
     if pairs:  # one line: the first (a config's own duplicates were refused as it loaded)
         later, first = pairs[0]
         server = without_userinfo(replica_base_url(entries[first][1]))

@@ -87,6 +87,9 @@ class LimitsConfig(Section):
 
     @model_validator(mode="after")
     def _one_body_fits(self) -> "LimitsConfig":
+        if "max_pending_body_bytes" not in self.model_fields_set and self.max_pending_body_bytes is not None:
+            # The default grows with a larger body limit rather than refuse a config that set only that.
+            self.max_pending_body_bytes = max(self.max_pending_body_bytes, self.max_body_bytes)
         if self.max_pending_body_bytes is not None and self.max_pending_body_bytes < self.max_body_bytes:
             raise ValueError(f"max_pending_body_bytes ({self.max_pending_body_bytes}) must be at least "
                              f"max_body_bytes ({self.max_body_bytes}), or no body of that size could be read")
@@ -262,25 +265,27 @@ def replica_base_url(url: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-def _server_of(url: str) -> tuple[str, int, str] | None:
-    """host, port (the scheme's if none) and path of the server a replica URL
-    reaches; None for no valid replica URL (refused elsewhere).  No scheme and no
-    user:password@: http and https to one host:port, or two credentials, are
-    still one server."""
+def _server_of(url: str, model: str | None) -> tuple | None:
+    """host, port (the scheme's if none), path and the model asked for (a proxy
+    such as LiteLLM serves several models at one URL) of a replica; None for no
+    valid replica URL (refused elsewhere).  No scheme and no user:password@:
+    http and https to one host:port, or two credentials, are one server."""
     if replica_url_problem(url):
         return None
     parts = urlsplit(replica_base_url(url))
-    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80), parts.path.rstrip("/")
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80), parts.path.rstrip("/"), model
 
 
-def same_servers(urls: Sequence[str | None]) -> list[tuple[int, int]]:
+def same_servers(urls: Sequence[str | None], models: Sequence[str | None] = ()) -> list[tuple[int, int]]:
     """(later, first) for each URL of ``urls`` (None: no remote replica) that
-    reaches the same server as an earlier one: one server listed twice gets twice
-    the traffic and two indexes of one cache."""
-    first: dict[tuple[str, int, str], int] = {}
+    reaches the same server for the same model (``models``, by position; none
+    given: none set) as an earlier one: one server listed twice gets twice the
+    traffic and two indexes of one cache."""
+    first: dict[tuple, int] = {}
     pairs = []
     for i, url in enumerate(urls):
-        server = _server_of(url) if url is not None else None
+        model = models[i] if i < len(models) else None
+        server = _server_of(url, model) if url is not None else None
         if server is None:
             continue
         if server in first:
@@ -397,7 +402,7 @@ class KvgateConfig(Section):
 
     @model_validator(mode="after")
     def _one_replica_per_server(self) -> "KvgateConfig":
-        pairs = same_servers([spec.url for spec in self.replicas])
+        pairs = same_servers([spec.url for spec in self.replicas], [spec.model for spec in self.replicas])
         if pairs:
             # Each at its own entry (replicas.N, with its line), not at the list.
             # The input is a mapping so that the message echoes no URL (credentials).

@@ -742,6 +742,8 @@ class RemoteReplica(Replica):
                     raise ReplicaBusy(f"replica {self.name} is at capacity", err if isinstance(err, dict) else {})
                 if not isinstance(err, dict) or "error" not in err:
                     raise ReplicaUnavailable(f"replica {self.name} answered {resp.status}")  # counted below
+                if resp.status == 503 and _error_code(err) == "server_shutting_down":
+                    raise ReplicaStopping(f"replica {self.name} is shutting down")  # refusing new work: no failure
                 if resp.status >= 500:
                     raise ReplicaAnswerFailed(f"replica {self.name} answered {resp.status}", resp.status, err)
                 raise UpstreamError(resp.status, err)

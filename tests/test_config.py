@@ -574,3 +574,23 @@ def test_servers_that_differ_are_all_replicas(tmp_path):
     config = load_config(path)
     assert [r.name for r in build_replicas(config)] == [
         "h:8001", "h:8002", "g:8001", "proxy:80", "proxy:80-4", "inprocess-5", "inprocess-6"]
+
+
+def test_deployments_behind_one_proxy_url_are_distinct_replicas(tmp_path):
+    """A proxy (LiteLLM, KServe) serves several models at one URL: the same URL
+    for another model is another replica, not a duplicate."""
+    path = tmp_path / "c.yaml"
+    path.write_text("replicas:\n"
+                    "  - {kind: openai, url: 'http://litellm:4000', model: llama-a}\n"
+                    "  - {kind: openai, url: 'http://litellm:4000', model: llama-b}\n")
+    assert len(load_config(path).replicas) == 2
+    message = _config_error(tmp_path, "replicas:\n  - {kind: openai, url: 'http://p:4000', model: m}\n"
+                                      "  - {kind: openai, url: 'http://p:4000/v1', model: m}\n")
+    assert "c.yaml:3: replicas.1: the same server as replicas.0 (http://p:4000)" in message
+
+
+def test_a_larger_body_limit_raises_the_default_pending_budget(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  limits:\n    max_body_bytes: 536870912\n")
+    limits = load_config(path).server.limits
+    assert limits.max_pending_body_bytes == limits.max_body_bytes == 536870912

@@ -1549,8 +1549,8 @@ async def test_a_request_every_replica_fails_leaves_the_fleet_in_routing(tiny_mo
     clients' streams run on, and the client gets the servers' own error."""
     async def poisoned(request):
         body = await request.json()
-        if body["messages"][-1]["content"] == "poison":
-            if body.get("stream"):  # vLLM's way: 200, then an error event before any token
+        if body["messages"][-1]["content"].startswith("poison"):
+            if body["messages"][-1]["content"] == "poison-event":  # vLLM's way: 200, then an error event
                 return web.Response(body=_sse({"error": {"message": "EngineCore hit NaN", "type": "InternalServerError",
                                                          "code": 500}}) + b"data: [DONE]\n\n",
                                     content_type="text/event-stream")
@@ -1562,9 +1562,10 @@ async def test_a_request_every_replica_fails_leaves_the_fleet_in_routing(tiny_mo
     async with _gateway_over_pair(tiny_model_dir, poisoned, poisoned, ("a", "b"), router) as (gateway, _, client, _):
         retrying = openai.AsyncOpenAI(base_url=client.base_url, api_key="x", max_retries=2, timeout=60)
         try:
-            for stream in (False, True):
+            for stream, prompt in ((False, "poison-http"), (True, "poison-http"), (False, "poison-event"),
+                                   (True, "poison-event")):
                 with pytest.raises(openai.InternalServerError) as info:
-                    await retrying.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "poison"}],
+                    await retrying.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
                                                            stream=stream)
                 assert info.value.status_code == 500 and "EngineCore hit NaN" in info.value.message
         finally:
@@ -1623,25 +1624,37 @@ async def test_a_non_streaming_answer_cut_by_a_stopping_engine_starts_over_on_an
     """A `kvgate engine` past its drain time ends its streams with a 503
     server_shutting_down event: a non-streaming answer (nothing sent yet) starts
     over on another replica, and the stopping one is not counted as failing."""
+    error = {"error": {"message": "The server is shutting down; retry the request.", "type": "service_unavailable",
+                       "param": None, "code": "server_shutting_down"}}
+    state = {"mode": "cut", "cut": 0, "refuse": 0}
+
     async def stopping(request):
         await request.read()
+        state[state["mode"]] += 1
+        if state["mode"] == "refuse":  # refusing new work (its server stopping): a 503 before any output
+            return web.json_response(error, status=503)
         chunk = {"choices": [{"index": 0, "delta": {"content": "Half"}, "finish_reason": None}]}
-        error = {"error": {"message": "The server is shutting down; retry the request.", "type": "service_unavailable",
-                           "param": None, "code": "server_shutting_down"}}
         return web.Response(body=_sse(chunk, error) + b"data: [DONE]\n\n", content_type="text/event-stream")
 
     router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=1)
     async with _gateway_over_pair(tiny_model_dir, stopping, _answer_fine, ("stopping", "good"), router) as (
             gateway, _, client, _):
-        for _ in range(2):  # one starts on each replica
-            out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-            assert out.choices[0].message.content == "Fine"
-        with pytest.raises(openai.APIError) as info:  # a stream already under way says why it ended
-            parts = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                         stream=True)
-            async for _ in parts:
-                pass
-        assert "shutting down" in str(info.value.message)
+        for mode in ("cut", "refuse"):
+            state["mode"] = mode
+            for _ in range(3):  # round-robin: some start on the stopping replica
+                out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+                assert out.choices[0].message.content == "Fine"
+            assert state[mode] >= 1
+        state["mode"], ended = "cut", []
+        for _ in range(3):  # a stream already under way says why it ended
+            try:
+                parts = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                             stream=True)
+                async for _ in parts:
+                    pass
+            except openai.APIError as exc:
+                ended.append(exc.message)
+        assert ended and all("shutting down" in message for message in ended)
         assert gateway.replicas[0].trips == 0
 
 
