@@ -109,6 +109,11 @@ class ServerConfig(Section):
     # every tenant shares one cache (more hits on common system prompts).
     isolate_tenant_caches: bool = True
     limits: LimitsConfig = LimitsConfig()
+    # Web pages (origins, e.g. https://app.example.com) whose scripts may call the
+    # API from a browser (CORS); "*": any.  Empty: none, and browsers' preflight
+    # requests get 405 (vLLM allows every origin by default; a gateway holding
+    # API keys should name its own).
+    cors_allow_origins: list[str] = []
     # Write served requests as a Bailian-format trace (None: off).
     record_trace: str | None = None
     record_max_bytes: int = Field(64 * 1024 * 1024, ge=4096)
@@ -133,6 +138,17 @@ class ServerConfig(Section):
     # cache hits, engine queues and KV use), as vLLM logs one.  0: none; else at
     # least 0.1 (the loop wakes this often even when idle: 1e-6 spun a core).
     log_stats_interval_s: float = Field(10.0, ge=0)
+
+    @field_validator("cors_allow_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        for origin in origins:
+            parts = urlsplit(origin)
+            if origin != "*" and not (parts.scheme in ("http", "https") and parts.hostname and not parts.path
+                                      and not parts.query and not parts.fragment and "@" not in parts.netloc):
+                raise ValueError(f"{origin!r} is no origin: give scheme://host[:port] as a browser sends it "
+                                 "(e.g. https://app.example.com), or \"*\" for any")
+        return origins
 
     @field_validator("record_trace")
     @classmethod

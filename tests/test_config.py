@@ -594,3 +594,9 @@ def test_a_larger_body_limit_raises_the_default_pending_budget(tmp_path):
     path.write_text("server:\n  limits:\n    max_body_bytes: 536870912\n")
     limits = load_config(path).server.limits
     assert limits.max_pending_body_bytes == limits.max_body_bytes == 536870912
+
+
+@pytest.mark.parametrize("origin", ["app.example.com", "https://app.example.com/", "https://a.example/path", "ftp://x"])
+def test_cors_origins_are_origins(tmp_path, origin):
+    message = _config_error(tmp_path, f"server:\n  cors_allow_origins: ['{origin}']\n")
+    assert "c.yaml:2: server.cors_allow_origins" in message and "is no origin" in message

@@ -505,3 +505,37 @@ async def test_image_parts_are_hashed_by_content(gw):
     (off_a, hash_a), (off_b, hash_b) = reqs[0].mm_hashes[0], reqs[1].mm_hashes[0]
     assert off_a == off_b and hash_a != hash_b
     assert reqs[0].prompt_token_ids == reqs[1].prompt_token_ids
+
+
+async def test_browser_pages_from_allowed_origins_may_call_the_api(tiny_model_dir):
+    """server.cors_allow_origins: a browser's preflight is answered for the
+    origins named, the responses carry Access-Control-Allow-Origin (and expose
+    x-request-id), and other origins get neither; unset, a preflight is a 405."""
+    page, other = "https://app.example.com", "https://evil.example"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"}
+    for origins in ([page], []):
+        server = await start_server(create_app(tiny_config(tiny_model_dir, cors_allow_origins=origins)))
+        url = server.url + "/v1/chat/completions"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.options(url, headers={"Origin": page, **preflight}) as r:
+                    if not origins:
+                        assert r.status == 405 and "Access-Control-Allow-Origin" not in r.headers
+                        continue
+                    assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == page
+                    assert r.headers["Access-Control-Allow-Methods"] == "POST"
+                    assert r.headers["Access-Control-Allow-Headers"] == preflight["Access-Control-Request-Headers"]
+                async with s.post(url, json=body, headers={"Origin": page}) as r:
+                    assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == page
+                    assert "x-request-id" in r.headers["Access-Control-Expose-Headers"]
+                async with s.options(url, headers={"Origin": other, **preflight}) as r:
+                    assert r.status == 403 and (await r.json())["error"]["code"] == "origin_not_allowed"
+                    assert "Access-Control-Allow-Origin" not in r.headers
+                async with s.post(url, json=body, headers={"Origin": other}) as r:
+                    assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+                async with s.options(server.url + "/v1/models", headers={"Origin": page, **preflight}) as r:
+                    assert r.status == 204 and r.headers["Access-Control-Allow-Methods"] == "GET, HEAD"
+        finally:
+            await server.stop()
