@@ -18,6 +18,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from aiohttp import web
 
 from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, ReplicaConfig
@@ -539,3 +540,32 @@ async def test_browser_pages_from_allowed_origins_may_call_the_api(tiny_model_di
                     assert r.status == 204 and r.headers["Access-Control-Allow-Methods"] == "GET, HEAD"
         finally:
             await server.stop()
+
+
+async def test_a_page_in_chromium_calls_the_api_only_from_an_allowed_origin(tiny_model_dir, tmp_path):
+    """The real client of CORS: a page in headless Chromium posts a chat request
+    with an API key (a preflighted request) and reads the answer when its origin
+    is allowed; the browser itself refuses it when not."""
+    from tests.test_dashboard import run_chromium
+
+    pages = web.Application()
+    script = """<html><body><pre id="out">pending</pre><script>
+      fetch(new URLSearchParams(location.search).get("api") + "/v1/chat/completions", {method: "POST",
+        headers: {"Authorization": "Bearer sk-page", "Content-Type": "application/json"},
+        body: JSON.stringify({model: "%s", messages: [{role: "user", content: "hi"}], max_tokens: 2})})
+      .then(r => r.json().then(j => "answered " + j.object + " " + (r.headers.get("x-request-id") || "no-id")))
+      .catch(e => "refused " + e.name)
+      .then(text => { document.getElementById("out").textContent = text; });
+    </script></body></html>""" % MODEL
+    pages.router.add_get("/", lambda request: web.Response(text=script, content_type="text/html"))
+    page_server = await start_server(pages)
+    try:
+        for origins, expected in (([page_server.url], "answered chat.completion chatcmpl-"), ([], "refused TypeError")):
+            api = await start_server(create_app(tiny_config(tiny_model_dir, cors_allow_origins=origins)))
+            try:
+                dom = await run_chromium(tmp_path, f"{page_server.url}/?api={api.url}", "--dump-dom")
+                assert expected in dom, dom[-500:]
+            finally:
+                await api.stop()
+    finally:
+        await page_server.stop()
