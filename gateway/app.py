@@ -35,6 +35,7 @@ from engine.context import REQUEST_TYPES, WORKLOADS, RequestContext
 from gateway import errors
 from gateway.classify import ANONYMOUS, Classifier, Principal
 from gateway.config import ENGINE_REPLICA_NAME, KvgateConfig
+from gateway.cors import Cors
 from gateway.dispatch import Dispatcher, Sub
 from gateway.engine_endpoints import EngineEndpoints
 from gateway.errors import ApiError, bad_request
@@ -734,7 +735,7 @@ def create_app(
     origins = config.server.cors_allow_origins
     if origins:
         # Only when asked for: a response signal costs every request a little.
-        cors = _Cors(origins)
+        cors = Cors(origins)
         app.on_response_prepare.append(cors.on_response)
         methods: dict[str, set[str]] = {}
         for method, path, _ in routes:
@@ -743,36 +744,3 @@ def create_app(
             app.router.add_route("OPTIONS", path, openai_errors(functools.partial(cors.preflight, methods=allowed)))
     app.router.add_route("*", "/{tail:.*}", openai_errors(_unmatched), expect_handler=_expect)
     return app
-
-
-class _Cors:
-    """Browser access from ``server.cors_allow_origins``: preflights answered,
-    responses marked for the allowed origins (their scripts may then read them)."""
-
-    def __init__(self, origins: list[str]) -> None:
-        self.any = "*" in origins
-        self.origins = frozenset(origins)
-
-    def _allowed(self, origin: str | None) -> str | None:
-        if origin is None:
-            return None
-        return "*" if self.any else origin if origin in self.origins else None
-
-    async def on_response(self, request: web.Request, resp: web.StreamResponse) -> None:
-        allowed = self._allowed(request.headers.get("Origin"))
-        if allowed is not None:
-            resp.headers["Access-Control-Allow-Origin"] = allowed
-            resp.headers["Access-Control-Expose-Headers"] = "x-request-id, retry-after"
-            if not self.any:
-                resp.headers["Vary"] = "Origin"
-
-    async def preflight(self, request: web.Request, methods: set[str]) -> web.Response:
-        if self._allowed(request.headers.get("Origin")) is None:
-            raise ApiError(403, "This origin may not call the API from a browser (server.cors_allow_origins).",
-                           "invalid_request_error", None, "origin_not_allowed")
-        return web.Response(status=204, headers={
-            "Access-Control-Allow-Methods": ", ".join(sorted(methods)),
-            # Whatever the page's request carries (Authorization, the SDK's x-stainless-* headers).
-            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers", ""),
-            "Access-Control-Max-Age": "600",
-        })

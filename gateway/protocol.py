@@ -156,8 +156,9 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
         req.top_with_sampled = not engine_mode
         if "echo" in body or "suffix" in body or "best_of" in body:
             _parse_completion_extras(req, body)
-    if not _VLLM_EXTENSIONS.keys().isdisjoint(body) and req.engine_unsupported is None:
-        _check_vllm_extensions(req, body, endpoint)
+    extensions = _VLLM_CHAT_EXTENSIONS if endpoint == CHAT else _VLLM_COMPLETION_EXTENSIONS
+    if not extensions.keys().isdisjoint(body) and req.engine_unsupported is None:
+        _check_vllm_extensions(req, body, extensions)
     # Each prompt's n choices are decoded on their own: cap one request's share.
     n, prompts = req.sampling.n, len(req.prompts) if req.prompts is not None else 1
     if prompts * n > limits.max_choices:
@@ -185,20 +186,22 @@ _VLLM_EXTENSIONS = {
     "truncate_prompt_tokens": lambda v: v is not None,
     "use_beam_search": lambda v: bool(v),
     "skip_special_tokens": lambda v: v is False,
+}
+_VLLM_CHAT_EXTENSIONS = {
+    **_VLLM_EXTENSIONS,
     "add_generation_prompt": lambda v: v is False,
     "continue_final_message": lambda v: bool(v),
+}
+# (Chat's response_format is OpenAI's own: _parse_chat_extras.)
+_VLLM_COMPLETION_EXTENSIONS = {
+    **_VLLM_EXTENSIONS,
     "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") != "text",
 }
-_CHAT_ONLY = ("add_generation_prompt", "continue_final_message")
 
 
-def _check_vllm_extensions(req: ParsedRequest, body: dict, endpoint: str) -> None:
-    for field, asks in _VLLM_EXTENSIONS.items():
-        if field not in body or (field == "response_format" and endpoint == CHAT):  # chat's: _parse_chat_extras
-            continue
-        if field in _CHAT_ONLY and endpoint != CHAT:
-            continue
-        if asks(body[field]):
+def _check_vllm_extensions(req: ParsedRequest, body: dict, extensions: dict) -> None:
+    for field, asks in extensions.items():
+        if field in body and asks(body[field]):
             req.engine_unsupported = (f"'{field}' is not supported by the kvgate engine; send it to a gateway in front "
                                       "of a server that supports it (e.g. vLLM).", field)
             return

@@ -447,9 +447,7 @@ class RemoteReplica(Replica):
         while True:
             await asyncio.sleep(interval)
             if await self._probe():
-                self._probe_failures = 0
-                if not self._request_failures:
-                    self._failing_since = None
+                self._forgive(probes=True)
                 if self.kind == "openai" and not self.info_known:
                     # Down when the gateway started: its model name is still to learn.
                     with contextlib.suppress(Exception):
@@ -467,6 +465,16 @@ class RemoteReplica(Replica):
 
     def note_request_failure(self) -> None:
         self._note_failure()
+
+    def _forgive(self, probes: bool = False, requests: bool = False) -> None:
+        """A good probe, or a request's first output: that run of failures is over
+        (a good probe does not forgive failed requests, nor output failed probes)."""
+        if probes:
+            self._probe_failures = 0
+        if requests:
+            self._request_failures = 0
+        if not self._probe_failures and not self._request_failures:
+            self._failing_since = None
 
     def _note_failure(self, probe: bool = False) -> None:
         if self._failing_since is None:
@@ -488,8 +496,8 @@ class RemoteReplica(Replica):
         self.trips += 1
         self.healthy = False
         self._trip_reason = why  # what the streams it cuts tell their clients
-        self._probe_failures = self._request_failures = 0
-        failing_since, self._failing_since = self._failing_since, None
+        failing_since = self._failing_since
+        self._forgive(probes=True, requests=True)
         self._open_until = time.monotonic() + self.router_cfg.breaker_reset_s
         if isinstance(self.index, ApproxIndex):
             self.index.clear()  # a restarted server holds none of it
@@ -571,8 +579,7 @@ class RemoteReplica(Replica):
                             except Exception as exc:  # noqa: BLE001
                                 raise ReplicaUnavailable(f"/kvgate/info failed: {_plain_reason(exc)}") from None
                             self._following = True
-                            self._probe_failures = self._request_failures = 0  # a (re)started engine
-                            self._failing_since = None
+                            self._forgive(probes=True, requests=True)  # a (re)started engine
                             self._maybe_rejoin()
                             backoff = 0.2
                             continue
@@ -742,7 +749,7 @@ class RemoteReplica(Replica):
                     raise ReplicaBusy(f"replica {self.name} is at capacity", err if isinstance(err, dict) else {})
                 if not isinstance(err, dict) or "error" not in err:
                     raise ReplicaUnavailable(f"replica {self.name} answered {resp.status}")  # counted below
-                if resp.status == 503 and _error_code(err) == "server_shutting_down":
+                if _is_stopping(err):
                     raise ReplicaStopping(f"replica {self.name} is shutting down")  # refusing new work: no failure
                 if resp.status >= 500:
                     raise ReplicaAnswerFailed(f"replica {self.name} answered {resp.status}", resp.status, err)
@@ -761,11 +768,11 @@ class RemoteReplica(Replica):
                     ended = True
                     break
                 if isinstance(chunk, dict) and "error" in chunk:
-                    status = _in_stream_error_status(chunk)
-                    if status == 503 and _error_code(chunk) == "server_shutting_down":
+                    if _is_stopping(chunk):
                         # Past its drain time: nothing of this replica's failing, and a
                         # non-streaming answer may start over elsewhere.
                         raise ReplicaStopping(f"replica {self.name} is shutting down")
+                    status = _in_stream_error_status(chunk)
                     if status >= 500 and not produced:
                         # Failed before a token (vLLM and SGLang answer 200, then the
                         # error): another replica may well succeed, and if it does,
@@ -777,9 +784,7 @@ class RemoteReplica(Replica):
                 finished.update(o.index for o in batch if o.finish_reason is not None)
                 if batch:
                     if not produced:
-                        self._request_failures = 0  # a 200 alone is not success: an error event may follow
-                        if not self._probe_failures:
-                            self._failing_since = None
+                        self._forgive(requests=True)  # a 200 alone is not success: an error event may follow
                         batch[0].queue_time_s = queue_time
                         batch[0].cached_tokens = cached
                     produced = True
@@ -931,13 +936,15 @@ def _error_code(chunk: dict) -> object:
     return error.get("code") if isinstance(error, dict) else None
 
 
+def _is_stopping(body: dict) -> bool:
+    """A `kvgate engine` that is shutting down said so (errors.shutting_down)."""
+    return _error_code(body) == "server_shutting_down"
+
+
 def _in_stream_error_status(chunk: dict) -> int:
     """The HTTP status an error event stands for: its ``code`` when that is one
-    (vLLM sends 400 for a request it refuses mid-stream), 503 for a `kvgate
-    engine` that is shutting down, else 500."""
+    (vLLM sends 400 for a request it refuses mid-stream), else 500."""
     code = _error_code(chunk)
-    if code == "server_shutting_down":
-        return 503
     return code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599 else 500
 
 
