@@ -32,6 +32,7 @@ from gateway.replicas import (
     Replica,
     ReplicaAnswerFailed,
     ReplicaBusy,
+    ReplicaStopping,
     ReplicaUnavailable,
     UpstreamError,
 )
@@ -187,9 +188,15 @@ class Dispatcher:
                 busy = exc  # at capacity (429) before any output: another replica may take it
                 tried.append(decision.replica)
             except ReplicaUnavailable as exc:
-                self.metrics.replica_failures.labels(replica.name, "mid_stream" if produced else "before_first_token").inc()
+                stopping = isinstance(exc, ReplicaStopping)  # a rolling restart, not a failure
+                if not stopping:
+                    self.metrics.replica_failures.labels(
+                        replica.name, "mid_stream" if produced else "before_first_token").inc()
                 if produced and parsed.stream:
                     log.warning("%s failed mid-response: %s", request.request_id, exc)
+                    if stopping:  # its code tells the client that a retry will be served
+                        raise errors.shutting_down("The model server is shutting down; the output is "
+                                                   "incomplete.") from None
                     # What went wrong, in words, but not where: a replica's name is by
                     # default its address, which is the operator's business.
                     reason = str(exc).replace(f"replica {replica.name}", "the model server")
@@ -197,7 +204,7 @@ class Dispatcher:
                 # Before its first output, or mid-answer for a non-streaming
                 # request (its client has had nothing yet): another replica.
                 log.warning("replica %s %s, trying another: %s", replica.name,
-                            "failed mid-response" if produced else "unavailable", exc)
+                            "stopping" if stopping else "failed mid-response" if produced else "unavailable", exc)
                 restart = produced
                 tried.append(decision.replica)
                 if isinstance(exc, ReplicaAnswerFailed):

@@ -101,11 +101,10 @@ def tenant_overloaded(limit: int) -> ApiError:
                     "rate_limit_error", None, "rate_limit_exceeded")
 
 
-def shutting_down() -> ApiError:
+def shutting_down(message: str = "The server is shutting down; retry the request.") -> ApiError:
     # 503: OpenAI's SDK retries it, and behind a load balancer the retry lands
     # on an instance that is staying.
-    return ApiError(503, "The server is shutting down; retry the request.", "service_unavailable", None,
-                    "server_shutting_down")
+    return ApiError(503, message, "service_unavailable", None, "server_shutting_down")
 
 
 def relayed(status: int, body: dict, message: str, type: str, code: str | None = None) -> ApiError:

@@ -149,7 +149,8 @@ class GatewayMetrics:
         )
         self.replica_failures = LoopCounter(
             "kvgate_replica_failures", "Requests a replica failed (refused, cut, timed out, 5xx): before_first_token ones "
-            "were retried on another replica, mid_stream ones ended with an error event.",
+            "were retried on another replica, mid_stream ones ended with an error event.  A replica shutting down "
+            "is no failure.",
             ["replica", "stage"], registry=routing,
         )
         self.inflight = Gauge("kvgate_replica_inflight", "Requests in flight on a replica.", ["replica"], registry=routing)

@@ -1638,7 +1638,7 @@ async def test_a_non_streaming_answer_cut_by_a_stopping_engine_starts_over_on_an
 
     router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=1)
     async with _gateway_over_pair(tiny_model_dir, stopping, _answer_fine, ("stopping", "good"), router) as (
-            gateway, _, client, _):
+            gateway, url, client, _):
         for mode in ("cut", "refuse"):
             state["mode"] = mode
             for _ in range(3):  # round-robin: some start on the stopping replica
@@ -1653,9 +1653,13 @@ async def test_a_non_streaming_answer_cut_by_a_stopping_engine_starts_over_on_an
                 async for _ in parts:
                     pass
             except openai.APIError as exc:
-                ended.append(exc.message)
-        assert ended and all("shutting down" in message for message in ended)
+                ended.append((exc.code, exc.message))
+        # The code a client can act on (retry elsewhere), not a generic upstream error.
+        assert ended and all(code == "server_shutting_down" and "shutting down" in message
+                             and "incomplete" in message for code, message in ended)
         assert gateway.replicas[0].trips == 0
+        # A rolling restart is not a replica failure on the dashboards either.
+        assert await metric_by_replica(url, "kvgate_replica_failures_total") == {"stopping": 0.0, "good": 0.0}
 
 
 async def test_an_engine_that_refuses_the_gateways_key_is_named_once(tiny_model_dir, caplog):
