@@ -156,12 +156,12 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_config(path: str | None):
+def _load_config(path: str | None, gateway: bool = False):
     from engine.config import ConfigError
     from gateway.config import load_config
 
     try:
-        return load_config(path)
+        return load_config(path, gateway=gateway)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
 
@@ -169,7 +169,7 @@ def _load_config(path: str | None):
 def _run_serve(args: argparse.Namespace) -> int:
     for url in args.replica:
         _check_replica_url(url)
-    config = _load_config(args.config)
+    config = _load_config(args.config, gateway=True)
     _check_replica_servers(config, args.replica)
     if args.record_trace:
         config.server.record_trace = args.record_trace

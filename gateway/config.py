@@ -9,7 +9,7 @@ from typing import Literal, Sequence
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from engine.config import (
@@ -185,6 +185,10 @@ class ReplicaConfig(Section):
     model: str | None = None
     # Bearer token sent to the upstream (any remote kind), if it needs one.
     api_key: str | None = None
+    # Or the name of an environment variable holding it (a Kubernetes Secret given
+    # as env), which keeps the key out of this file and any ConfigMap of it.  Read
+    # when the gateway starts; `kvgate engine`, which may share this file, ignores it.
+    api_key_env: str | None = None
     # Seconds to wait for a TCP connection to the replica (and, at start, for a
     # `kvgate engine` to answer /kvgate/info).  A replica that connects but never
     # answers is left when its health checks open the breaker.
@@ -214,7 +218,15 @@ class ReplicaConfig(Section):
         return name
 
     @model_validator(mode="after")
-    def _url_for_remote(self) -> "ReplicaConfig":
+    def _url_for_remote(self, info: ValidationInfo) -> "ReplicaConfig":
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("api_key and api_key_env both give the replica's key: give one")
+        if self.api_key_env is not None:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
+                raise ValueError(f"api_key_env {self.api_key_env!r} is no environment variable name (letters, digits, "
+                                 "_), e.g. KVGATE_ENGINE_KEY")
+            if (info.context or {}).get("gateway"):  # here, not at the first request after the model loads
+                replica_api_key(self)
         if self.kind != "inprocess" and not self.url:
             raise ValueError(f"url is required for a replica of kind {self.kind!r}")
         if self.kind == "inprocess" and self.url is not None:
@@ -235,14 +247,26 @@ class ReplicaConfig(Section):
             if not is_http_url(self.metrics_url):
                 raise ValueError(f"metrics_url {without_userinfo(self.metrics_url)!r} is no http(s) URL with a host, "
                                  "e.g. http://vllm-0:8000/metrics")
-        if self.metrics_url is not None and self.api_key and "@" in urlsplit(self.metrics_url).netloc:
+        keyed = self.api_key is not None or self.api_key_env is not None
+        if self.metrics_url is not None and keyed and "@" in urlsplit(self.metrics_url).netloc:
             raise ValueError("the metrics_url's user:password@ and api_key are both credentials for the replica: "
                              "give one")
-        if self.url is not None and self.api_key and "@" in urlsplit(self.url).netloc:
+        if self.url is not None and keyed and "@" in urlsplit(self.url).netloc:
             # aiohttp sends a URL's user:password as basic auth, and refuses every
             # request that also carries the api_key's bearer token.
             raise ValueError("the url's user:password@ and api_key are both credentials for the replica: give one")
         return self
+
+
+def replica_api_key(spec: ReplicaConfig) -> str | None:
+    """The Bearer token for a replica: its api_key, or the value of the
+    variable api_key_env names (ValueError when that is unset or empty)."""
+    if spec.api_key_env is None:
+        return spec.api_key
+    value = os.environ.get(spec.api_key_env, "").strip()  # a Secret made --from-file ends with a newline
+    if not value:
+        raise ValueError(f"api_key_env: the environment variable {spec.api_key_env} is not set or is empty")
+    return value
 
 
 def without_userinfo(url: str) -> str:
@@ -478,8 +502,9 @@ def _key_lines(node: yaml.Node, path: tuple[str, ...] = (), inside: frozenset[in
     return lines
 
 
-def load_config(path: str | os.PathLike | None = None) -> KvgateConfig:
-    """Read and validate a config file; None gives the defaults.
+def load_config(path: str | os.PathLike | None = None, *, gateway: bool = False) -> KvgateConfig:
+    """Read and validate a config file; None gives the defaults.  ``gateway``:
+    also what only the gateway reads at start (replicas' api_key_env).
 
     Raises ConfigError with one ``FILE:LINE: key: why`` line per problem
     (``FILE: key: why`` where no line applies).
@@ -510,6 +535,6 @@ def load_config(path: str | os.PathLike | None = None) -> KvgateConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
     try:
-        return KvgateConfig.model_validate(data)
+        return KvgateConfig.model_validate(data, context={"gateway": gateway})
     except ValidationError as exc:
         raise ConfigError(format_config_error(exc, source, KvgateConfig, _key_lines(root))) from None

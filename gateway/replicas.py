@@ -29,8 +29,16 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from engine.config import ConfigError
 from engine.request import GenerationOutput, GenerationRequest, TokenLogprob, Usage
-from gateway.config import KvgateConfig, ReplicaConfig, RouterConfig, replica_base_url, without_userinfo
+from gateway.config import (
+    KvgateConfig,
+    ReplicaConfig,
+    RouterConfig,
+    replica_api_key,
+    replica_base_url,
+    without_userinfo,
+)
 from gateway.protocol import CHAT, ParsedRequest
 from gateway.router import ApproxIndex, BackendLoad, ExactIndex
 from gateway.startup_thread import in_daemon_thread
@@ -289,6 +297,10 @@ class RemoteReplica(Replica):
     def __init__(self, cfg: ReplicaConfig, router_cfg: RouterConfig, fallback: ReplicaInfo, name: str | None = None) -> None:
         super().__init__(name or cfg.name or _host_port(cfg.url))
         self.cfg = cfg
+        try:
+            self._key = replica_api_key(cfg)
+        except ValueError as exc:
+            raise ConfigError(f"replica {self.name}: {exc}") from None
         self.kind = cfg.kind
         self.base = replica_base_url(cfg.url)
         self.router_cfg = router_cfg
@@ -382,7 +394,7 @@ class RemoteReplica(Replica):
             await self._session.close()
 
     def _auth(self) -> dict:
-        return {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        return {"Authorization": f"Bearer {self._key}"} if self._key else {}
 
     async def _fetch_info(self) -> None:
         async with self._session.get(
@@ -547,7 +559,7 @@ class RemoteReplica(Replica):
                         # Its /health needs no key, so nothing else shows it: a setting to fix.
                         if not self._key_refused:
                             log.warning("replica %s refuses the gateway's key (/kv_events answered %d): it stays out "
-                                        "of routing until its replicas[].api_key is one of the engine's keys",
+                                        "of routing until its replicas[].api_key (or api_key_env) is one of the engine's keys",
                                         self.name, resp.status)
                         self._key_refused = True
                     if resp.status != 200:

@@ -180,6 +180,15 @@ def test_serve_reports_config_replica_defects_in_one_line_each(tmp_path, capsys,
     assert (code, err) == (2, f"kvgate: {path}:3: replicas.1: the same server as replicas.0 (http://e:8001)\n")
 
 
+def test_serve_refuses_a_replica_key_variable_that_is_unset(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("KVGATE_TEST_ENGINE_KEY", raising=False)
+    path = tmp_path / "c.yaml"
+    path.write_text("replicas:\n  - {kind: engine, url: 'http://e:8001', api_key_env: KVGATE_TEST_ENGINE_KEY}\n")
+    assert _serve_errors(monkeypatch, capsys, "--config", str(path)) == (
+        2, f"kvgate: {path}:2: replicas.0: api_key_env: the environment variable KVGATE_TEST_ENGINE_KEY is not set or "
+           "is empty\n")
+
+
 def test_serve_starts_with_distinct_replicas(tmp_path, monkeypatch):
     import gateway.server
 

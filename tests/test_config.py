@@ -140,6 +140,34 @@ def test_no_replica_is_named_engine(tmp_path):
     assert [r.name for r in build_replicas(config)] == ["engine:80", "engine:443"]
 
 
+def test_a_replica_key_from_the_environment(tmp_path, monkeypatch):
+    """api_key_env names a variable (a Kubernetes Secret as env) that holds the
+    key: read for the gateway, where an unset one is refused at its line; one
+    key given both ways, or no variable name, is refused for anyone."""
+    path = tmp_path / "c.yaml"
+    path.write_text("replicas:\n  - kind: engine\n    url: http://e:8001\n  - kind: engine\n    url: http://e:8002\n"
+                    "    api_key_env: KVGATE_TEST_ENGINE_KEY\n")
+    monkeypatch.delenv("KVGATE_TEST_ENGINE_KEY", raising=False)
+    assert load_config(path).replicas[1].api_key_env == "KVGATE_TEST_ENGINE_KEY"  # `kvgate engine` has no use for it
+    with pytest.raises(ConfigError) as info:
+        load_config(path, gateway=True)
+    assert str(info.value) == (f"{path}:4: replicas.1: api_key_env: the environment variable KVGATE_TEST_ENGINE_KEY "
+                               "is not set or is empty")
+    monkeypatch.setenv("KVGATE_TEST_ENGINE_KEY", "sk-engine\n")  # as a Secret made --from-file holds it
+    config = load_config(path, gateway=True)
+    assert [r._auth() for r in build_replicas(config)] == [{}, {"Authorization": "Bearer sk-engine"}]
+    monkeypatch.delenv("KVGATE_TEST_ENGINE_KEY")
+    with pytest.raises(ConfigError, match="replica e:8002: api_key_env: the environment variable"):
+        build_replicas(config)  # the variable gone since (the gateway built from code, not the CLI)
+    for extra, why in (("    api_key: sk-1\n", "api_key and api_key_env both give the replica's key: give one"),
+                       ("", "api_key_env 'engine-key' is no environment variable name")):
+        path.write_text(f"replicas:\n  - kind: engine\n    url: http://e:8001\n{extra}    api_key_env: "
+                        f"{'KEY' if extra else 'engine-key'}\n")
+        with pytest.raises(ConfigError, match=f"{path}:2: replicas.0: {why}") as info:
+            load_config(path)
+        assert "sk-1" not in str(info.value)
+
+
 def kubernetes_manifests() -> dict:
     docs = {}
     for name in ("gateway.yaml", "engines.yaml"):
@@ -156,6 +184,21 @@ def test_kubernetes_manifests_config_is_valid_and_the_grace_period_covers_the_dr
         pod = workload["spec"]["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] > drain
         assert pod["volumes"][0]["configMap"]["name"] == "kvgate-config"
+
+
+def test_kubernetes_engines_demand_the_key_the_gateway_sends():
+    docs = kubernetes_manifests()
+    config = KvgateConfig.model_validate(yaml.safe_load(docs["ConfigMap", "kvgate-config"]["data"]["config.yaml"]))
+
+    def secrets(workload: str, name: str) -> dict:
+        (container,) = docs[workload, name]["spec"]["template"]["spec"]["containers"]
+        return {env["name"]: env["valueFrom"]["secretKeyRef"] for env in container["env"] if "valueFrom" in env}
+
+    engine_key = secrets("StatefulSet", "kvgate-engine")["KVGATE_API_KEYS"]
+    gateway_env = secrets("Deployment", "kvgate-gateway")
+    engines = [spec for spec in config.replicas if spec.kind == "engine"]
+    assert engines and all(gateway_env[spec.api_key_env] == engine_key for spec in engines)
+    assert not engine_key["optional"] and gateway_env["KVGATE_API_KEYS"]["name"] != engine_key["name"]
 
 
 def _gib(quantity: str) -> float:

@@ -1681,3 +1681,26 @@ async def test_an_engine_that_refuses_the_gateways_key_is_named_once(tiny_model_
     finally:
         await gw.stop()
         await server.stop()
+
+
+async def test_an_engine_key_from_the_environment_is_sent_to_the_engine(tiny_model_dir, monkeypatch):
+    """replicas[].api_key_env: the gateway reads the engine's key from the
+    variable (as the Kubernetes manifests give it from a Secret) and sends it
+    with its requests, stats polls and KV event stream: the engine joins routing
+    and serves."""
+    monkeypatch.setenv("KVGATE_TEST_ENGINE_KEY", "sk-engine")
+    engine, server = await _engine_server(tiny_model_dir, api_keys=[ApiKeyConfig(key="sk-engine")])
+    app = create_app(tiny_config(tiny_model_dir, [
+        ReplicaConfig(kind="engine", url=server.url, api_key_env="KVGATE_TEST_ENGINE_KEY")]))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy, what="the keyed engine in routing")
+        out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=3)
+        assert out.usage.completion_tokens >= 1 and replica.healthy
+    finally:
+        await client.close()
+        await gw.stop()
+        await server.stop()
