@@ -156,6 +156,7 @@ class Dispatcher:
                     # what the client sees.
                     batch = coalesce(batch)
                     now = time.perf_counter()
+                    arrived = received
                     for out in batch:
                         if out.index == 0 and (out.token_ids or out.text):
                             if last_token is not None:
@@ -175,6 +176,8 @@ class Dispatcher:
                                 cached = out.usage.cached_tokens
                         if out.queue_time_s is not None:
                             series.queue_time.observe(out.queue_time_s)
+                    if received > arrived:  # as they come (a long stream's rate shows while it runs)
+                        series.generation_tokens.inc(received - arrived)
                     yield batch
                 exhausted = True
                 return
@@ -290,14 +293,17 @@ class Dispatcher:
 def _count_work(series: RequestSeries, usage: UsageSum, prompt_len: int, received: int, cached: int | None,
                 predicted: int) -> None:
     """The token counters of an attempt that produced output (so the replica did
-    its prefill), whether it ran to its end or not.  A stream cut short has no
-    usage for its unfinished choices: their tokens are those that arrived.  The
+    its prefill), whether it ran to its end or not.  Generated tokens were
+    counted as they arrived; the usage adds what those missed (a remote delta's
+    text counts as one token).  A stream cut short has no usage for its
+    unfinished choices: their tokens are those that arrived.  The
     router's prediction counts with the cache hits it is compared to, so an
     attempt whose replica never said its hits (an external server cut short
     before its usage) counts on neither, and the ratio stays a ratio."""
     prompt = usage.prompt[0] or prompt_len
     series.prompt_tokens.inc(prompt)
-    series.generation_tokens.inc(max(usage.completion[0], received))
+    if usage.completion[0] > received:  # ``received`` were counted as they came
+        series.generation_tokens.inc(usage.completion[0] - received)
     if cached is not None:
         series.prefix_queries.inc(prompt)
         series.prefix_hits.inc(cached)

@@ -140,7 +140,7 @@ class GatewayMetrics:
         )
         self.generation_tokens = LoopCounter(
             "kvgate_generation_tokens", "Tokens generated for engine requests, all choices, also those cut short "
-            "(client gone, error), as vLLM's generation_tokens_total.",
+            "(client gone, error), counted as they arrive, as vLLM's generation_tokens_total.",
             ["workload", "replica"], registry=r,
         )
         self.decisions = LoopCounter(
@@ -179,6 +179,10 @@ class GatewayMetrics:
     def errors_total(self) -> int:
         """Responses other than 200 since start (the status line's error count)."""
         return int(sum(child.value for values, child in self.requests._exported() if values[2] != "200"))
+
+    def generated_total(self) -> int:
+        """Tokens generated since start, all replicas (the status line's generation rate)."""
+        return int(sum(child.value for _, child in self.generation_tokens._exported()))
 
     def watch_replica(
         self, name: str, inflight: Callable[[], float], healthy: Callable[[], float], index_blocks: Callable[[], float],

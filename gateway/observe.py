@@ -129,8 +129,7 @@ class Observer:
         ctx = done.ctx
         if done.cached_tokens is not None:
             self.reuse.record(ctx.workload, ctx.type, done.prompt_tokens, done.cached_tokens, self.wall_clock())
-            self.history.finished(ctx.workload, done.replica, done.prompt_tokens, done.cached_tokens,
-                                  done.completion_tokens, time.monotonic())
+            self.history.finished(ctx.workload, done.replica, done.prompt_tokens, done.cached_tokens, time.monotonic())
             user = user_identity(done.user, ctx.tenant)
             if user is not None:
                 self.user_share.record(user, done.cached_tokens, time.monotonic())
@@ -173,7 +172,7 @@ class Observer:
                 await self.refresh()
                 line = self.status.line(interval, self.history, (
                     (r.name, int(self._inflight(i)), self._engine_stats(r), r.healthy) for i, r in enumerate(self._replicas)
-                ), self.metrics.errors_total())
+                ), self.metrics.errors_total(), self.metrics.generated_total())
             except Exception:  # noqa: BLE001 - a status line must never stop the server
                 log.exception("status line failed")
                 continue

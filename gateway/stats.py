@@ -68,7 +68,6 @@ class StatsHistory:
         self.requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
-        self.completion_tokens = 0
 
     def first_token(self, ttft_s: float, now: float) -> None:
         self._roll(now)
@@ -78,7 +77,7 @@ class StatsHistory:
             del ttfts[::2]
 
     def finished(
-        self, workload: str, replica: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int, now: float
+        self, workload: str, replica: str, prompt_tokens: int, cached_tokens: int, now: float
     ) -> None:
         self._roll(now)
         tally = self._tokens[workload]
@@ -88,7 +87,6 @@ class StatsHistory:
         self.requests += 1
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
-        self.completion_tokens += completion_tokens
 
     def snapshot(self, replicas: list[dict], now: float) -> dict:
         self._roll(now)

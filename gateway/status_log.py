@@ -4,8 +4,10 @@ since the last line and what its engines hold now.
     last 10 s: 12 requests, 2 errors, prompt 310 tok/s (62% cached), generation 45 tok/s; inprocess-0: 3 running, 1 waiting, KV 45% in use; vllm-1: down
 
 Written only when something happened or is under way, so an idle server's
-log stays quiet.  Counts are the differences of the /stats history's running
-totals (engine requests that completed in the interval); queue and KV figures
+log stays quiet.  Requests and prompt tokens are the differences of the /stats
+history's running totals (engine requests that completed in the interval);
+generation tokens are counted as they arrive, as vLLM counts them per step, so
+a long stream shows its rate while it runs rather than all at its end; queue and KV figures
 come from each replica's engine stats (none for external servers: their own
 logs have them).  Errors are the responses other than 200 in the interval
 (refused, failed, or the client left), shown when there are any; a replica out
@@ -23,7 +25,6 @@ class Totals(Protocol):
     requests: int
     prompt_tokens: int
     cached_tokens: int
-    completion_tokens: int
 
 
 class StatusLog:
@@ -33,11 +34,12 @@ class StatusLog:
         self._seen = (0, 0, 0, 0, 0)  # the totals at the last line
 
     def line(self, seconds: float, totals: Totals, replicas: Iterable[tuple[str, int, Mapping | None, bool]],
-             errors: int = 0) -> str | None:
-        """The line for the last ``seconds``: ``totals`` and ``errors`` (responses
-        other than 200 since start) against the last line's, and the replicas'
-        (name, requests in flight, engine stats, healthy); None when idle."""
-        now = (totals.requests, totals.prompt_tokens, totals.cached_tokens, totals.completion_tokens, errors)
+             errors: int = 0, generated: int = 0) -> str | None:
+        """The line for the last ``seconds``: ``totals``, ``errors`` (responses
+        other than 200 since start) and ``generated`` (tokens generated since
+        start) against the last line's, and the replicas' (name, requests in
+        flight, engine stats, healthy); None when idle."""
+        now = (totals.requests, totals.prompt_tokens, totals.cached_tokens, generated, errors)
         requests, prompt, cached, completion, failed = (a - b for a, b in zip(now, self._seen))
         self._seen = now
         parts = []

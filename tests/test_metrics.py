@@ -652,18 +652,24 @@ def test_loop_series_export_what_prometheus_client_exports():
 def test_status_line_reports_the_interval_then_starts_over():
     history, status = StatsHistory(), StatusLog()
     assert status.line(10, history, [("r0", 0, {"running": 0, "waiting": 0}, True)]) is None  # idle: no line
-    history.finished("to-c", "r0", 1000, 600, 50, now=1.0)
-    history.finished("to-b", "r0", 1000, 200, 50, now=2.0)
+    history.finished("to-c", "r0", 1000, 600, now=1.0)
+    history.finished("to-b", "r0", 1000, 200, now=2.0)
     stats = {"running": 2, "waiting": 1, "blocks": {"device": {"total": 200, "in_use": 90}}}
-    line = status.line(10, history, [("r0", 3, stats, True), ("vllm", 4, None, True), ("old", 0, None, False)])
+    line = status.line(10, history, [("r0", 3, stats, True), ("vllm", 4, None, True), ("old", 0, None, False)],
+                       generated=100)
     assert line == ("last 10 s: 2 requests, prompt 200 tok/s (40% cached), generation 10 tok/s; "
                     "r0: 2 running, 1 waiting, KV 45% in use; vllm: 4 in flight; old: down")
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)]) is None  # nothing new since
-    history.finished("to-c", "r0", 100, 0, 5, now=3.0)
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)]).startswith("last 10 s: 1 request, prompt 10 tok/s")
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], generated=100) is None  # nothing new since
+    history.finished("to-c", "r0", 100, 0, now=3.0)
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], generated=100).startswith(
+        "last 10 s: 1 request, prompt 10 tok/s")
+    # Tokens of a stream still running count as they come, before any request ends.
+    assert status.line(10, history, [("r0", 1, {"running": 1}, True)], generated=400).startswith(
+        "last 10 s: 0 requests, prompt 0 tok/s, generation 30 tok/s")
     # Refused or failed requests alone make a line: errors are the non-200 responses since the last one.
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7).startswith("last 10 s: 0 requests, 7 errors,")
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7) is None
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7, generated=400).startswith(
+        "last 10 s: 0 requests, 7 errors,")
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7, generated=400) is None
 
 
 def test_the_dashboards_rate_of_a_period_under_way_is_over_the_sample_span():
@@ -671,13 +677,13 @@ def test_the_dashboards_rate_of_a_period_under_way_is_over_the_sample_span():
     few milliseconds would plot a steady 1 request/s as 50."""
     history = StatsHistory(sample_s=5.0)
     for second in range(11):  # one request a second
-        history.finished("to-c", "r", 10, 0, 1, now=float(second))
+        history.finished("to-c", "r", 10, 0, now=float(second))
     points = history.snapshot([], now=10.02)["history"]
     assert [p["partial"] for p in points] == [False, False, True]
     assert [p["rps"]["r"] for p in points[:2]] == [1.0, 1.0]
     assert points[2]["rps"]["r"] == pytest.approx(1.0, rel=0.25)  # one request 20 ms in: an estimate
     # After a quiet spell the period under way stands alone.
-    history.finished("to-c", "r", 10, 0, 1, now=100.0)
+    history.finished("to-c", "r", 10, 0, now=100.0)
     last = history.snapshot([], now=100.5)["history"][-1]
     assert last["partial"] and last["rps"]["r"] == pytest.approx(1 / 5.0)
 
@@ -692,3 +698,35 @@ async def test_status_line_in_the_log_while_busy(tiny_model_dir, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("last 0.3 s:")]
     assert lines and "1 request," in lines[0] and "local: 0 running, 0 waiting, KV" in lines[0]
     assert sum("1 request," in line for line in lines) == 1  # counted once, then quiet while idle
+
+
+def _generation_tokens(scrape: str) -> float:
+    return sum(sample.value for family in text_string_to_metric_families(scrape) for sample in family.samples
+               if sample.name == "kvgate_generation_tokens_total")
+
+
+async def test_a_long_streams_tokens_count_while_it_runs(tiny_model_dir, caplog):
+    """Generated tokens are counted as they arrive (vLLM counts them per step):
+    a Grafana rate and the status line show a long stream's output while it
+    runs, not all of it at its end."""
+    config = _config(tiny_model_dir)
+    config.server.log_stats_interval_s = 0.3
+    caplog.set_level(logging.INFO, logger="gateway.observe")
+    async with serving(create_app(config)) as (app, server, client):
+        stream = await client.completions.create(model=MODEL, prompt="Count:", max_tokens=1000, stream=True,
+                                                 extra_body={"ignore_eos": True})
+        seen = 0
+        async with aiohttp.ClientSession() as session:
+            async for chunk in stream:
+                seen += 1
+                if seen == 60:  # well under way
+                    async with session.get(server.url + "/metrics") as resp:
+                        counted = _generation_tokens(await resp.text())
+                    assert 50 <= counted < 1000
+                    await wait_for(lambda: any("0 requests" in r.getMessage() and "generation 0 tok/s" not in
+                                               r.getMessage() for r in caplog.records), what="a status line")
+                    await stream.close()
+                    break
+            await asyncio.sleep(0.2)
+            async with session.get(server.url + "/metrics") as resp:
+                assert counted <= _generation_tokens(await resp.text()) < 1000  # cut short: what it made, once
