@@ -455,9 +455,11 @@ class KvgateConfig(Section):
 
 
 class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, line: int, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, line: int, key: object, first: int) -> None:
+        super().__init__(f"duplicate key {key!r} (first at line {first})")
         self.line = line
+        self.key = key
+        self.first = first
 
 
 class _ConfigLoader(yaml.SafeLoader):
@@ -476,7 +478,7 @@ class _ConfigLoader(yaml.SafeLoader):
             except TypeError:  # an unhashable key: SafeLoader's own error says so
                 break
             if seen is not None:
-                raise _DuplicateKey(key_node.start_mark.line + 1, f"duplicate key {key!r} (first at line {seen})")
+                raise _DuplicateKey(key_node.start_mark.line + 1, key, seen)
             first[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
@@ -523,7 +525,10 @@ def load_config(path: str | os.PathLike | None = None, *, gateway: bool = False)
         root = loader.get_single_node()
         data = loader.construct_document(root) if root is not None else None
     except _DuplicateKey as exc:
-        raise ConfigError(f"{source}:{exc.line}: {exc}") from None
+        # Named by its whole path (engine.block_size), as every other error is.
+        paths = [path for path, line in _key_lines(root).items() if line == exc.line and path[-1] == str(exc.key)]
+        where = ".".join(paths[0]) if paths else repr(exc.key)
+        raise ConfigError(f"{source}:{exc.line}: {where}: given twice (first at line {exc.first})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source

@@ -389,8 +389,12 @@ def test_engine_seed_is_what_torch_takes(tmp_path, seed, why):
 def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
     # PyYAML keeps the last silently: the first engine section would be dropped whole.
     text = "engine:\n  max_num_seqs: 4\nserver:\n  port: 9000\nengine:\n  block_size: 32\n"
-    assert _config_error(tmp_path, text) == "c.yaml:5: duplicate key 'engine' (first at line 1)"
-    assert _config_error(tmp_path, "server: {port: 1, port: 2}\n") == "c.yaml:1: duplicate key 'port' (first at line 1)"
+    assert _config_error(tmp_path, text) == "c.yaml:5: engine: given twice (first at line 1)"
+    assert _config_error(tmp_path, "server: {port: 1, port: 2}\n") == "c.yaml:1: server.port: given twice (first at line 1)"
+    text = "engine:\n  block_size: 16\n  block_size: 32\nreplicas:\n  - kind: engine\n    url: http://e:1\n    url: http://e:2\n"
+    assert _config_error(tmp_path, text) == "c.yaml:3: engine.block_size: given twice (first at line 2)"
+    assert _config_error(tmp_path, text.replace("  block_size: 32\n", "")) == (
+        "c.yaml:6: replicas.0.url: given twice (first at line 5)")
     # Merge keys override by design.
     path = tmp_path / "ok.yaml"
     path.write_text("router: &r {load_weight: 0.5}\nserver:\n  limits:\n    max_n: 2\n")
