@@ -109,14 +109,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
     replay = sub.add_parser("replay", help="replay a trace through the block cache")
     replay.add_argument("trace", help="Bailian or Mooncake JSONL trace")
-    replay.add_argument("--format", default="auto", choices=["auto", "bailian", "mooncake"])
+    replay.add_argument("--format", default="auto", choices=["auto", "bailian", "mooncake"],
+                        help="trace format (default auto: told by its fields)")
     replay.add_argument("--policies", default="lru,fifo,s3fifo,belady",
                         help="comma-separated: lru,fifo,s3fifo,belady,wa,wa-paper (default: lru,fifo,s3fifo,belady)")
     sizes = replay.add_mutually_exclusive_group()
     sizes.add_argument("--capacity", default=None,
                        help="fractions of the trace's unique blocks (default 0.01,0.02,0.05,0.1,0.2)")
-    sizes.add_argument("--capacity-blocks", default=None, help="absolute capacities in blocks")
-    replay.add_argument("--host-blocks", type=int, default=0, help="host tier behind each device tier")
+    sizes.add_argument("--capacity-blocks", default=None, help="comma-separated capacities in blocks")
+    replay.add_argument("--host-blocks", type=int, default=0, help="host tier behind each device tier (default 0)")
     replay.add_argument("--config", help="config.yaml whose cache section configures the policies")
     replay.add_argument("--json", metavar="OUT", help="write results as JSON")
     replay.add_argument("--plot", metavar="OUT.png", help="plot hit ratio against capacity")
@@ -129,25 +130,29 @@ def _build_parser() -> argparse.ArgumentParser:
 
     tune = sub.add_parser("tune", help="search the workload-aware weights and windows on a trace")
     tune.add_argument("trace", help="Bailian or Mooncake JSONL trace (e.g. a `serve --record-trace` recording)")
-    tune.add_argument("--format", default="auto", choices=["auto", "bailian", "mooncake"])
+    tune.add_argument("--format", default="auto", choices=["auto", "bailian", "mooncake"],
+                      help="trace format (default auto: told by its fields)")
     tune_sizes = tune.add_mutually_exclusive_group()
     tune_sizes.add_argument("--capacity", type=_fraction, default=None,
                             help="device tier as a fraction of the trace's unique blocks (default 0.05)")
-    tune_sizes.add_argument("--capacity-blocks", type=int, default=None, help="device tier in blocks (the engine's)")
-    tune.add_argument("--host-blocks", type=int, default=0, help="host tier behind the device tier")
+    tune_sizes.add_argument("--capacity-blocks", type=int, default=None,
+                            help="device tier in blocks (the engine's; one value, as --capacity)")
+    tune.add_argument("--host-blocks", type=int, default=0, help="host tier behind the device tier (default 0)")
     tune.add_argument("--config", help="config.yaml: its cache section is the starting point and the baseline")
-    tune.add_argument("--time-limit", type=float, default=300.0, metavar="S", help="stop searching after S seconds")
+    tune.add_argument("--time-limit", type=float, default=300.0, metavar="S", help="stop searching after S seconds (default 300)")
     tune.add_argument("--max-evals", type=int, default=None, metavar="N", help="stop the search after N replays (the two baselines, lru and the starting settings, always run)")
     tune.add_argument("--holdout", type=float, default=0.0, metavar="F",
-                      help="search on the first 1-F of the trace, report all three on the last F")
+                      help="search on the first 1-F of the trace, report all three on the last F (default 0: no held-out part)")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
     tune.set_defaults(run=_quietly(_run_tune))
 
     synth = sub.add_parser("synth", help="generate a Bailian-format trace, or print a trace's statistics")
-    synth.add_argument("--profile", choices=["to-c", "to-b", "mixed"], default="to-c")
-    synth.add_argument("--duration", type=float, default=3600.0, help="seconds of traffic")
-    synth.add_argument("--rate", type=float, default=5.0, help="mean arrivals per second")
-    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--profile", choices=["to-c", "to-b", "mixed"], default="to-c",
+                       help="workload whose statistics the trace follows (default to-c)")
+    synth.add_argument("--duration", type=float, default=3600.0, help="seconds of traffic (default 3600)")
+    synth.add_argument("--rate", type=float, default=5.0,
+                       help="mean requests per second, follow-up turns included (default 5)")
+    synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     synth.add_argument("-o", "--output", metavar="FILE", help="where to write the trace")
     synth.add_argument("--stats", metavar="FILE", help="print the paper's statistics for this trace instead")
     synth.add_argument("--format", default=None, choices=["auto", "bailian", "mooncake"],
