@@ -89,6 +89,12 @@ class EngineConfig(Section):
     host_blocks_multiplier: float = Field(3.0, ge=0)
     max_num_seqs: int = Field(16, ge=1)
     max_batched_tokens: int = Field(2048, ge=16)
+    # Which waiting sequence takes a free slot.  tenant-fair: one of the tenant
+    # with the fewest sequences running (the earliest among equals), so that one
+    # tenant's burst or many-choice request does not hold back another's; with a
+    # single tenant (no API keys) that is first come, first served.  fcfs: arrival
+    # order whatever the tenant, as vLLM's default.
+    scheduling_policy: Literal["tenant-fair", "fcfs"] = "tenant-fair"
     # CPU threads for torch; None keeps torch's default.
     threads: int | None = Field(None, ge=1)
     # What torch.manual_seed takes: 64 bits (it reads a negative seed as seed +

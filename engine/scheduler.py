@@ -3,7 +3,10 @@
 Each step runs every running sequence first (a decode token, or the next
 chunk of a long prompt), then admits waiting ones while the token budget
 (``max_batched_tokens``) and ``max_num_seqs`` allow.  Admission takes the
-cached prefix from the pool and computes only the rest.  When blocks run out
+cached prefix from the pool and computes only the rest.  While several tenants
+wait, a free slot goes to the one with the fewest sequences running (its
+earliest waiting sequence); otherwise, and with ``tenant_fair`` off, waiting
+sequences are taken in order.  When blocks run out
 the newest running sequence is preempted: its blocks are released (the full
 ones stay cached, so the recompute usually hits them) and it waits again.
 """
@@ -11,7 +14,7 @@ ones stay cached, so the recompute usually hits them) and it waits again.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Callable, NamedTuple
 
 from engine.block_pool import BlockPool, NoFreeBlocks
@@ -31,13 +34,18 @@ class Scheduler:
         max_num_seqs: int,
         max_batched_tokens: int,
         clock: Callable[[], float] = time.monotonic,
+        tenant_fair: bool = True,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.clock = clock
+        self.tenant_fair = tenant_fair
         self.waiting: deque[Sequence] = deque()
+        # Waiting sequences per tenant: the fair pick's scan runs only while
+        # several tenants wait.
+        self._waiting_tenants: Counter = Counter()
         self.running: list[Sequence] = []
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -49,6 +57,14 @@ class Scheduler:
             self.waiting.appendleft(seq)
         else:
             self.waiting.append(seq)
+        self._waiting_tenants[seq.request.context.tenant] += 1
+
+    def _unwait(self, seq: Sequence) -> None:
+        tenants = self._waiting_tenants
+        tenant = seq.request.context.tenant
+        tenants[tenant] -= 1
+        if not tenants[tenant]:
+            del tenants[tenant]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -93,18 +109,36 @@ class Scheduler:
                     return False
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq], now: float) -> None:
+        running: Counter | None = None  # sequences running per tenant, counted once tenants compete
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            index = 0
+            if self.tenant_fair and len(self._waiting_tenants) > 1:
+                if running is None:
+                    running = Counter(s.request.context.tenant for s in self.running)
+                index = self._fairest(running)
+            seq = self.waiting[index]
             count = self._admit(seq, budget, now)
             if count is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
+            self._unwait(seq)
+            if running is not None:
+                running[seq.request.context.tenant] += 1
             seq.status = Status.RUNNING
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, count))
             budget -= count
+
+    def _fairest(self, running: Counter) -> int:
+        """Index in ``waiting`` of the earliest sequence of a tenant with the
+        fewest sequences running (the head when its tenant is one of them)."""
+        fewest = min(running[tenant] for tenant in self._waiting_tenants)
+        for index, seq in enumerate(self.waiting):
+            if running[seq.request.context.tenant] == fewest:
+                return index
+        return 0  # unreachable: some waiting tenant has the fewest
 
     def _admit(self, seq: Sequence, budget: int, now: float) -> int | None:
         """Take the cached prefix and blocks for the first chunk; None if blocks are short."""
@@ -163,7 +197,7 @@ class Scheduler:
     def preempt(self, seq: Sequence, now: float) -> None:
         self._release(seq, now)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        self.add(seq, front=True)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -176,6 +210,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self._unwait(seq)
         self._release(seq, self.clock())
         seq.status = Status.FINISHED
         seq.finish_reason = reason

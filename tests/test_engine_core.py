@@ -470,3 +470,35 @@ async def test_a_request_that_fails_to_be_taken_in_fails_its_reader_and_the_engi
     engine.scheduler.add = real_add
     out = await asyncio.wait_for(collect(engine, greedy("a", list(range(5, 20)), 4)), 30)
     assert len(tokens(out[0])) == 4
+
+
+@pytest.mark.parametrize("policy", ["tenant-fair", "fcfs"])
+async def test_a_tenants_many_choices_do_not_hold_back_another_tenant(engines, policy):
+    """With every sequence slot taken by one tenant's request of many choices,
+    another tenant's request that arrives next takes the next free slot
+    (tenant-fair, the default), not the slot after all of the first tenant's
+    choices (fcfs, as vLLM: 8.2 s against 12 ms in a review)."""
+    engine = engines(max_num_seqs=2, scheduling_policy=policy)
+    big = GenerationRequest("big", prompt_of(20, seed=1), SamplingParams(max_tokens=30, temperature=1.0, seed=3, n=8,
+                                                                        ignore_eos=True))
+    big.context.tenant = "acme"
+    small = greedy("small", prompt_of(20, seed=2), 1)
+    small.context.tenant = "globex"
+    finished: list[str] = []
+
+    async def run(request):
+        async for out in engine.generate(request):
+            if out.finish_reason is not None:
+                finished.append(f"{request.request_id}-{out.index}")
+
+    big_task = asyncio.create_task(run(big))
+    while not engine.scheduler.running:  # the big request holds the slots
+        await asyncio.sleep(0.001)
+    await run(small)
+    await big_task
+    before = finished.index("small-0")
+    if policy == "tenant-fair":
+        assert before <= 2  # the first free slot: at most the two choices that held them
+    else:
+        assert before >= 6  # behind every choice of the first request but the last two
+    assert len(finished) == 9
