@@ -139,6 +139,7 @@ class Dispatcher:
             # it ends (client gone, error, retried elsewhere): as vLLM counts the tokens
             # of requests aborted after their prefill.
             received = 0  # generated tokens that arrived
+            prefilled = 0  # prompt tokens counted at the first output
             cached: int | None = None  # prompt tokens the replica served from its cache, once it says
             last_token: float | None = None
             # The recorder also wants the blocks the engine fills with generated tokens.
@@ -146,10 +147,16 @@ class Dispatcher:
             gen = replica.generate(job)
             try:
                 async for batch in gen:
-                    if not produced and answer_failed:
-                        for failed_replica, _ in answer_failed:
-                            failed_replica.note_request_failure()
-                        answer_failed.clear()
+                    if not produced:
+                        if answer_failed:
+                            for failed_replica, _ in answer_failed:
+                                failed_replica.note_request_failure()
+                            answer_failed.clear()
+                        if replica.kind != "openai":
+                            # The prefill is done, as vLLM counts it; a kvgate engine's prompt
+                            # is these very tokens (an external server's count comes at the end).
+                            prefilled = len(sub.prompt.token_ids)
+                            series.prompt_tokens.inc(prefilled)
                     produced = True
                     # Tokens that arrived together leave as one delta per choice (one
                     # frame), and the inter-token gap is measured between deltas:
@@ -217,7 +224,7 @@ class Dispatcher:
                 raise errors.relayed(status, exc.body, str(exc), "api_error") from None
             finally:
                 if produced:  # the replica did the prefill (and generated what came)
-                    _count_work(series, usage, len(sub.prompt.token_ids), received, cached, predicted)
+                    _count_work(series, usage, len(sub.prompt.token_ids), prefilled, received, cached, predicted)
                 if exhausted or (produced and not restart):
                     # Run to its end, or cut short after its prefill (client gone, error
                     # mid-stream): the replica cached its prompt all the same, which a
@@ -290,18 +297,20 @@ class Dispatcher:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _count_work(series: RequestSeries, usage: UsageSum, prompt_len: int, received: int, cached: int | None,
-                predicted: int) -> None:
+def _count_work(series: RequestSeries, usage: UsageSum, prompt_len: int, prefilled: int, received: int,
+                cached: int | None, predicted: int) -> None:
     """The token counters of an attempt that produced output (so the replica did
-    its prefill), whether it ran to its end or not.  Generated tokens were
-    counted as they arrived; the usage adds what those missed (a remote delta's
-    text counts as one token).  A stream cut short has no usage for its
+    its prefill), whether it ran to its end or not.  Prompt tokens were counted
+    at the first output (``prefilled``, none for an external server) and
+    generated ones as they arrived; the usage adds what those missed (a remote
+    delta's text counts as one token).  A stream cut short has no usage for its
     unfinished choices: their tokens are those that arrived.  The
     router's prediction counts with the cache hits it is compared to, so an
     attempt whose replica never said its hits (an external server cut short
     before its usage) counts on neither, and the ratio stays a ratio."""
     prompt = usage.prompt[0] or prompt_len
-    series.prompt_tokens.inc(prompt)
+    if prompt > prefilled:
+        series.prompt_tokens.inc(prompt - prefilled)
     if usage.completion[0] > received:  # ``received`` were counted as they came
         series.generation_tokens.inc(usage.completion[0] - received)
     if cached is not None:

@@ -135,7 +135,7 @@ class GatewayMetrics:
         )
         self.prompt_tokens = LoopCounter(
             "kvgate_prompt_tokens", "Prompt tokens of engine requests the replica prefilled, also those cut short "
-            "(client gone, error), as vLLM's prompt_tokens_total.",
+            "(client gone, error), counted once prefilled, as vLLM's prompt_tokens_total.",
             ["workload", "replica"], registry=r,
         )
         self.generation_tokens = LoopCounter(

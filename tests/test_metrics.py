@@ -700,15 +700,15 @@ async def test_status_line_in_the_log_while_busy(tiny_model_dir, caplog):
     assert sum("1 request," in line for line in lines) == 1  # counted once, then quiet while idle
 
 
-def _generation_tokens(scrape: str) -> float:
+def _tokens(scrape: str, name: str = "kvgate_generation_tokens_total") -> float:
     return sum(sample.value for family in text_string_to_metric_families(scrape) for sample in family.samples
-               if sample.name == "kvgate_generation_tokens_total")
+               if sample.name == name)
 
 
 async def test_a_long_streams_tokens_count_while_it_runs(tiny_model_dir, caplog):
-    """Generated tokens are counted as they arrive (vLLM counts them per step):
-    a Grafana rate and the status line show a long stream's output while it
-    runs, not all of it at its end."""
+    """Prompt tokens are counted once prefilled and generated ones as they
+    arrive (as vLLM counts them): a Grafana rate and the status line show a long
+    stream's work while it runs, not all of it at its end, and each once."""
     config = _config(tiny_model_dir)
     config.server.log_stats_interval_s = 0.3
     caplog.set_level(logging.INFO, logger="gateway.observe")
@@ -721,12 +721,15 @@ async def test_a_long_streams_tokens_count_while_it_runs(tiny_model_dir, caplog)
                 seen += 1
                 if seen == 60:  # well under way
                     async with session.get(server.url + "/metrics") as resp:
-                        counted = _generation_tokens(await resp.text())
-                    assert 50 <= counted < 1000
+                        scrape = await resp.text()
+                    counted, prompt = _tokens(scrape), _tokens(scrape, "kvgate_prompt_tokens_total")
+                    assert 50 <= counted < 1000 and prompt > 0
                     await wait_for(lambda: any("0 requests" in r.getMessage() and "generation 0 tok/s" not in
                                                r.getMessage() for r in caplog.records), what="a status line")
                     await stream.close()
                     break
             await asyncio.sleep(0.2)
             async with session.get(server.url + "/metrics") as resp:
-                assert counted <= _generation_tokens(await resp.text()) < 1000  # cut short: what it made, once
+                scrape = await resp.text()
+            assert counted <= _tokens(scrape) < 1000  # cut short: what it made, once
+            assert _tokens(scrape, "kvgate_prompt_tokens_total") == prompt
