@@ -5,8 +5,9 @@ chunk of a long prompt), then admits waiting ones while the token budget
 (``max_batched_tokens``) and ``max_num_seqs`` allow.  Admission takes the
 cached prefix from the pool and computes only the rest.  While several tenants
 wait, a free slot goes to the one with the fewest sequences running (its
-earliest waiting sequence); otherwise, and with ``tenant_fair`` off, waiting
-sequences are taken in order.  When blocks run out
+earliest waiting sequence), or, when that one lacks blocks, to the earliest of
+all; with one tenant, and with ``tenant_fair`` off, waiting sequences are taken
+in order.  When blocks run out
 the newest running sequence is preempted: its blocks are released (the full
 ones stay cached, so the recompute usually hits them) and it waits again.
 """
@@ -26,6 +27,76 @@ class ScheduledSeq(NamedTuple):
     num_tokens: int  # new tokens computed for it this step
 
 
+def _tenant(seq: Sequence) -> object:
+    return seq.request.context.tenant
+
+
+class WaitQueue:
+    """Waiting sequences: one queue per tenant, each in arrival order (a
+    preempted sequence, or a request's later choices, at the front).  Each
+    sequence gets an order number as it is added, so the earliest of all is
+    a question of the tenants' heads, not of every sequence waiting."""
+
+    __slots__ = ("_queues", "_back", "_front", "_len")
+
+    def __init__(self) -> None:
+        self._queues: dict[object, deque[Sequence]] = {}
+        self._back = 0  # the next order number at the back
+        self._front = 0  # the last one given at the front
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __contains__(self, seq: Sequence) -> bool:
+        queue = self._queues.get(_tenant(seq))
+        return queue is not None and seq in queue
+
+    @property
+    def tenants(self) -> int:
+        return len(self._queues)
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        tenant = _tenant(seq)
+        queue = self._queues.get(tenant)
+        if queue is None:
+            queue = self._queues[tenant] = deque()
+        if front:
+            self._front -= 1
+            seq.wait_order = self._front
+            queue.appendleft(seq)
+        else:
+            seq.wait_order = self._back
+            self._back += 1
+            queue.append(seq)
+        self._len += 1
+
+    def head(self) -> Sequence:
+        """The earliest sequence waiting (first come, first served)."""
+        if len(self._queues) == 1:
+            return next(iter(self._queues.values()))[0]
+        return min((queue[0] for queue in self._queues.values()), key=lambda seq: seq.wait_order)
+
+    def fairest(self, running: Counter) -> Sequence:
+        """The earliest sequence of a tenant with the fewest sequences ``running``."""
+        return min((queue[0] for queue in self._queues.values()),
+                   key=lambda seq: (running[_tenant(seq)], seq.wait_order))
+
+    def remove(self, seq: Sequence) -> None:
+        tenant = _tenant(seq)
+        queue = self._queues[tenant]
+        if queue[0] is seq:
+            queue.popleft()
+        else:
+            queue.remove(seq)
+        if not queue:
+            del self._queues[tenant]
+        self._len -= 1
+
+
 class Scheduler:
     def __init__(
         self,
@@ -42,10 +113,7 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.clock = clock
         self.tenant_fair = tenant_fair
-        self.waiting: deque[Sequence] = deque()
-        # Waiting sequences per tenant: the fair pick's scan runs only while
-        # several tenants wait.
-        self._waiting_tenants: Counter = Counter()
+        self.waiting = WaitQueue()
         self.running: list[Sequence] = []
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -53,18 +121,7 @@ class Scheduler:
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         seq.status = Status.WAITING
-        if front:
-            self.waiting.appendleft(seq)
-        else:
-            self.waiting.append(seq)
-        self._waiting_tenants[seq.request.context.tenant] += 1
-
-    def _unwait(self, seq: Sequence) -> None:
-        tenants = self._waiting_tenants
-        tenant = seq.request.context.tenant
-        tenants[tenant] -= 1
-        if not tenants[tenant]:
-            del tenants[tenant]
+        self.waiting.add(seq, front)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -109,36 +166,34 @@ class Scheduler:
                     return False
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq], now: float) -> None:
+        waiting = self.waiting
         running: Counter | None = None  # sequences running per tenant, counted once tenants compete
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            index = 0
-            if self.tenant_fair and len(self._waiting_tenants) > 1:
+        while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = waiting.head()
+            count = None
+            if self.tenant_fair and waiting.tenants > 1:
                 if running is None:
-                    running = Counter(s.request.context.tenant for s in self.running)
-                index = self._fairest(running)
-            seq = self.waiting[index]
-            count = self._admit(seq, budget, now)
+                    running = Counter(_tenant(s) for s in self.running)
+                fair = waiting.fairest(running)
+                if fair is not seq:
+                    count = self._admit(fair, budget, now)
+                    if count is not None:
+                        seq = fair
             if count is None:
-                break
-            del self.waiting[index]
-            self._unwait(seq)
+                # The earliest, also when the fair pick lacks blocks: a request that
+                # does not fit yet must not keep out earlier ones that do.
+                count = self._admit(seq, budget, now)
+                if count is None:
+                    break
+            waiting.remove(seq)
             if running is not None:
-                running[seq.request.context.tenant] += 1
+                running[_tenant(seq)] += 1
             seq.status = Status.RUNNING
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, count))
             budget -= count
-
-    def _fairest(self, running: Counter) -> int:
-        """Index in ``waiting`` of the earliest sequence of a tenant with the
-        fewest sequences running (the head when its tenant is one of them)."""
-        fewest = min(running[tenant] for tenant in self._waiting_tenants)
-        for index, seq in enumerate(self.waiting):
-            if running[seq.request.context.tenant] == fewest:
-                return index
-        return 0  # unreachable: some waiting tenant has the fewest
 
     def _admit(self, seq: Sequence, budget: int, now: float) -> int | None:
         """Take the cached prefix and blocks for the first chunk; None if blocks are short."""
@@ -210,7 +265,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-            self._unwait(seq)
         self._release(seq, self.clock())
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -37,6 +37,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_published = 0
         self.status = Status.WAITING
+        self.wait_order = 0  # its place among the waiting (engine.scheduler.WaitQueue)
         self.finish_reason: str | None = None
         # Prefix-cache hit of the first admission (what usage reports).
         self.cached_tokens: int | None = None

@@ -69,7 +69,7 @@ def assert_no_references(engine: AsyncEngine) -> None:
     refs = [(block, count) for block, count in enumerate(engine.pool.ref_count) if count]
     assert not refs, f"blocks still referenced after the test: {refs[:10]}"
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert not engine.scheduler._waiting_tenants  # the fair pick's tally follows the queue
+    assert not engine.scheduler.waiting._queues  # its per-tenant queues follow its count
 
 
 def interrupt_on_call(real, call: int):

@@ -502,3 +502,30 @@ async def test_a_tenants_many_choices_do_not_hold_back_another_tenant(engines, p
     else:
         assert before >= 6  # behind every choice of the first request but the last two
     assert len(finished) == 9
+
+
+def test_the_fair_pick_lacking_blocks_keeps_out_no_earlier_request_that_fits():
+    """A tenant with nothing running comes first, but its request that does not
+    fit the free blocks yet must not stop the earlier ones that do (as first
+    come, first served would run them meanwhile)."""
+    from engine.block_pool import BlockPool
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    bs = 16
+    pool = BlockPool(64, 0, "lru")
+    scheduler = Scheduler(pool, bs, 16, 8192, clock=lambda: 0.0, tenant_fair=True)
+
+    def waiting(request_id: str, tenant: str, tokens: int) -> Sequence:
+        request = GenerationRequest(request_id, prompt_of(tokens, seed=len(request_id) + tokens))
+        request.context.tenant = tenant
+        seq = Sequence(len(scheduler.waiting) + 10, request, 0, bs, "salt")
+        scheduler.add(seq)
+        return seq
+
+    waiting("hog", "acme", bs * 58)
+    scheduler.after_step(scheduler.schedule())  # acme runs one sequence on 58 of the 64 blocks
+    small = [waiting(f"a{i}", "acme", 8) for i in range(4)]  # one block each, earlier
+    big = waiting("b", "globex", 200)  # 13 blocks: does not fit yet, though globex runs nothing
+    admitted = [seq for seq, _ in scheduler.schedule()[1:]]
+    assert admitted == small and big in scheduler.waiting and len(scheduler.waiting) == 1
