@@ -221,6 +221,11 @@ class ReplicaConfig(Section):
     def _url_for_remote(self, info: ValidationInfo) -> "ReplicaConfig":
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("api_key and api_key_env both give the replica's key: give one")
+        if self.kind == "inprocess" and (self.api_key is not None or self.api_key_env is not None):
+            # Nothing is sent to an engine inside the gateway; a key here is a mistake
+            # (a missing kind), and an unset api_key_env must not stop the gateway.
+            raise ValueError(f"{'api_key' if self.api_key is not None else 'api_key_env'} is for a remote replica "
+                             "(kind engine or openai); kind inprocess, the default, runs inside the gateway")
         if self.api_key_env is not None:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
                 raise ValueError(f"api_key_env {self.api_key_env!r} is no environment variable name (letters, digits, "
@@ -247,14 +252,14 @@ class ReplicaConfig(Section):
             if not is_http_url(self.metrics_url):
                 raise ValueError(f"metrics_url {without_userinfo(self.metrics_url)!r} is no http(s) URL with a host, "
                                  "e.g. http://vllm-0:8000/metrics")
-        keyed = self.api_key is not None or self.api_key_env is not None
-        if self.metrics_url is not None and keyed and "@" in urlsplit(self.metrics_url).netloc:
-            raise ValueError("the metrics_url's user:password@ and api_key are both credentials for the replica: "
+        key = "api_key" if self.api_key is not None else "api_key_env" if self.api_key_env is not None else None
+        if self.metrics_url is not None and key and "@" in urlsplit(self.metrics_url).netloc:
+            raise ValueError(f"the metrics_url's user:password@ and {key} are both credentials for the replica: "
                              "give one")
-        if self.url is not None and keyed and "@" in urlsplit(self.url).netloc:
+        if self.url is not None and key and "@" in urlsplit(self.url).netloc:
             # aiohttp sends a URL's user:password as basic auth, and refuses every
             # request that also carries the api_key's bearer token.
-            raise ValueError("the url's user:password@ and api_key are both credentials for the replica: give one")
+            raise ValueError(f"the url's user:password@ and {key} are both credentials for the replica: give one")
         return self
 
 
@@ -266,6 +271,11 @@ def replica_api_key(spec: ReplicaConfig) -> str | None:
     value = os.environ.get(spec.api_key_env, "").strip()  # a Secret made --from-file ends with a newline
     if not value:
         raise ValueError(f"api_key_env: the environment variable {spec.api_key_env} is not set or is empty")
+    if spec.kind == "engine" and ("," in value or ":" in value):
+        # A kvgate engine reads its KVGATE_API_KEYS as key[:tenant[:workload]],...: a
+        # value shared with it that lists more is no one key it would take.
+        raise ValueError(f"api_key_env: {spec.api_key_env} holds ',' or ':'; give the one key sent to the engines "
+                         "(their own KVGATE_API_KEYS may list several, as key[:tenant],...)")
     return value
 
 
@@ -455,9 +465,10 @@ class KvgateConfig(Section):
 
 
 class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, line: int, key: object, first: int) -> None:
+    def __init__(self, node: yaml.Node, key: object, first: int) -> None:
         super().__init__(f"duplicate key {key!r} (first at line {first})")
-        self.line = line
+        self.node = node  # the second key's, to find its path by
+        self.line = node.start_mark.line + 1
         self.key = key
         self.first = first
 
@@ -478,16 +489,18 @@ class _ConfigLoader(yaml.SafeLoader):
             except TypeError:  # an unhashable key: SafeLoader's own error says so
                 break
             if seen is not None:
-                raise _DuplicateKey(key_node.start_mark.line + 1, key, seen)
+                raise _DuplicateKey(key_node, key, seen)
             first[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
 
-def _key_lines(node: yaml.Node, path: tuple[str, ...] = (), inside: frozenset[int] = frozenset()) -> dict[tuple[str, ...], int]:
+def _key_lines(node: yaml.Node, path: tuple[str, ...] = (), inside: frozenset[int] = frozenset(),
+               nodes: dict[int, tuple[str, ...]] | None = None) -> dict[tuple[str, ...], int]:
     """Dotted path (as pydantic's error locations, each part a string) -> the line
     of its key, for errors that say where; list items by their index.  A node
     that contains itself (``&a [*a]``) is walked once: its value is an error of
-    its own, which validation reports."""
+    its own, which validation reports.  ``nodes``, if given, gets each key
+    node's path by its id (a key given twice has two)."""
     lines: dict[tuple[str, ...], int] = {}
     if id(node) in inside:
         return lines
@@ -500,7 +513,9 @@ def _key_lines(node: yaml.Node, path: tuple[str, ...] = (), inside: frozenset[in
     inside = inside | {id(node)}
     for name, where, value in children:
         lines[path + (name,)] = where.start_mark.line + 1
-        lines.update(_key_lines(value, path + (name,), inside))
+        if nodes is not None:
+            nodes[id(where)] = path + (name,)
+        lines.update(_key_lines(value, path + (name,), inside, nodes))
     return lines
 
 
@@ -526,8 +541,10 @@ def load_config(path: str | os.PathLike | None = None, *, gateway: bool = False)
         data = loader.construct_document(root) if root is not None else None
     except _DuplicateKey as exc:
         # Named by its whole path (engine.block_size), as every other error is.
-        paths = [path for path, line in _key_lines(root).items() if line == exc.line and path[-1] == str(exc.key)]
-        where = ".".join(paths[0]) if paths else repr(exc.key)
+        nodes: dict[int, tuple[str, ...]] = {}
+        _key_lines(root, nodes=nodes)
+        path = nodes.get(id(exc.node))
+        where = ".".join(path) if path else repr(exc.key)
         raise ConfigError(f"{source}:{exc.line}: {where}: given twice (first at line {exc.first})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)

@@ -166,6 +166,27 @@ def test_a_replica_key_from_the_environment(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=f"{path}:2: replicas.0: {why}") as info:
             load_config(path)
         assert "sk-1" not in str(info.value)
+    # An engine inside the gateway is sent nothing: a key there is a mistake, whose
+    # unset variable must not stop the gateway either.
+    for key in ("api_key: sk-1", "api_key_env: KVGATE_TEST_ENGINE_KEY"):
+        path.write_text(f"replicas:\n  - kind: inprocess\n    {key}\n")
+        with pytest.raises(ConfigError, match=f"{path}:2: replicas.0: {key.split(':')[0]} is for a remote replica"):
+            load_config(path)
+    path.write_text("replicas:\n  - kind: engine\n    url: http://alice:pw@e:8001\n    api_key_env: KVGATE_TEST_ENGINE_KEY\n")
+    with pytest.raises(ConfigError, match="user:password@ and api_key_env are both credentials"):
+        load_config(path)
+    # A kvgate engine reads its KVGATE_API_KEYS as key[:tenant[:workload]],...: a shared
+    # value that lists more is no key it would take, so every engine would stay out of routing.
+    path.write_text("replicas:\n  - kind: engine\n    url: http://e:8001\n    api_key_env: KVGATE_TEST_ENGINE_KEY\n"
+                    "  - kind: openai\n    url: http://v:8000/v1\n    api_key_env: KVGATE_TEST_VLLM_KEY\n")
+    monkeypatch.setenv("KVGATE_TEST_VLLM_KEY", "sk:any:text")  # a vLLM key may hold anything
+    for value in ("sk-new,sk-old", "sk-a:team-a"):
+        monkeypatch.setenv("KVGATE_TEST_ENGINE_KEY", value)
+        with pytest.raises(ConfigError, match=f"{path}:2: replicas.0: api_key_env: KVGATE_TEST_ENGINE_KEY holds ','"):
+            load_config(path, gateway=True)
+    monkeypatch.setenv("KVGATE_TEST_ENGINE_KEY", "sk-a")
+    assert [r._auth() for r in build_replicas(load_config(path, gateway=True))] == [
+        {"Authorization": "Bearer sk-a"}, {"Authorization": "Bearer sk:any:text"}]
 
 
 def kubernetes_manifests() -> dict:
@@ -395,6 +416,11 @@ def test_a_key_given_twice_is_refused_with_both_lines(tmp_path):
     assert _config_error(tmp_path, text) == "c.yaml:3: engine.block_size: given twice (first at line 2)"
     assert _config_error(tmp_path, text.replace("  block_size: 32\n", "")) == (
         "c.yaml:6: replicas.0.url: given twice (first at line 5)")
+    # Found by the key itself, not by its line and text: several on one line, or a
+    # key YAML reads as no string.
+    assert _config_error(tmp_path, "engine:\n  x: {block_size: 16, y: {block_size: 1, block_size: 2}}\n") == (
+        "c.yaml:2: engine.x.y.block_size: given twice (first at line 2)")
+    assert _config_error(tmp_path, "engine:\n  yes: 1\n  yes: 2\n") == "c.yaml:3: engine.yes: given twice (first at line 2)"
     # Merge keys override by design.
     path = tmp_path / "ok.yaml"
     path.write_text("router: &r {load_weight: 0.5}\nserver:\n  limits:\n    max_n: 2\n")
