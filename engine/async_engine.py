@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,6 +74,15 @@ def _check_kv_room(shape: KVShape, device: torch.device, device_blocks: int, hos
         if need > room:
             raise ConfigError(f"{key}: {_kv_blocks(shape, on_device, on_host)} need {need / 2**30:,.1f} GiB; "
                               f"{room / 2**30:,.1f} GiB of {what}")
+
+
+# On a CPU with native bf16, torch's matmuls compile a oneDNN kernel per input
+# shape and keep up to 1,024 in each of two caches; a step packs all its tokens
+# into one row, whose length changes with nearly every prompt, so a CPU engine
+# grew by ~600 MB of kernels.  These limits keep it near its loaded size at no
+# measured cost on the bundled model (bench/engine_memory.py, bench/RESULTS.md).
+# Read when the first such kernel runs: set before the model loads, they are in time.
+KERNEL_CACHE_LIMITS = {"LRU_CACHE_CAPACITY": "1", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
 
 
 class AsyncEngine:
@@ -151,6 +161,8 @@ class AsyncEngine:
         """Load the model (blocking; seconds) and size the KV pool."""
         model_cfg = model_cfg or ModelConfig()
         engine_cfg = engine_cfg or EngineConfig()
+        for name, value in KERNEL_CACHE_LIMITS.items():
+            os.environ.setdefault(name, value)  # an operator's own setting wins
         if engine_cfg.threads:
             torch.set_num_threads(engine_cfg.threads)
         torch.manual_seed(engine_cfg.seed)

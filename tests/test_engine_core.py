@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import pytest
@@ -529,3 +530,17 @@ def test_the_fair_pick_lacking_blocks_keeps_out_no_earlier_request_that_fits():
     big = waiting("b", "globex", 200)  # 13 blocks: does not fit yet, though globex runs nothing
     admitted = [seq for seq, _ in scheduler.schedule()[1:]]
     assert admitted == small and big in scheduler.waiting and len(scheduler.waiting) == 1
+
+
+def test_the_engine_limits_torchs_cpu_kernel_caches_unless_the_operator_set_them(tiny_model_dir, monkeypatch):
+    """oneDNN keeps a compiled kernel per matmul shape (up to 1,024 in each of two
+    caches): the engine sets smaller limits before its model loads, since its
+    steps' shapes vary with every prompt (bench/engine_memory.py: ~600 MB less on
+    the tiny model), and keeps an operator's own."""
+    from engine.async_engine import KERNEL_CACHE_LIMITS
+
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
+    make_engine(tiny_model_dir)
+    assert os.environ["LRU_CACHE_CAPACITY"] == KERNEL_CACHE_LIMITS["LRU_CACHE_CAPACITY"] == "1"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
