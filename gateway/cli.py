@@ -271,8 +271,10 @@ def _writable(path: str | None, flag: str) -> None:
     if os.path.isdir(path):
         raise CliError(f"{flag}: {path} is a directory")
     parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise CliError(f"{flag}: cannot write into {parent}")
+    if not os.path.isdir(parent):
+        raise CliError(f"{flag}: cannot write into {parent}: no such folder")
+    if not os.access(parent, os.W_OK):
+        raise CliError(f"{flag}: cannot write into {parent}: permission denied")
 
 
 # More blocks than this is no cache anyone has, and the replay's pool would

@@ -513,3 +513,14 @@ def test_a_server_raises_its_open_files_limit(hard, expected):
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
     )
     assert int(out.stdout) == expected
+
+
+def test_an_output_path_that_cannot_be_written_says_why(tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "t.jsonl"
+    assert main(["synth", "--duration", "10", "-o", str(missing)]) == 2
+    assert capsys.readouterr().err == f"kvgate: -o: cannot write into {missing.parent}: no such folder\n"
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert main(["synth", "--duration", "10", "-o", str(locked / "t.jsonl")]) == 2
+        assert capsys.readouterr().err.endswith(": permission denied\n")
