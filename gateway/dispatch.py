@@ -107,145 +107,157 @@ class Dispatcher:
         # counted once another replica serves it (the request was not the cause).
         answer_failed: list[tuple[Replica, ReplicaAnswerFailed]] = []
         restart = False
+        unrecorded: Finished | None = None  # an attempt cut for a restart, until another produces
         # A request only an external server can honour (tools, JSON output) goes to one.
         external_only = parsed.engine_unsupported is not None
-        while True:
-            if external_only:
-                usable = [r.healthy and r.kind == "openai" for r in self.replicas]
-            else:
-                usable = [r.healthy for r in self.replicas]
-            decision = router.choose(sub.prompt.keys, self._indexes, usable, sub.context.session, tried)
-            if decision is None:
-                if busy is not None:  # every replica that could take it refused: at capacity
-                    raise errors.relayed(429, busy.body, "Every replica is at capacity; retry shortly.",
-                                         "rate_limit_error", "server_overloaded")
-                if answer_failed:  # every replica failed it: the client gets what the last one said
-                    failed = answer_failed[-1][1]
-                    raise errors.relayed(failed.status, failed.body, "The model server failed the request.",
-                                         "api_error") from None
-                raise errors.no_replica()
-            replica = self.replicas[decision.replica]
-            sub.replica = replica.name
-            ticket = router.acquire(decision.replica, load, sub.prompt.keys, decision.matched_blocks)
-            self.metrics.decisions.labels(replica.name, decision.reason).inc()
-            series = self.metrics.request_series(workload, replica.name)
-            # The engine never serves the block holding the prompt's last token from
-            # cache (its logits must be computed), so neither is it predicted.
-            bs = router.block_size
-            predicted = min(decision.matched_blocks, (len(sub.prompt.token_ids) - 1) // bs) * bs
-            produced = exhausted = False
-            usage = UsageSum(1)
-            # What the replica did for this attempt, counted once when it ends, however
-            # it ends (client gone, error, retried elsewhere): as vLLM counts the tokens
-            # of requests aborted after their prefill.
-            received = 0  # generated tokens that arrived
-            prefilled = 0  # prompt tokens counted at the first output
-            cached: int | None = None  # prompt tokens the replica served from its cache, once it says
-            last_token: float | None = None
-            # The recorder also wants the blocks the engine fills with generated tokens.
-            generated: list[int] | None = [] if self.observer.recording else None
-            gen = replica.generate(job)
-            try:
-                async for batch in gen:
-                    if not produced:
-                        if answer_failed:
-                            for failed_replica, _ in answer_failed:
-                                failed_replica.note_request_failure()
-                            answer_failed.clear()
-                        if replica.kind != "openai":
-                            # The prefill is done, as vLLM counts it; a kvgate engine's prompt
-                            # is these very tokens (an external server's count comes at the end).
-                            prefilled = len(sub.prompt.token_ids)
-                            series.prompt_tokens.inc(prefilled)
-                    produced = True
-                    # Tokens that arrived together leave as one delta per choice (one
-                    # frame), and the inter-token gap is measured between deltas:
-                    # what the client sees.
-                    batch = coalesce(batch)
-                    now = time.perf_counter()
-                    arrived = received
-                    for out in batch:
-                        if out.index == 0 and (out.token_ids or out.text):
-                            if last_token is not None:
-                                series.itl.observe(now - last_token)
-                            last_token = now
-                            if generated is not None:
-                                generated.extend(out.token_ids)
-                        if out.token_ids:
-                            received += len(out.token_ids)
-                        elif out.text or out.extra:
-                            received += 1  # a remote replica's delta: no token ids, one token at least
-                        if out.cached_tokens is not None:
-                            cached = out.cached_tokens
-                        if out.usage is not None:
-                            usage.add(0, out)
-                            if out.index == 0 or out.index == USAGE_ALL:
-                                cached = out.usage.cached_tokens
-                        if out.queue_time_s is not None:
-                            series.queue_time.observe(out.queue_time_s)
-                    if received > arrived:  # as they come (a long stream's rate shows while it runs)
-                        series.generation_tokens.inc(received - arrived)
-                    yield batch
-                exhausted = True
-                return
-            except ValueError as exc:
-                # The engine refuses requests it cannot run (prompt too long for its
-                # pool, token ids outside the vocabulary): the caller's problem.
-                if produced:
-                    raise
-                raise bad_request(str(exc), "messages" if parsed.endpoint == CHAT else "prompt") from None
-            except ReplicaBusy as exc:
-                busy = exc  # at capacity (429) before any output: another replica may take it
-                tried.append(decision.replica)
-            except ReplicaUnavailable as exc:
-                stopping = isinstance(exc, ReplicaStopping)  # a rolling restart, not a failure
-                if not stopping:
-                    self.metrics.replica_failures.labels(
-                        replica.name, "mid_stream" if produced else "before_first_token").inc()
-                if produced and parsed.stream:
-                    log.warning("%s failed mid-response: %s", request.request_id, exc)
-                    if stopping:  # its code tells the client that a retry will be served
-                        raise errors.shutting_down("The model server is shutting down; the output is "
-                                                   "incomplete.") from None
-                    # What went wrong, in words, but not where: a replica's name is by
-                    # default its address, which is the operator's business.
-                    reason = str(exc).replace(f"replica {replica.name}", "the model server")
-                    raise errors.upstream_error(f"{reason[:1].upper()}{reason[1:]}; the output is incomplete.") from None
-                # Before its first output, or mid-answer for a non-streaming
-                # request (its client has had nothing yet): another replica.
-                log.warning("replica %s %s, trying another: %s", replica.name,
-                            "stopping" if stopping else "failed mid-response" if produced else "unavailable", exc)
-                restart = produced
-                tried.append(decision.replica)
-                if isinstance(exc, ReplicaAnswerFailed):
-                    answer_failed.append((replica, exc))
-            except UpstreamError as exc:
-                status = exc.status if 400 <= exc.status < 600 else 502
-                raise errors.relayed(status, exc.body, str(exc), "api_error") from None
-            finally:
-                if produced:  # the replica did the prefill (and generated what came)
-                    _count_work(series, usage, len(sub.prompt.token_ids), prefilled, received, cached, predicted)
-                if exhausted or (produced and not restart):
-                    # Run to its end, or cut short after its prefill (client gone, error
-                    # mid-stream): the replica cached its prompt all the same, which a
-                    # recording and the reuse figures must show (a restart elsewhere is
-                    # the request's one record).  Cut short, it has usage for its
-                    # finished choices only.
-                    self.observer.finished(Finished(
-                        sub.context, replica.name, sub.prompt, usage.prompt[0] or len(sub.prompt.token_ids),
-                        usage.cached[0] if exhausted else cached,
-                        usage.completion[0] if exhausted else max(usage.completion[0], received),
-                        arrival, parsed.user, generated, parsed.cache_salt,
-                    ))
+        try:
+            while True:
+                if external_only:
+                    usable = [r.healthy and r.kind == "openai" for r in self.replicas]
+                else:
+                    usable = [r.healthy for r in self.replicas]
+                decision = router.choose(sub.prompt.keys, self._indexes, usable, sub.context.session, tried)
+                if decision is None:
+                    if busy is not None:  # every replica that could take it refused: at capacity
+                        raise errors.relayed(429, busy.body, "Every replica is at capacity; retry shortly.",
+                                             "rate_limit_error", "server_overloaded")
+                    if answer_failed:  # every replica failed it: the client gets what the last one said
+                        failed = answer_failed[-1][1]
+                        raise errors.relayed(failed.status, failed.body, "The model server failed the request.",
+                                             "api_error") from None
+                    raise errors.no_replica()
+                replica = self.replicas[decision.replica]
+                sub.replica = replica.name
+                ticket = router.acquire(decision.replica, load, sub.prompt.keys, decision.matched_blocks)
+                self.metrics.decisions.labels(replica.name, decision.reason).inc()
+                series = self.metrics.request_series(workload, replica.name)
+                # The engine never serves the block holding the prompt's last token from
+                # cache (its logits must be computed), so neither is it predicted.
+                bs = router.block_size
+                predicted = min(decision.matched_blocks, (len(sub.prompt.token_ids) - 1) // bs) * bs
+                produced = exhausted = False
+                usage = UsageSum(1)
+                # What the replica did for this attempt, counted once when it ends, however
+                # it ends (client gone, error, retried elsewhere): as vLLM counts the tokens
+                # of requests aborted after their prefill.
+                received = 0  # generated tokens that arrived
+                prefilled = 0  # prompt tokens counted at the first output
+                cached: int | None = None  # prompt tokens the replica served from its cache, once it says
+                last_token: float | None = None
+                # The recorder also wants the blocks the engine fills with generated tokens.
+                generated: list[int] | None = [] if self.observer.recording else None
+                gen = replica.generate(job)
                 try:
-                    if not exhausted:
-                        await aclose(gen)
+                    async for batch in gen:
+                        if not produced:
+                            unrecorded = None  # this attempt is the request's record
+                            if answer_failed:
+                                for failed_replica, _ in answer_failed:
+                                    failed_replica.note_request_failure()
+                                answer_failed.clear()
+                            if replica.kind != "openai":
+                                # The prefill is done, as vLLM counts it; a kvgate engine's prompt
+                                # is these very tokens (an external server's count comes at the end).
+                                prefilled = len(sub.prompt.token_ids)
+                                series.prompt_tokens.inc(prefilled)
+                        produced = True
+                        # Tokens that arrived together leave as one delta per choice (one
+                        # frame), and the inter-token gap is measured between deltas:
+                        # what the client sees.
+                        batch = coalesce(batch)
+                        now = time.perf_counter()
+                        arrived = received
+                        for out in batch:
+                            if out.index == 0 and (out.token_ids or out.text):
+                                if last_token is not None:
+                                    series.itl.observe(now - last_token)
+                                last_token = now
+                                if generated is not None:
+                                    generated.extend(out.token_ids)
+                            if out.token_ids:
+                                received += len(out.token_ids)
+                            elif out.text or out.extra:
+                                received += 1  # a remote replica's delta: no token ids, one token at least
+                            if out.cached_tokens is not None:
+                                cached = out.cached_tokens
+                            if out.usage is not None:
+                                usage.add(0, out)
+                                if out.index == 0 or out.index == USAGE_ALL:
+                                    cached = out.usage.cached_tokens
+                            if out.queue_time_s is not None:
+                                series.queue_time.observe(out.queue_time_s)
+                        if received > arrived:  # as they come (a long stream's rate shows while it runs)
+                            series.generation_tokens.inc(received - arrived)
+                        yield batch
+                    exhausted = True
+                    return
+                except ValueError as exc:
+                    # The engine refuses requests it cannot run (prompt too long for its
+                    # pool, token ids outside the vocabulary): the caller's problem.
+                    if produced:
+                        raise
+                    raise bad_request(str(exc), "messages" if parsed.endpoint == CHAT else "prompt") from None
+                except ReplicaBusy as exc:
+                    busy = exc  # at capacity (429) before any output: another replica may take it
+                    tried.append(decision.replica)
+                except ReplicaUnavailable as exc:
+                    stopping = isinstance(exc, ReplicaStopping)  # a rolling restart, not a failure
+                    if not stopping:
+                        self.metrics.replica_failures.labels(
+                            replica.name, "mid_stream" if produced else "before_first_token").inc()
+                    if produced and parsed.stream:
+                        log.warning("%s failed mid-response: %s", request.request_id, exc)
+                        if stopping:  # its code tells the client that a retry will be served
+                            raise errors.shutting_down("The model server is shutting down; the output is "
+                                                       "incomplete.") from None
+                        # What went wrong, in words, but not where: a replica's name is by
+                        # default its address, which is the operator's business.
+                        reason = str(exc).replace(f"replica {replica.name}", "the model server")
+                        raise errors.upstream_error(f"{reason[:1].upper()}{reason[1:]}; the output is incomplete.") from None
+                    # Before its first output, or mid-answer for a non-streaming
+                    # request (its client has had nothing yet): another replica.
+                    log.warning("replica %s %s, trying another: %s", replica.name,
+                                "stopping" if stopping else "failed mid-response" if produced else "unavailable", exc)
+                    restart = produced
+                    tried.append(decision.replica)
+                    if isinstance(exc, ReplicaAnswerFailed):
+                        answer_failed.append((replica, exc))
+                except UpstreamError as exc:
+                    status = exc.status if 400 <= exc.status < 600 else 502
+                    raise errors.relayed(status, exc.body, str(exc), "api_error") from None
                 finally:
-                    # Even when a second cancellation lands while the replica's stream closes.
-                    router.release(ticket)
-            if restart:
-                restart = False
-                yield RESTART
+                    if produced:  # the replica did the prefill (and generated what came)
+                        _count_work(series, usage, len(sub.prompt.token_ids), prefilled, received, cached, predicted)
+                    if exhausted or produced:
+                        # Run to its end, or cut short after its prefill (client gone, error
+                        # mid-stream): the replica cached its prompt all the same, which a
+                        # recording and the reuse figures must show (a restart elsewhere is
+                        # the request's one record, once it produces).  Cut short, it has
+                        # usage for its finished choices only.
+                        done = Finished(
+                            sub.context, replica.name, sub.prompt, usage.prompt[0] or len(sub.prompt.token_ids),
+                            usage.cached[0] if exhausted else cached,
+                            usage.completion[0] if exhausted else max(usage.completion[0], received),
+                            arrival, parsed.user, generated, parsed.cache_salt,
+                        )
+                        if restart:
+                            unrecorded = done
+                        else:
+                            self.observer.finished(done)
+                    try:
+                        if not exhausted:
+                            await aclose(gen)
+                    finally:
+                        # Even when a second cancellation lands while the replica's stream closes.
+                        router.release(ticket)
+                if restart:
+                    restart = False
+                    yield RESTART
+        finally:
+            if unrecorded is not None:
+                # Cut mid-answer, and no restart elsewhere produced anything: the
+                # first replica did the prefill and cached the prompt all the same.
+                self.observer.finished(unrecorded)
 
     async def merged(
         self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int

@@ -1704,3 +1704,36 @@ async def test_an_engine_key_from_the_environment_is_sent_to_the_engine(tiny_mod
         await client.close()
         await gw.stop()
         await server.stop()
+
+
+async def test_a_non_streaming_answer_cut_with_nowhere_to_restart_is_still_recorded(tiny_model_dir, tmp_path):
+    """A non-streaming answer whose replica dies mid-answer starts over
+    elsewhere, and that restart is the request's one record; with no replica left
+    the client gets the error, and the recording still has the request, whose
+    prompt the first replica cached (a next turn's parent must be there)."""
+    async def dying(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}))
+        await asyncio.sleep(0.1)
+        request.transport.close()  # gone mid-answer: no [DONE]
+        return resp
+
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), dying)
+    path = tmp_path / "served.jsonl"
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="dying")],
+                                 router=RouterConfig(health_interval_s=60), record_trace=str(path)))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+        with pytest.raises(openai.APIStatusError) as info:
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}])
+        assert info.value.status_code == 503
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
+    (line,) = [json.loads(text) for text in path.read_text().splitlines()]
+    assert line["input_length"] > 40 and line["hash_ids"]
