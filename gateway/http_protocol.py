@@ -140,11 +140,19 @@ class KvgateRequestHandler(RequestHandler):
             self._no_request_yet = False
             self._header_deadline = 0.0
             self._header_started = False
-        elif awaiting and self._header_timeout and data.strip(b"\r\n"):
+        elif (awaiting or self._last_body_read()) and self._header_timeout and data.strip(b"\r\n"):
             # Bare line ends between requests are ignored (RFC 9112 2.2), not timed.
             if not self._header_deadline:
                 self._arm_header_deadline()
             self._header_started = True
+
+    def _last_body_read(self) -> bool:
+        """start() is not waiting, but the request being handled has all its body
+        (or none is left): bytes now begin the next request's head.  Its
+        handler may be finishing after the client has its whole answer, and on a
+        loaded machine aiohttp's own bookkeeping lags the same way."""
+        request = self._current_request
+        return request is None or request.content.is_eof()
 
     def _fail_unfinished_body(self) -> None:
         """Broken framing inside the body being read (a bad chunk size, say):
@@ -215,9 +223,15 @@ class KvgateRequestHandler(RequestHandler):
         if self._loop.time() < deadline:
             self._header_timer = self._loop.call_at(deadline, self._check_header_deadline)
             return
-        if self._waiter is None or self._messages:  # a request is being handled after all
+        if self._messages:  # its head came after all
             self._header_deadline = 0.0
             self._header_started = False
+            return
+        if self._waiter is None:
+            # The last request's handler is still running (a head begun while it
+            # finishes): no 408 may interleave with its response; look again later.
+            self._header_timer = self._loop.call_at(self._loop.time() + self._header_timeout,
+                                                    self._check_header_deadline)
             return
         log.debug("closing a connection whose request headers took over %g s", self._header_timeout)
         if self._header_started:

@@ -426,3 +426,52 @@ def test_a_client_that_stops_reading_is_cut_off_and_frees_its_slot(tiny_model_di
     finally:
         stalled.close()
         gw.close()
+
+
+@pytest.mark.parametrize("event_loop, busy_s", [("uvloop", 0.2), ("asyncio", 0.2), ("uvloop", 1.2)])
+def test_a_head_begun_while_the_last_handler_finishes_is_timed(event_loop, busy_s):
+    """The client has its whole answer while the handler still runs (cleanup
+    after write_eof; on a loaded machine, aiohttp's own bookkeeping): the next
+    request's first bytes arrive before aiohttp waits for them, and must start
+    the header deadline all the same, not leave the head to the keep-alive
+    timeout (75 s by default).  A handler busy past the deadline gets its 408
+    once it is done, never inside its response."""
+    from gateway.http_protocol import KvgateRunner
+
+    async def answered_then_busy(request):
+        resp = web.StreamResponse(headers={"Content-Length": "2"})
+        await resp.prepare(request)
+        await resp.write(b"ok")
+        await resp.write_eof()
+        await asyncio.sleep(busy_s)
+        return resp
+
+    loop = uvloop.new_event_loop() if event_loop == "uvloop" else asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start():
+        app = web.Application()
+        app.router.add_get("/busy", answered_then_busy)
+        runner = KvgateRunner(app, header_timeout_s=HEADER_TIMEOUT_S, keepalive_timeout=8.0, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]
+
+    runner, port = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        with _connect(port) as sock:
+            sock.sendall(f"GET /busy HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+            status, _, body = _read_response(sock)
+            assert (status, body) == (200, b"ok")
+            started = time.monotonic()
+            sock.sendall(_health(port)[:20])  # while the handler still runs
+            raw = _read_until_closed(sock)
+            elapsed = time.monotonic() - started
+        assert raw.startswith(b"HTTP/1.1 408 ") and max(HEADER_TIMEOUT_S, busy_s) * 0.9 <= elapsed < BOUND_S, (
+            raw, elapsed)
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
