@@ -348,6 +348,7 @@ class RemoteReplica(Replica):
         # a `kvgate engine`, its KV usage from the last probe.
         self.waiting: float = 0.0
         self.kv_usage: float | None = None
+        self._metrics_unknown = False  # warned that its metrics page has no load figures
 
     # -- lifecycle
 
@@ -632,7 +633,13 @@ class RemoteReplica(Replica):
                     resp.raise_for_status()
                     text = await resp.text()
                 waiting, usage = parse_backend_metrics(text, self.cfg.model or (self.info.model if self.info else None))
-                self.waiting, self.kv_usage = waiting, usage
+                if waiting is None and usage is None and not self._metrics_unknown:
+                    # Read as idle, silently, the server's own queue would never count.
+                    self._metrics_unknown = True
+                    log.warning("replica %s: its metrics at %s have none of %s: its own queue does not count in "
+                                "routing", self.name, without_userinfo(self.cfg.metrics_url),
+                                ", ".join(KNOWN_LOAD_METRICS))
+                self.waiting, self.kv_usage = waiting or 0.0, usage
                 if failures:
                     log.info("replica %s: its metrics answer again: its queue counts in routing", self.name)
                 failures = 0
@@ -884,13 +891,18 @@ _SSE_MAX_LINE_BYTES = 256 * 1024 * 1024
 # Delta fields the gateway writes itself; the rest of an external server's delta is relayed.
 _DELTA_OWN = frozenset(("content", "role"))
 
-# Vendor names of the two load figures; SGLang's first, then vLLM's (old and new).
+# Vendor names of the two load figures: vLLM's (new and old), SGLang's, and a
+# kvgate engine's (kvgate_engine_requests with state="waiting", one per replica
+# on a gateway's page).
 _WAITING_METRICS = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
-_KV_USAGE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_KV_USAGE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
+                     "kvgate_kv_cache_usage_ratio")
+KNOWN_LOAD_METRICS = (*_WAITING_METRICS, "kvgate_engine_requests", *_KV_USAGE_METRICS)
 
 
-def parse_backend_metrics(text: str, model: str | None = None) -> tuple[float, float | None]:
-    """(waiting requests, KV cache usage 0..1 or None) from a Prometheus text page.
+def parse_backend_metrics(text: str, model: str | None = None) -> tuple[float | None, float | None]:
+    """(waiting requests, KV cache usage 0..1), each None when the page has no
+    such series, from a Prometheus text page.
 
     A server may serve several models (label model_name) and run several
     engines (vLLM's data parallelism: label engine), one series each.  When
@@ -903,7 +915,8 @@ def parse_backend_metrics(text: str, model: str | None = None) -> tuple[float, f
     usage: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in _WAITING_METRICS:
+            if sample.name in _WAITING_METRICS or (sample.name == "kvgate_engine_requests"
+                                                   and sample.labels.get("state") == "waiting"):
                 target = waiting
             elif sample.name in _KV_USAGE_METRICS:
                 target = usage
@@ -917,7 +930,7 @@ def parse_backend_metrics(text: str, model: str | None = None) -> tuple[float, f
     kv = max(v for values in usage.values() for v in values) if usage else None
     if kv is not None and kv > 1.0:
         kv /= 100.0  # a percentage, whatever the name says
-    return float(sum(v for values in waiting.values() for v in values)), kv
+    return (float(sum(v for values in waiting.values() for v in values)) if waiting else None), kv
 
 
 def _chat_logprobs(lp: dict | None) -> list[TokenLogprob] | None:

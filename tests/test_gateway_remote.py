@@ -508,8 +508,43 @@ def test_parse_backend_metrics():
           'vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.10\n')
     assert parse_backend_metrics(dp, "tiny") == (12.0, 0.95)
     old = "vllm:gpu_cache_usage_perc{model_name=\"m\"} 0.5\n"
-    assert parse_backend_metrics(old) == (0.0, 0.5)
-    assert parse_backend_metrics("# nothing here\n") == (0.0, None)
+    assert parse_backend_metrics(old) == (None, 0.5)
+    assert parse_backend_metrics("# nothing here\n") == (None, None)
+    # A kvgate engine's own page (or a gateway's, a series per replica).
+    kvgate = ('kvgate_engine_requests{replica="engine",state="running"} 4.0\n'
+              'kvgate_engine_requests{replica="engine",state="waiting"} 37.0\n'
+              'kvgate_kv_cache_usage_ratio{replica="engine"} 0.97\n')
+    assert parse_backend_metrics(kvgate, "tiny") == (37.0, 0.97)
+
+
+async def test_a_metrics_page_with_no_load_figures_is_named_once(tiny_model_dir, caplog):
+    """A metrics_url whose page has none of the series the gateway knows would
+    read as an idle server for ever: one warning says so."""
+    async def metrics(request):
+        return web.Response(text="# HELP other_total Something else.\n# TYPE other_total counter\nother_total 3.0\n",
+                            content_type="text/plain")
+
+    async def chat(request):
+        return web.Response(status=500)
+
+    stub = web.Application()
+    stub.router.add_get("/v1/models", _models_while({"healthy": True}))
+    stub.router.add_post("/v1/chat/completions", chat)
+    stub.router.add_get("/metrics", metrics)
+    upstream = await start_server(stub)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="ext",
+                                                                metrics_url=upstream.url + "/metrics")],
+                                 router=RouterConfig(health_interval_s=0.1)))
+    gw = await start_server(app)
+    try:
+        await wait_for(lambda: any("have none of" in r.message for r in caplog.records), what="the warning")
+        await asyncio.sleep(0.5)  # several polls later
+        warned = [r for r in caplog.records if "have none of" in r.message]
+        assert len(warned) == 1 and "vllm:num_requests_waiting" in warned[0].message
+        assert app[GATEWAY].replicas[0].waiting == 0.0
+    finally:
+        await gw.stop()
+        await upstream.stop()
 
 
 async def test_external_openai_replica_process_with_approximate_index_and_metrics(tiny_model_dir, tmp_path):
