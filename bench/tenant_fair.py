@@ -1,7 +1,7 @@
 """One tenant's many-choice requests against another's short ones: engine.scheduling_policy
 tenant-fair against fcfs, through the real gateway and engine.
 
-    python bench/tenant_fair.py --json OUT [--model PATH] [--seconds 30]
+    python bench/tenant_fair.py --json OUT [--model PATH] [--seconds 40] [--heavy 8]
 
 Tenant "heavy" keeps ``--heavy`` (8) streaming completions of n=8 choices in flight
 (32 new tokens each, EOS ignored); tenant "light" sends one short streaming
