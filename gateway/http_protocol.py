@@ -38,6 +38,7 @@ from http import HTTPStatus
 from aiohttp import web
 from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError, InvalidHeader, InvalidURLError, LineTooLong
 from aiohttp.http_parser import HttpRequestParser, HttpRequestParserPy
+from aiohttp.streams import EMPTY_PAYLOAD, EmptyStreamReader, StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
 from gateway import errors
@@ -108,7 +109,7 @@ class KvgateRequestHandler(RequestHandler):
     """
 
     __slots__ = ("_header_timeout", "_header_deadline", "_header_started", "_header_timer", "_no_request_yet",
-                 "_send_timeout", "_send_timer")
+                 "_last_payload", "_send_timeout", "_send_timer")
 
     def __init__(self, manager: web.Server, *, header_timeout_s: float | None = None,
                  send_timeout_s: float | None = None, **kwargs) -> None:
@@ -123,6 +124,7 @@ class KvgateRequestHandler(RequestHandler):
         # them over in the same turn as the accept), so its waiter is not there
         # to say the connection is idle.
         self._no_request_yet = True
+        self._last_payload: StreamReader | EmptyStreamReader = EMPTY_PAYLOAD  # the newest request's body
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -132,27 +134,26 @@ class KvgateRequestHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         # start() idle: these bytes begin or continue a request's head
         awaiting = self._waiter is not None or (self._no_request_yet and not self._messages)
+        # Decided before the parser takes them: they also begin the next head when
+        # the newest request's body had all come before them, though its handler
+        # may still be finishing (the client has its whole answer).  Bytes that end
+        # a body, or that a handler leaves unread, never start a deadline.
+        head_next = awaiting or (not self._upgraded and self._last_payload.is_eof())
         queued = len(self._messages)
         super().data_received(data)
-        if len(self._messages) > queued and not awaiting:
-            self._fail_unfinished_body()
+        if len(self._messages) > queued:
+            self._last_payload = self._messages[-1][1]
+            if not awaiting:
+                self._fail_unfinished_body()
         if self._messages:  # a request's head is in (or a parse error queued): the handler's limits take over
             self._no_request_yet = False
             self._header_deadline = 0.0
             self._header_started = False
-        elif (awaiting or self._last_body_read()) and self._header_timeout and data.strip(b"\r\n"):
+        elif head_next and self._header_timeout and data.strip(b"\r\n"):
             # Bare line ends between requests are ignored (RFC 9112 2.2), not timed.
             if not self._header_deadline:
                 self._arm_header_deadline()
             self._header_started = True
-
-    def _last_body_read(self) -> bool:
-        """start() is not waiting, but the request being handled has all its body
-        (or none is left): bytes now begin the next request's head.  Its
-        handler may be finishing after the client has its whole answer, and on a
-        loaded machine aiohttp's own bookkeeping lags the same way."""
-        request = self._current_request
-        return request is None or request.content.is_eof()
 
     def _fail_unfinished_body(self) -> None:
         """Broken framing inside the body being read (a bad chunk size, say):

@@ -475,3 +475,45 @@ def test_a_head_begun_while_the_last_handler_finishes_is_timed(event_loop, busy_
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+def _idle_after(sock: socket.socket, seconds: float) -> bytes | None:
+    """What the server sends on an idle connection within ``seconds`` (None:
+    nothing, still open)."""
+    sock.settimeout(seconds)
+    try:
+        return _read_until_closed(sock)
+    except socket.timeout:
+        return None
+
+
+@pytest.mark.parametrize("how", ["body apart", "body unread", "chunked end apart", "expect 100-continue"])
+def test_a_body_in_a_read_of_its_own_starts_no_header_deadline(gateway, how):
+    """Body bytes are no next request's head, in whatever read they come (a long
+    prompt arrives in several), read by the handler or not: an idle keep-alive
+    connection after them gets no 408 and stays open."""
+    port = gateway.port
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    path = "/v1/models" if how == "body unread" else "/v1/completions"  # a GET handler reads no body
+    method = "GET" if how == "body unread" else "POST"
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+    with _connect(port) as sock:
+        if how == "chunked end apart":
+            sock.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n{len(body):x}\r\n".encode() + body + b"\r\n")
+            time.sleep(0.1)
+            sock.sendall(b"0\r\n\r\n")
+        elif how == "expect 100-continue":
+            sock.sendall(f"{head}Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n".encode())
+            sock.settimeout(10)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 100 ")
+            sock.sendall(body)
+        else:
+            sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
+            time.sleep(0.1)
+            sock.sendall(body)
+        sock.settimeout(30)
+        status, _, answer = _read_response(sock)
+        assert status == 200, answer
+        assert _idle_after(sock, 3 * HEADER_TIMEOUT_S) is None  # no 408, not closed
+        sock.sendall(_health(port))  # and still serving on it
+        assert _read_response(sock)[0] == 200
