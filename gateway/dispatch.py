@@ -243,6 +243,7 @@ class Dispatcher:
                         if restart:
                             unrecorded = done
                         else:
+                            unrecorded = None  # this attempt is the record (one that ended empty, too)
                             self.observer.finished(done)
                     try:
                         if not exhausted:

@@ -1772,3 +1772,40 @@ async def test_a_non_streaming_answer_cut_with_nowhere_to_restart_is_still_recor
         await upstream.stop()
     (line,) = [json.loads(text) for text in path.read_text().splitlines()]
     assert line["input_length"] > 40 and line["hash_ids"]
+
+
+async def test_a_restart_that_ends_empty_leaves_one_record(tiny_model_dir, tmp_path):
+    """The first replica is cut mid-answer, the restart's replica ends its
+    stream at once ([DONE] and nothing else): one request, one record."""
+    calls = []
+
+    async def scripted(request):
+        await request.read()
+        calls.append(1)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if len(calls) == 1:  # cut mid-answer
+            await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}))
+            await asyncio.sleep(0.1)
+            request.transport.close()
+            return resp
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    upstreams = [await _scripted_upstream(_models_while({"healthy": True}), scripted) for _ in range(2)]
+    path = tmp_path / "served.jsonl"
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=u.url, name=f"r{i}")
+                                                  for i, u in enumerate(upstreams)],
+                                 router=RouterConfig(health_interval_s=60), record_trace=str(path)))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}])
+        assert len(calls) == 2
+    finally:
+        await client.close()
+        await gw.stop()
+        for upstream in upstreams:
+            await upstream.stop()
+    assert len(path.read_text().splitlines()) == 1
