@@ -34,7 +34,7 @@ from tests.engine_procs import (
     tiny_config,
     wait_for,
 )
-from tests.gateway_helpers import metric_by_replica, sse_events
+from tests.gateway_helpers import metric_by_replica, serving, sse_events
 
 
 async def _engine_server(model_dir, **kw):
@@ -1725,19 +1725,15 @@ async def test_an_engine_key_from_the_environment_is_sent_to_the_engine(tiny_mod
     and serves."""
     monkeypatch.setenv("KVGATE_TEST_ENGINE_KEY", "sk-engine")
     engine, server = await _engine_server(tiny_model_dir, api_keys=[ApiKeyConfig(key="sk-engine")])
-    app = create_app(tiny_config(tiny_model_dir, [
-        ReplicaConfig(kind="engine", url=server.url, api_key_env="KVGATE_TEST_ENGINE_KEY")]))
-    gw = await start_server(app)
-    client = _client(gw.url)
+    replicas = [ReplicaConfig(kind="engine", url=server.url, api_key_env="KVGATE_TEST_ENGINE_KEY")]
     try:
-        replica = app[GATEWAY].replicas[0]
-        await wait_for(lambda: replica.healthy, what="the keyed engine in routing")
-        out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                   max_tokens=3)
-        assert out.usage.completion_tokens >= 1 and replica.healthy
+        async with serving(create_app(tiny_config(tiny_model_dir, replicas))) as (app, _, client):
+            replica = app[GATEWAY].replicas[0]
+            await wait_for(lambda: replica.healthy, what="the keyed engine in routing")
+            out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=3)
+            assert out.usage.completion_tokens >= 1 and replica.healthy
     finally:
-        await client.close()
-        await gw.stop()
         await server.stop()
 
 
@@ -1757,18 +1753,15 @@ async def test_a_non_streaming_answer_cut_with_nowhere_to_restart_is_still_recor
 
     upstream = await _scripted_upstream(_models_while({"healthy": True}), dying)
     path = tmp_path / "served.jsonl"
-    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="dying")],
-                                 router=RouterConfig(health_interval_s=60), record_trace=str(path)))
-    gw = await start_server(app)
-    client = _client(gw.url)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="dying")],
+                         router=RouterConfig(health_interval_s=60), record_trace=str(path))
     try:
-        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
-        with pytest.raises(openai.APIStatusError) as info:
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}])
-        assert info.value.status_code == 503
+        async with serving(create_app(config)) as (app, _, client):
+            await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+            with pytest.raises(openai.APIStatusError) as info:
+                await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}])
+            assert info.value.status_code == 503
     finally:
-        await client.close()
-        await gw.stop()
         await upstream.stop()
     (line,) = [json.loads(text) for text in path.read_text().splitlines()]
     assert line["input_length"] > 40 and line["hash_ids"]
@@ -1794,18 +1787,15 @@ async def test_a_restart_that_ends_empty_leaves_one_record(tiny_model_dir, tmp_p
 
     upstreams = [await _scripted_upstream(_models_while({"healthy": True}), scripted) for _ in range(2)]
     path = tmp_path / "served.jsonl"
-    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=u.url, name=f"r{i}")
-                                                  for i, u in enumerate(upstreams)],
-                                 router=RouterConfig(health_interval_s=60), record_trace=str(path)))
-    gw = await start_server(app)
-    client = _client(gw.url)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=u.url, name=f"r{i}")
+                                          for i, u in enumerate(upstreams)],
+                         router=RouterConfig(health_interval_s=60), record_trace=str(path))
     try:
-        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
-        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}])
-        assert len(calls) == 2
+        async with serving(create_app(config)) as (app, _, client):
+            await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}])
+            assert len(calls) == 2
     finally:
-        await client.close()
-        await gw.stop()
         for upstream in upstreams:
             await upstream.stop()
     assert len(path.read_text().splitlines()) == 1
