@@ -30,6 +30,7 @@ from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.config import ApiKeyConfig, KvgateConfig, ServerConfig  # noqa: E402
 from gateway.server import start_server  # noqa: E402
+from gateway.stats import percentile  # noqa: E402
 
 POLICIES = ("fcfs", "tenant-fair")
 
@@ -46,11 +47,6 @@ async def _stream(session: aiohttp.ClientSession, url: str, key: str, body: dict
                 if any(choice.get("text") for choice in json.loads(line[6:]).get("choices", ())):
                     first = time.perf_counter() - start
     return (first if first is not None else float("nan")), time.perf_counter() - start
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def _run(policy: str, args: argparse.Namespace) -> dict:
@@ -96,7 +92,7 @@ async def _run(policy: str, args: argparse.Namespace) -> dict:
     return {
         "light_requests": len(light_ttft),
         "light_ttft_p50_s": round(statistics.median(light_ttft), 4),
-        "light_ttft_p90_s": round(_quantile(light_ttft, 0.9), 4),
+        "light_ttft_p90_s": round(percentile(light_ttft, 0.9), 4),
         "light_ttft_max_s": round(max(light_ttft), 4),
         "heavy_requests": len(heavy_e2e),
         "heavy_e2e_p50_s": round(statistics.median(heavy_e2e), 3),

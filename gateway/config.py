@@ -221,11 +221,12 @@ class ReplicaConfig(Section):
     def _url_for_remote(self, info: ValidationInfo) -> "ReplicaConfig":
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("api_key and api_key_env both give the replica's key: give one")
-        if self.kind == "inprocess" and (self.api_key is not None or self.api_key_env is not None):
+        key = "api_key" if self.api_key is not None else "api_key_env" if self.api_key_env is not None else None
+        if self.kind == "inprocess" and key:
             # Nothing is sent to an engine inside the gateway; a key here is a mistake
             # (a missing kind), and an unset api_key_env must not stop the gateway.
-            raise ValueError(f"{'api_key' if self.api_key is not None else 'api_key_env'} is for a remote replica "
-                             "(kind engine or openai); kind inprocess, the default, runs inside the gateway")
+            raise ValueError(f"{key} is for a remote replica (kind engine or openai); kind inprocess, the default, "
+                             "runs inside the gateway")
         if self.api_key_env is not None:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env):
                 raise ValueError(f"api_key_env {self.api_key_env!r} is no environment variable name (letters, digits, "
@@ -252,7 +253,6 @@ class ReplicaConfig(Section):
             if not is_http_url(self.metrics_url):
                 raise ValueError(f"metrics_url {without_userinfo(self.metrics_url)!r} is no http(s) URL with a host, "
                                  "e.g. http://vllm-0:8000/metrics")
-        key = "api_key" if self.api_key is not None else "api_key_env" if self.api_key_env is not None else None
         if self.metrics_url is not None and key and "@" in urlsplit(self.metrics_url).netloc:
             raise ValueError(f"the metrics_url's user:password@ and {key} are both credentials for the replica: "
                              "give one")

@@ -107,7 +107,8 @@ class Dispatcher:
         # counted once another replica serves it (the request was not the cause).
         answer_failed: list[tuple[Replica, ReplicaAnswerFailed]] = []
         restart = False
-        unrecorded: Finished | None = None  # an attempt cut for a restart, until another produces
+        # An attempt cut for a restart, until a later one that produced (or ended) records itself.
+        unrecorded: Finished | None = None
         # A request only an external server can honour (tools, JSON output) goes to one.
         external_only = parsed.engine_unsupported is not None
         try:
@@ -150,7 +151,6 @@ class Dispatcher:
                 try:
                     async for batch in gen:
                         if not produced:
-                            unrecorded = None  # this attempt is the request's record
                             if answer_failed:
                                 for failed_replica, _ in answer_failed:
                                     failed_replica.note_request_failure()
