@@ -46,10 +46,11 @@ class _RequestState:
     unfinished: int = 0
 
 
-def _kv_key(engine_cfg: EngineConfig, host_blocks: int) -> str:
-    """The settings that sized the KV tiers, for an error that says what to change."""
+def _kv_key(engine_cfg: EngineConfig, host_blocks: int) -> tuple[str, str]:
+    """The setting that sized the KV tiers (its line is the one an error points
+    at) and the words naming every one that did, for an error that says what to change."""
     key = "engine.device_blocks" if engine_cfg.device_blocks else "engine.kv_memory_fraction"
-    return f"{key} (and engine.host_blocks_multiplier)" if host_blocks else key
+    return key, f"{key} (and engine.host_blocks_multiplier)" if host_blocks else key
 
 
 def _kv_blocks(shape: KVShape, device_blocks: int, host_blocks: int) -> str:
@@ -65,15 +66,15 @@ def _check_kv_room(shape: KVShape, device: torch.device, device_blocks: int, hos
     per_block = shape.bytes_per_block
     if device.type == "cuda":
         tiers = [(_kv_key(engine_cfg, 0), device_blocks, 0, torch.cuda.mem_get_info(device)[0], "GPU memory is free"),
-                 ("engine.host_blocks_multiplier", 0, host_blocks, memory.available_ram(), "RAM is available")]
+                 (("engine.host_blocks_multiplier",) * 2, 0, host_blocks, memory.available_ram(), "RAM is available")]
     else:
         tiers = [(_kv_key(engine_cfg, host_blocks), device_blocks, host_blocks, memory.available_ram(),
                   "RAM is available")]
-    for key, on_device, on_host, room, what in tiers:
+    for (key, keys), on_device, on_host, room, what in tiers:
         need = (on_device + on_host) * per_block
         if need > room:
-            raise ConfigError(f"{key}: {_kv_blocks(shape, on_device, on_host)} need {need / 2**30:,.1f} GiB; "
-                              f"{room / 2**30:,.1f} GiB of {what}")
+            raise ConfigError(f"{keys}: {_kv_blocks(shape, on_device, on_host)} need {need / 2**30:,.1f} GiB; "
+                              f"{room / 2**30:,.1f} GiB of {what}", key)
 
 
 # On a CPU with native bf16, torch's matmuls compile a oneDNN kernel per input
@@ -125,8 +126,9 @@ class AsyncEngine:
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             # Past the check above (memory taken meanwhile, a limit it cannot see):
             # still the setting to change, not an allocator's traceback.
-            raise ConfigError(f"{_kv_key(engine_cfg, host_blocks)}: cannot allocate the KV cache "
-                              f"({_kv_blocks(shape, device_blocks, host_blocks)}): {str(exc).splitlines()[0]}") from None
+            key, keys = _kv_key(engine_cfg, host_blocks)
+            raise ConfigError(f"{keys}: cannot allocate the KV cache ({_kv_blocks(shape, device_blocks, host_blocks)}): "
+                              f"{str(exc).splitlines()[0]}", key) from None
         # One sequence must always fit in the device tier, or preemption could never make room.
         limits = [max_model_len, getattr(config, "max_position_embeddings", max_model_len), device_blocks * bs]
         self._max_model_len = min(limits)

@@ -338,7 +338,14 @@ class CacheConfig(Section):
 
 
 class ConfigError(ValueError):
-    """A config file that does not validate; the message is meant for users."""
+    """A config file that does not validate; the message is meant for users.
+
+    ``key``: the dotted setting to change, for errors found only at start-up
+    (the CLI puts that key's FILE:LINE in front)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def format_config_error(exc: ValidationError, source: str, model: type[BaseModel] | None = None,

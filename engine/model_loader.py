@@ -54,12 +54,14 @@ def _cpu_dtype() -> torch.dtype:
 
 
 class ModelLoadError(RuntimeError):
-    """A model that cannot be loaded; the message names the path and the reason."""
+    """A model that cannot be loaded; the message names the path and the reason.
+    ``key``: the setting to change (the CLI puts its FILE:LINE in front)."""
 
-    def __init__(self, path: str, reason: str) -> None:
+    def __init__(self, path: str, reason: str, key: str = "model.path") -> None:
         super().__init__(f"cannot load model {path!r}: {reason}")
         self.path = path
         self.reason = reason
+        self.key = key
 
 
 @dataclass(slots=True)
@@ -217,7 +219,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     device = resolve_device(cfg)
     dtype = resolve_dtype(cfg, device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(cfg.path or "<default>", "model.device is 'cuda' but torch sees no CUDA device")
+        raise ModelLoadError(cfg.path or "<default>", "model.device is 'cuda' but torch sees no CUDA device",
+                             key="model.device")
     source = cfg.path if cfg.path is not None else default_model_dir(cfg.cache_dir)
     if source.endswith(".gguf"):
         if not os.path.isfile(source):

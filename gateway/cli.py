@@ -192,7 +192,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             raise CliError(f"{flag}: cannot write {recording}: {exc.strerror}") from None
     from gateway.server import run_gateway
 
-    with _startup_errors():
+    with _startup_errors(args.config, _listen_flags(args)):
         run_gateway(config, args.host or config.server.host,
                     args.port if args.port is not None else config.server.port, args.replica)
     return 0
@@ -202,24 +202,34 @@ def _run_engine(args: argparse.Namespace) -> int:
     config = _load_config(args.config)
     from gateway.server import run_engine_server
 
-    with _startup_errors():
+    with _startup_errors(args.config, _listen_flags(args)):
         run_engine_server(config, args.host or config.server.host, args.port)
     return 0
 
 
+def _listen_flags(args: argparse.Namespace) -> list[str]:
+    """The listen settings given by flags (their errors are not the config file's)."""
+    return [key for key, flag in (("server.host", args.host), ("server.port", args.port)) if flag is not None]
+
+
 @contextlib.contextmanager
-def _startup_errors():
+def _startup_errors(config_path: str | None, flags: Sequence[str] = ()):
     """What stops a server from starting (the model, the port, the keys, the
-    recording file) as one line: these say what to fix, a traceback would not."""
+    recording file) as one line: these say what to fix, a traceback would not.
+    A setting's error starts with its FILE:LINE when the config file set it
+    (``flags``: the settings a command-line flag gave instead)."""
     from engine.config import ConfigError
     from engine.model_loader import ModelLoadError
+    from gateway.config import located
+    from gateway.server import ListenError
 
     try:
         yield
     except (ModelLoadError, ConfigError) as exc:
-        raise CliError(str(exc)) from None
+        raise CliError(located(config_path, exc.key) + str(exc) if exc.key else str(exc)) from None
     except OSError as exc:  # the port in use, a recording path that cannot be made
-        raise CliError(f"cannot start: {exc}") from None
+        where = located(config_path, exc.key) if isinstance(exc, ListenError) and exc.key not in flags else ""
+        raise CliError(f"{where}cannot start: {exc}") from None
 
 
 def _check_replica_url(url: str) -> None:

@@ -560,3 +560,23 @@ def load_config(path: str | os.PathLike | None = None, *, gateway: bool = False)
         return KvgateConfig.model_validate(data, context={"gateway": gateway})
     except ValidationError as exc:
         raise ConfigError(format_config_error(exc, source, KvgateConfig, _key_lines(root))) from None
+
+
+def located(path: str | os.PathLike | None, key: str) -> str:
+    """Where config file ``path`` sets a dotted setting, as the prefix of an error
+    found only at start-up (the model, the KV tiers, the address): ``FILE:LINE: ``,
+    or nothing (no file, or the setting left at its default).  The file is read
+    again: it validated at start, and this runs only on the way out."""
+    if path is None:
+        return ""
+    try:
+        loader = _ConfigLoader(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # changed since: the error still says what is wrong
+        return ""
+    try:
+        line = _key_lines(loader.get_single_node()).get(tuple(key.split(".")))
+    except yaml.YAMLError:
+        return ""
+    finally:
+        loader.dispose()
+    return f"{path}:{line}: " if line else ""

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import ipaddress
 import logging
+import errno
 import signal
 import socket
 import time
@@ -169,6 +170,14 @@ async def freeze_startup_objects(app: web.Application) -> None:
     log.info("moved %d startup objects out of the garbage collector's scans", gc.get_freeze_count())
 
 
+class ListenError(OSError):
+    """The server cannot take its address; ``key`` names the setting to change."""
+
+    def __init__(self, key: str, message: str, code: int | None = None) -> None:
+        super().__init__(*((code, message) if code is not None else (message,)))
+        self.key = key
+
+
 def bind_sockets(host: str, port: int) -> list[socket.socket]:
     """Sockets for every address ``host`` resolves to, bound and listening now;
     connections wait in the backlog until the app has started.
@@ -183,7 +192,7 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
         # "" (like aiohttp's default) means every interface.
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise OSError(f"cannot resolve host {host!r}: {exc.strerror}") from None
+        raise ListenError("server.host", f"cannot resolve host {host!r}: {exc.strerror}") from None
     infos = list(dict.fromkeys(infos))
     # Several addresses ("" gives 0.0.0.0 and ::) each take their own family; "::"
     # alone also takes IPv4 clients, as uvicorn's (and so vLLM's) --host :: does.
@@ -200,7 +209,9 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
                 sock.bind((address[0], port, *address[2:]))
                 sock.listen(_BACKLOG)
             except OSError as exc:
-                raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+                # An address this machine does not have is the host's fault; in use or not allowed, the port's.
+                key = "server.host" if exc.errno == errno.EADDRNOTAVAIL else "server.port"
+                raise ListenError(key, f"cannot listen on {host}:{port}: {exc.strerror}", exc.errno) from None
             if port == 0:  # one port for every address, the first one the kernel chose
                 port = sock.getsockname()[1]
     except BaseException:

@@ -460,9 +460,42 @@ def test_a_kv_cache_the_allocator_refuses_is_one_line_naming_the_setting(tmp_pat
     config = _tiny_config(tmp_path, tiny_model_dir, "  device_blocks: 64\n  host_blocks_multiplier: 0\n")
     assert main([command, "--config", config, "--port", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.endswith("kvgate: engine.device_blocks: cannot allocate the KV cache (64 device blocks of 8 KiB): "
-                        "CUDA out of memory. Tried to allocate 73.70 GiB. GPU 0 has a total capacity\n")
+    # At the line that set it (found at start-up, it is still the file's error).
+    assert err.endswith(f"kvgate: {config}:7: engine.device_blocks: cannot allocate the KV cache (64 device blocks "
+                        "of 8 KiB): CUDA out of memory. Tried to allocate 73.70 GiB. GPU 0 has a total capacity\n")
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["serve", "engine"])
+def test_a_model_path_that_does_not_load_is_named_at_its_line(tmp_path, capsys, command):
+    path = tmp_path / "config.yaml"
+    path.write_text(f"engine:\n  threads: 1\nmodel:\n  path: {tmp_path / 'no-model'}\n")
+    assert main([command, "--config", str(path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvgate: {path}:4: cannot load model '{tmp_path / 'no-model'}': directory not found\n"
+
+
+def test_a_listen_address_is_named_at_its_line_unless_a_flag_gave_it(tmp_path, capsys, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr(engine.async_engine, "load_model", no_loading)
+    path = tmp_path / "config.yaml"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path.write_text(f"server:\n  port: {port}\n  host: no.such.host.invalid\n")
+        assert main(["serve", "--config", str(path)]) == 2
+        assert capsys.readouterr().err.startswith(f"kvgate: {path}:3: cannot start: cannot resolve host")
+        assert main(["serve", "--config", str(path), "--host", "127.0.0.1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvgate: {path}:2: cannot start:") and "in use" in err
+        # Both from flags: the file is not to blame.
+        assert main(["serve", "--config", str(path), "--host", "127.0.0.1", "--port", str(port)]) == 2
+        assert capsys.readouterr().err.startswith("kvgate: cannot start:")
+        assert main(["engine", "--config", str(path), "--port", "0"]) == 2
+        assert capsys.readouterr().err.startswith(f"kvgate: {path}:3: cannot start: cannot resolve host")
 
 
 def test_a_kv_cache_beyond_the_machine_is_refused_before_allocating(tmp_path, monkeypatch, tiny_model_dir):
