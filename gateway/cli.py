@@ -126,6 +126,12 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="simulate N replicas behind the router (capacity is per replica)")
     replay.add_argument("--routing", default=None,
                         help="with --replicas: comma-separated prefix-aware,least-load,round-robin,session")
+    replay.add_argument("--index", default="exact", choices=["exact", "approx"],
+                        help="with --replicas: what the router knows of each replica's cache: exact (a `kvgate "
+                             "engine`'s KV events) or approx (an external server's: what was sent where; "
+                             "router.approx_ttl_s and approx_capacity_blocks) (default exact)")
+    replay.add_argument("--index-lag", type=float, default=0.0, metavar="SECONDS",
+                        help="with --replicas and the exact index: KV events reach the router this late (default 0)")
     replay.set_defaults(run=_quietly(_run_replay))
 
     tune = sub.add_parser("tune", help="search the workload-aware weights and windows on a trace")
@@ -412,9 +418,16 @@ def _check_replay_args(args: argparse.Namespace) -> None:
     _check_host_blocks(args.host_blocks)
     if args.replicas < 1:
         raise CliError("--replicas: give a positive number")
-    if args.routing is not None and args.replicas < 2:
+    if args.replicas < 2:
         # One replica has nothing to route: the run would be a plain replay in disguise.
-        raise CliError("--routing compares routings across replicas: give --replicas N (N >= 2) too")
+        for flag, given in (("--routing", args.routing is not None), ("--index", args.index != "exact"),
+                            ("--index-lag", args.index_lag != 0)):
+            if given:
+                raise CliError(f"{flag} is about routing across replicas: give --replicas N (N >= 2) too")
+    if not 0 <= args.index_lag <= 86_400:  # also NaN
+        raise CliError("--index-lag: give seconds, from 0 to 86400")
+    if args.index_lag and args.index != "exact":
+        raise CliError("--index-lag delays KV events, which only the exact index follows: drop --index approx")
 
 
 def _check_host_blocks(blocks: int) -> None:

@@ -23,6 +23,15 @@ request ``Router.load_tokens(prompt, output, 1)`` tokens, exactly what the
 gateway charges (the real max_tokens is unknown to the trace, so the known
 output length stands in for it).
 
+What the router knows.  By default each pool is an exact index, current at
+every decision: a gateway following a ``kvgate engine``'s KV events with no
+delay.  ``index_lag_s`` > 0 delivers those events (the pool's own) that much
+later, through the gateway's ``ExactIndex``: how routing degrades when the
+events lag.  ``index="approx"`` is the gateway's ``ApproxIndex`` instead, what
+it keeps for an external server (vLLM, SGLang) that publishes no events: the
+prompts it sent there, forgotten after ``router.approx_ttl_s`` or past
+``router.approx_capacity_blocks``.
+
 Replay semantics per replica are ``engine.replay``'s (``replay_request``): the
 leading run of cached keys is the hit, every cacheable key is touched or
 inserted, a recording's answer blocks are cached after them, blocks are
@@ -38,6 +47,7 @@ import heapq
 import json
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
@@ -51,9 +61,10 @@ from engine.replay_report import (
 )
 from engine.traces import Trace
 from gateway.config import RouterConfig
-from gateway.router import Router
+from gateway.router import ApproxIndex, ExactIndex, Router
 
 ROUTINGS = ("prefix-aware", "least-load", "round-robin", "session")
+INDEXES = ("exact", "approx")
 # Defaults of the load model (see the module docstring).
 PREFILL_S_PER_TOKEN = 1e-4
 DECODE_S_PER_TOKEN = 0.03
@@ -77,6 +88,8 @@ class RoutingResult:
     # how unevenly the *work* (not the blocks) is spread while it runs.
     inflight_imbalance: float
     decisions: dict[str, int]
+    index: str = "exact"  # what the router knew: "exact" (KV events) or "approx" (no events)
+    index_lag_s: float = 0.0  # how late the KV events reached it (exact)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -104,6 +117,28 @@ class _PoolIndex:
         return m.device + m.host
 
 
+class _LaggingIndex(ExactIndex):
+    """The gateway's exact index, fed a pool's KV events ``lag_s`` after they happen."""
+
+    __slots__ = ("lag_s", "now", "_pending")
+
+    def __init__(self, lag_s: float) -> None:
+        super().__init__()
+        self.lag_s = lag_s
+        self.now = 0.0  # the simulation's clock, set before each request is replayed
+        self._pending: deque[tuple[float, str, list[int], str]] = deque()
+
+    def on_pool_event(self, kind: str, keys: list[int], tier: str) -> None:
+        self._pending.append((self.now + self.lag_s, kind, keys, tier))
+
+    def catch_up(self, now: float) -> None:
+        """Apply the events that have arrived by ``now``, in the order they happened."""
+        pending = self._pending
+        while pending and pending[0][0] <= now:
+            _, kind, keys, tier = pending.popleft()
+            self.apply(kind, keys, tier)
+
+
 def simulate(
     trace: Trace,
     routing: str,
@@ -116,15 +151,34 @@ def simulate(
     host_blocks: int = 0,
     prefill_s_per_token: float = PREFILL_S_PER_TOKEN,
     decode_s_per_token: float = DECODE_S_PER_TOKEN,
+    index: str = "exact",
+    index_lag_s: float = 0.0,
 ) -> "SimOutcome":
     if routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
     if policy == "belady":
         raise ValueError("belady needs each replica's future, which depends on routing: not simulated")
+    if index not in INDEXES:
+        raise ValueError(f"unknown index {index!r}; choose from {', '.join(INDEXES)}")
+    if index_lag_s < 0 or (index_lag_s and index != "exact"):
+        raise ValueError("an index lag is a delay of KV events: give 0 or more seconds, with the exact index")
     cfg = (router_config or RouterConfig()).model_copy(update={"policy": routing})
     block_tokens = trace.block_tokens
-    pools = [BlockPool(capacity_blocks, host_blocks, policy, cache_config) for _ in range(replicas)]
-    indexes = [_PoolIndex(p) for p in pools]
+    now = 0.0  # the trace's clock, for the approximate index's time-to-live
+    lagging: list[_LaggingIndex] = []
+    approx: list[ApproxIndex] = []
+    if index == "approx":
+        pools = [BlockPool(capacity_blocks, host_blocks, policy, cache_config) for _ in range(replicas)]
+        approx = [ApproxIndex(cfg.approx_ttl_s, cfg.approx_capacity_blocks, clock=lambda: now) for _ in pools]
+        indexes: list = approx
+    elif index_lag_s:
+        lagging = [_LaggingIndex(index_lag_s) for _ in range(replicas)]
+        pools = [BlockPool(capacity_blocks, host_blocks, policy, cache_config, on_event=i.on_pool_event)
+                 for i in lagging]
+        indexes = lagging
+    else:
+        pools = [BlockPool(capacity_blocks, host_blocks, policy, cache_config) for _ in range(replicas)]
+        indexes = [_PoolIndex(p) for p in pools]
     router = Router(cfg, [f"r{i}" for i in range(replicas)], block_tokens)
     healthy = [True] * replicas
     finishing: list[tuple[float, int, object]] = []  # (finish time, seq, ticket)
@@ -137,10 +191,15 @@ def simulate(
         now = request.timestamp
         while finishing and finishing[0][0] <= now:
             router.release(heapq.heappop(finishing)[2])
+        for lagged in lagging:
+            lagged.catch_up(now)
+            lagged.now = now  # the events this request causes happen now
         keys = request.keys
         ctx = request.context
         decision = router.choose(keys, indexes, healthy, ctx.session)
         r = decision.replica
+        if approx:
+            approx[r].record(keys)  # what the gateway notes when it sends a prompt to an external server
         decisions[decision.reason] = decisions.get(decision.reason, 0) + 1
         inflight_sum += sum(router.inflight_requests)
         total = sum(router.inflight_tokens)
@@ -175,6 +234,8 @@ def run_routing(
     *,
     host_blocks: int = 0,
     unique_blocks: int | None = None,
+    index: str = "exact",
+    index_lag_s: float = 0.0,
 ) -> Iterator[RoutingResult]:
     """Per eviction policy and capacity: the pooled cache, then each routing over
     ``replicas`` caches; one result at a time, so an interrupted run keeps what finished."""
@@ -185,7 +246,8 @@ def run_routing(
                             unique_blocks=unique).hit_ratio
             for routing in routings:
                 out = simulate(
-                    trace, routing, replicas, capacity, policy, cache_config, router_config, host_blocks=host_blocks
+                    trace, routing, replicas, capacity, policy, cache_config, router_config, host_blocks=host_blocks,
+                    index=index, index_lag_s=index_lag_s,
                 )
                 yield RoutingResult(
                     routing=routing, replicas=replicas, policy=policy, capacity_blocks=capacity,
@@ -194,22 +256,25 @@ def run_routing(
                     per_replica_accesses=out.per_replica_accesses, pooled_hit_ratio=pooled,
                     # Nothing for routing to recover counts as all of it, as plain replay's "vs ideal".
                     share_of_pooled=out.hit_ratio / pooled if pooled else 1.0, mean_inflight=out.mean_inflight,
-                    inflight_imbalance=out.inflight_imbalance, decisions=out.decisions,
+                    inflight_imbalance=out.inflight_imbalance, decisions=out.decisions, index=index,
+                    index_lag_s=index_lag_s,
                 )
 
 
-def format_routing_table(summary: dict, results: Sequence[RoutingResult], host_blocks: int = 0) -> str:
-    n = results[0].replicas if results else 0
-    return "\n".join([routing_header(summary, n, host_blocks), *(routing_row(r) for r in results)])
+def index_note(index: str, index_lag_s: float = 0.0) -> str:
+    """What the router knew, in words, for the table's header."""
+    if index == "approx":
+        return "router index: approximate (what was sent where, as for an external server)"
+    return f"router index: KV events {index_lag_s:g} s late" if index_lag_s else "router index: exact (KV events)"
 
 
-def routing_header(summary: dict, replicas: int, host_blocks: int = 0) -> str:
+def routing_header(summary: dict, replicas: int, host_blocks: int = 0, index: str = "") -> str:
     """What is printed before the first simulation finishes: the rows follow as they come."""
     tiers = f"; {host_tier_note(host_blocks)}" if host_blocks else ""
     return "\n".join([
         trace_line(summary),
         f"{replicas} replicas; capacity is per replica (device tier){tiers}; "
-        f"'pooled' = one cache of {replicas}x the capacity",
+        f"'pooled' = one cache of {replicas}x the capacity" + (f"; {index}" if index else ""),
         "",
         f"{'routing':<13} {'policy':<8} {'capacity':>9} {'fraction':>8} {'hit ratio':>9} {'pooled':>7} "
         f"{'vs pooled':>9} {'imbalance':>9} {'inflight':>8} {'work skew':>9}",
@@ -303,9 +368,11 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
     policies = _simulated_policies(policies)
     start = time.perf_counter()
     runs = run_routing(trace, routings, args.replicas, policies, capacities, config.cache, config.router,
-                        host_blocks=args.host_blocks, unique_blocks=unique)
+                        host_blocks=args.host_blocks, unique_blocks=unique, index=args.index,
+                        index_lag_s=args.index_lag)
     # Rows as each simulation finishes: a long trace takes minutes per row.
-    print(routing_header(summary, args.replicas, args.host_blocks), flush=True)
+    print(routing_header(summary, args.replicas, args.host_blocks, index_note(args.index, args.index_lag)),
+          flush=True)
     results, interrupted = collect_until_interrupted(runs, on_result=lambda r: print_row(routing_row(r)))
     print(f"\n({time.perf_counter() - start:.1f} s; load model: prefill {PREFILL_S_PER_TOKEN * 1e3:g} ms/token, "
           f"decode {DECODE_S_PER_TOKEN * 1e3:g} ms/token, no queueing)")

@@ -370,8 +370,14 @@ def test_cli_host_tier_is_named_in_the_header_and_the_plot_title(tmp_path, capsy
         (["--capacity-blocks", "2.5"], "--capacity-blocks: '2.5' is not a whole number"),
         (["--capacity-blocks", "many"], "--capacity-blocks: 'many' is not a number"),
         (["--capacity", "1e9"], "is too large"),
-        (["--routing", "least-load"], "--routing compares routings across replicas: give --replicas N (N >= 2) too"),
+        (["--routing", "least-load"], "--routing is about routing across replicas: give --replicas N (N >= 2) too"),
         (["--routing", "least-load", "--replicas", "1"], "give --replicas N (N >= 2)"),
+        (["--index", "approx"], "--index is about routing across replicas: give --replicas N (N >= 2) too"),
+        (["--index-lag", "0.5"], "--index-lag is about routing across replicas"),
+        (["--replicas", "2", "--index-lag", "-1"], "--index-lag: give seconds, from 0 to 86400"),
+        (["--replicas", "2", "--index-lag", "nan"], "--index-lag: give seconds, from 0 to 86400"),
+        (["--replicas", "2", "--index", "approx", "--index-lag", "1"],
+         "--index-lag delays KV events, which only the exact index follows: drop --index approx"),
     ],
 )
 def test_cli_argument_mistakes_are_one_line_errors(tmp_path, capsys, args, message):

@@ -165,3 +165,52 @@ def test_cli_prints_each_routing_row_as_it_finishes(tmp_path, capsys, monkeypatc
     assert [line.split()[0] for line in printed_before[1].splitlines()] == ["prefix-aware"]
     assert [line.split()[0] for line in printed.splitlines() if line.startswith(("prefix-aware", "round-robin"))] == [
         "prefix-aware", "round-robin"]
+
+
+def _rows(tmp_path, rows):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return load_trace(path)
+
+
+def _two_readers_of_one_document(tmp_path, gap_s):
+    """One long document read by two requests ``gap_s`` apart, the first still in
+    flight when the second comes (so load alone would send it elsewhere)."""
+    doc = list(range(1, 41))
+    return _rows(tmp_path, [
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.0, "input_length": 640, "output_length": 200,
+         "hash_ids": doc},
+        {"chat_id": 2, "parent_chat_id": -1, "timestamp": gap_s, "input_length": 656, "output_length": 10,
+         "hash_ids": doc + [41]},
+    ])
+
+
+def test_kv_events_that_lag_hide_a_prefix_from_the_router(tmp_path):
+    trace = _two_readers_of_one_document(tmp_path, 0.5)
+    exact = simulate(trace, "prefix-aware", 2, 1000, "lru", None, RouterConfig())
+    assert exact.hit_ratio == 40 / 81 and exact.per_replica_accesses in ([81, 0], [0, 81])
+    # The same events, one second late: the router has not heard of the document yet.
+    late = simulate(trace, "prefix-aware", 2, 1000, "lru", None, RouterConfig(), index_lag_s=1.0)
+    assert late.decisions == {"load": 2} and late.hit_ratio == 0 and sorted(late.per_replica_accesses) == [40, 41]
+    # Late, but not too late for a reader who comes after them.
+    later = simulate(_two_readers_of_one_document(tmp_path, 2.0), "prefix-aware", 2, 1000, "lru", None,
+                     RouterConfig(), index_lag_s=1.0)
+    assert later.hit_ratio == 40 / 81
+
+
+def test_an_approximate_index_remembers_what_it_sent_for_its_time_to_live(tmp_path):
+    trace = _two_readers_of_one_document(tmp_path, 30.0)
+    kept = simulate(trace, "prefix-aware", 2, 1000, "lru", None, RouterConfig(), index="approx")
+    assert kept.hit_ratio == 40 / 81 and kept.decisions == {"load": 1, "prefix": 1}
+    forgot = simulate(trace, "prefix-aware", 2, 1000, "lru", None, RouterConfig(approx_ttl_s=10.0), index="approx")
+    assert forgot.decisions == {"load": 2} and forgot.hit_ratio == 0
+
+
+def test_cli_routing_json_says_what_the_router_knew(tmp_path, capsys):
+    _trace(tmp_path, "to-b", 60.0)
+    out = tmp_path / "r.json"
+    assert main(["replay", str(tmp_path / "to-b.jsonl"), "--replicas", "2", "--routing", "prefix-aware", "--policies", "lru", "--capacity", "0.1",
+                 "--index-lag", "0.25", "--json", str(out), "--no-progress"]) == 0
+    assert "router index: KV events 0.25 s late" in capsys.readouterr().out
+    result = json.loads(out.read_text())["results"][0]
+    assert result["index"] == "exact" and result["index_lag_s"] == 0.25
