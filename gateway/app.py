@@ -42,13 +42,15 @@ from gateway.errors import ApiError, bad_request
 from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer
 from gateway.prefix import PrefixHasher, Prompt
-from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, now_s, parse_json, parse_request
+from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, new_id, now_s, parse_json, parse_request
 from gateway.replicas import InProcessReplica, Replica, build_replicas, default_model_name, load_tokenizer
 from gateway.respond import Responder, uncancel
 from gateway.router import Router
 from gateway.startup_thread import in_daemon_thread
 
 log = logging.getLogger(__name__)
+# Distinct ignored request fields named in the log, at most.
+_MAX_IGNORED_LOGGED = 64
 
 # Completions default (OpenAI's); chat defaults to what the context leaves, capped by limits.
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -106,6 +108,8 @@ class Gateway:
         self.drain_hooks: list[Callable[[], None]] = []
         self._identity_known = True
         self.created = now_s()
+        # Request fields no one reads, each logged once (clients pick the names: bounded).
+        self.ignored_logged: set[str] = set()
 
     # -- lifecycle
 
@@ -288,14 +292,14 @@ class Gateway:
     async def models(self, request: web.Request) -> web.Response:
         self.authenticate(request)
         data = [self.model_card()] if any(r.healthy for r in self.replicas) else []
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": data}, headers={"x-request-id": new_id("req-")})
 
     async def model(self, request: web.Request) -> web.Response:
         self.authenticate(request)
         name = request.match_info["model"]
         if name != self.model_name or not any(r.healthy for r in self.replicas):
             raise errors.model_not_found(name)
-        return web.json_response(self.model_card())
+        return web.json_response(self.model_card(), headers={"x-request-id": new_id("req-")})
 
     def model_card(self) -> dict:
         # max_model_len as vLLM gives it: clients (and a gateway in front of this
@@ -410,6 +414,8 @@ class Gateway:
                 raise errors.model_not_found(parsed.model)
             if parsed.engine_unsupported is not None and not self.has_external:
                 raise bad_request(*parsed.engine_unsupported)
+            if parsed.ignored is not None and not self.has_external:  # an external server may read them
+                self.note_ignored(parsed.ignored)
             subs, max_tokens = await self.prepare(request, parsed, principal)
             workload = subs[0].context.workload
             gen, single = self.dispatcher.run(subs, parsed, max_tokens)
@@ -448,6 +454,19 @@ class Gateway:
             self.metrics.requests.labels(endpoint, workload, status).inc()
             if status == "200":
                 self.metrics.request_series(workload, subs[0].replica).e2e.observe(time.perf_counter() - start)
+
+    def note_ignored(self, fields: set[str]) -> None:
+        """Say once per name that requests carry a field nothing reads, as vLLM
+        logs them: a misspelt option would otherwise go unnoticed."""
+        new = fields - self.ignored_logged
+        room = _MAX_IGNORED_LOGGED - len(self.ignored_logged)
+        if not new or room <= 0:
+            return
+        names = sorted(new)[:room]
+        self.ignored_logged.update(names)
+        full = f" ({_MAX_IGNORED_LOGGED} names logged: later ones are not)" if room <= len(names) else ""
+        log.warning("requests carry fields the kvgate engine does not read, ignored: %s%s",
+                    ", ".join(repr(name[:64]) for name in names), full)
 
     async def prepare(self, request: web.Request, parsed: ParsedRequest, principal: Principal) -> tuple[list[Sub], int]:
         """Tokenise, check lengths, classify: everything before routing."""

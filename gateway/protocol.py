@@ -2,7 +2,9 @@
 
 Parsing turns a JSON body into a ``ParsedRequest`` or raises an ``ApiError``
 naming the offending field, with OpenAI's wording where clients may match on it.
-Unknown fields are ignored, as OpenAI does.  Response builders produce the exact
+Fields that ask for what the kvgate engine cannot do are refused (or left to an
+external server); other unknown fields are ignored, as vLLM does (OpenAI refuses
+them), and ``ParsedRequest.ignored`` names them for a log line.  Response builders produce the exact
 objects OpenAI returns (chat.completion, chat.completion.chunk, text_completion)
 so the official SDKs parse them without complaint.
 """
@@ -58,6 +60,8 @@ class ParsedRequest:
     longest_message: int = -1
     longest_share: float = 0.0
     content_chars: int = 0
+    # Fields of the body that nothing here reads (a typo, another API's option).
+    ignored: set | None = None
     # completions: one entry per prompt, text or token ids.
     prompts: list[str | list[int]] | None = None
     # chat logprobs use the chat shape; completions the legacy shape.
@@ -156,9 +160,10 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
         req.top_with_sampled = not engine_mode
         if "echo" in body or "suffix" in body or "best_of" in body:
             _parse_completion_extras(req, body)
-    extensions = _VLLM_CHAT_EXTENSIONS if endpoint == CHAT else _VLLM_COMPLETION_EXTENSIONS
-    if not extensions.keys().isdisjoint(body) and req.engine_unsupported is None:
-        _check_vllm_extensions(req, body, extensions)
+    unsupported = _ENGINE_UNSUPPORTED_CHAT if endpoint == CHAT else _ENGINE_UNSUPPORTED_COMPLETIONS
+    if not unsupported.keys().isdisjoint(body) and req.engine_unsupported is None:
+        _check_engine_unsupported(req, body, unsupported)
+    req.ignored = body.keys() - _READ_FIELDS - unsupported.keys() or None
     # Each prompt's n choices are decoded on their own: cap one request's share.
     n, prompts = req.sampling.n, len(req.prompts) if req.prompts is not None else 1
     if prompts * n > limits.max_choices:
@@ -170,10 +175,23 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
 
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
-# vLLM's request extensions the kvgate engine does not do, each with the test for
-# a value that asks for something (a default value changes nothing).  Answered
-# in plain text they would look honoured: a 400 instead, or an external server.
-_VLLM_EXTENSIONS = {
+# Every field parse_request reads, of either endpoint (the rest are ignored).
+_READ_FIELDS = frozenset({
+    "model", "messages", "prompt", "stream", "stream_options", "user", "cache_salt", "n", "max_tokens",
+    "max_completion_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",
+    "logit_bias", "logprobs", "top_logprobs", "echo", "suffix", "best_of", "tools", "tool_choice", "functions",
+    "function_call", "response_format",
+    # vLLM's sampling extensions, which the engine does.
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+    # What a gateway sends its `kvgate engine` replicas.
+    "kvgate_context", "kvgate_mm_hashes",
+})
+
+# Request fields the kvgate engine does not do (vLLM's extensions, OpenAI's audio
+# output), each with the test for a value that asks for something (a default
+# value changes nothing).  Answered in plain text they would look honoured: a 400
+# instead, or an external server.
+_ENGINE_UNSUPPORTED = {
     "guided_json": lambda v: v is not None,
     "guided_regex": lambda v: v is not None,
     "guided_choice": lambda v: v is not None,
@@ -187,20 +205,25 @@ _VLLM_EXTENSIONS = {
     "use_beam_search": lambda v: bool(v),
     "skip_special_tokens": lambda v: v is False,
 }
-_VLLM_CHAT_EXTENSIONS = {
-    **_VLLM_EXTENSIONS,
+_ENGINE_UNSUPPORTED_CHAT = {
+    **_ENGINE_UNSUPPORTED,
     "add_generation_prompt": lambda v: v is False,
     "continue_final_message": lambda v: bool(v),
+    # The model's own template is the one the gateway hashes prompts with.
+    "chat_template": lambda v: v is not None,
+    "chat_template_kwargs": lambda v: bool(v),  # e.g. {"enable_thinking": false}
+    "modalities": lambda v: isinstance(v, list) and any(m != "text" for m in v),
+    "audio": lambda v: v is not None,
 }
 # (Chat's response_format is OpenAI's own: _parse_chat_extras.)
-_VLLM_COMPLETION_EXTENSIONS = {
-    **_VLLM_EXTENSIONS,
+_ENGINE_UNSUPPORTED_COMPLETIONS = {
+    **_ENGINE_UNSUPPORTED,
     "response_format": lambda v: isinstance(v, dict) and v.get("type", "text") != "text",
 }
 
 
-def _check_vllm_extensions(req: ParsedRequest, body: dict, extensions: dict) -> None:
-    for field, asks in extensions.items():
+def _check_engine_unsupported(req: ParsedRequest, body: dict, unsupported: dict) -> None:
+    for field, asks in unsupported.items():
         if field in body and asks(body[field]):
             req.engine_unsupported = (f"'{field}' is not supported by the kvgate engine; send it to a gateway in front "
                                       "of a server that supports it (e.g. vLLM).", field)
@@ -442,10 +465,15 @@ def _content_text(req: ParsedRequest, content: Any, where: str, role: str) -> st
                 raise bad_request(_type_msg(f"{pwhere}.refusal", "a string", refusal), f"{pwhere}.refusal")
             pieces.append(refusal)
         elif kind == "image_url":
+            if role != "user":  # as OpenAI: a system prompt or an answer holds no picture
+                raise bad_request(f"Images are only allowed in messages with role 'user' ({where} is not one).", pwhere)
             image = part.get("image_url")
             url = image.get("url") if isinstance(image, dict) else image
             if not isinstance(url, str) or not url:
                 raise bad_request(f"Missing required parameter: '{pwhere}.image_url.url'.", f"{pwhere}.image_url.url")
+            if not _is_image_url(url):
+                raise bad_request(f"Invalid '{pwhere}.image_url.url': expected an http(s) URL or a base64 data URL of "
+                                  "an image (data:image/png;base64,...).", f"{pwhere}.image_url.url", "invalid_value")
             req.images.append(_image_source(url))
             pieces.append(IMAGE_PLACEHOLDER)
         else:
@@ -454,6 +482,15 @@ def _content_text(req: ParsedRequest, content: Any, where: str, role: str) -> st
                 f"{pwhere}.type",
             )
     return "\n".join(pieces)
+
+
+def _is_image_url(url: str) -> bool:
+    """What a server can fetch or decode: http(s), or a data URL with an image type and a base64 payload."""
+    if url[:11].lower() == "data:image/":
+        meta, comma, payload = url.partition(",")
+        return bool(comma and payload) and meta.lower().endswith(";base64")
+    scheme, sep, rest = url[:16].partition("://")
+    return bool(sep and rest) and scheme.lower() in ("http", "https")
 
 
 def _image_source(url: str) -> bytes:

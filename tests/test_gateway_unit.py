@@ -24,6 +24,30 @@ def chat(**kw):
     return parse_request(CHAT, body, LIMITS)
 
 
+def test_image_parts_must_be_fetchable_and_from_the_user():
+    def image(url, role="user"):
+        return chat(messages=[{"role": role, "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+
+    assert image("https://example.com/a.png").images == [b"https://example.com/a.png"]
+    assert image("data:image/png;base64,iVBORw0KGgo=").images == [b"iVBORw0KGgo="]
+    for url in ("not a url", "ftp://example.com/a.png", "data:image/png;base64,", "data:text/plain;base64,eA==",
+                "data:image/png,raw", "https://"):
+        with pytest.raises(ApiError) as info:
+            image(url)
+        assert info.value.param == "messages[0].content[0].image_url.url" and info.value.code == "invalid_value"
+    for role in ("system", "developer", "assistant"):
+        with pytest.raises(ApiError, match=r"only allowed in messages with role 'user' \(messages\[0\] is not one\)"):
+            image("https://example.com/a.png", role)
+
+
+def test_fields_nothing_reads_are_named():
+    assert chat().ignored is None
+    assert chat(top_k=2, seed=1, cache_salt="s").ignored is None  # vLLM's, and read
+    assert chat(store=True, temprature=1).ignored == {"store", "temprature"}
+    # Refused fields are no ignored ones, default-valued or not.
+    assert chat(guided_json=None, chat_template_kwargs={}).ignored is None
+
+
 @pytest.mark.parametrize(
     "field,value,param",
     [

@@ -117,6 +117,9 @@ async def test_completions_models_and_logprobs(gw):
     assert len(chat.choices[0].logprobs.content[0].top_logprobs) == 1
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    # An id for support and logs on every response, as OpenAI's.
+    assert (await client.models.with_raw_response.list()).headers["x-request-id"].startswith("req-")
+    assert (await client.models.with_raw_response.retrieve(MODEL)).headers["x-request-id"].startswith("req-")
     # vLLM's context length field, which the gateway itself reads from external servers.
     assert models.data[0].model_extra["max_model_len"] == app[GATEWAY].max_model_len == 1024
     assert (await client.models.retrieve(MODEL)).model_extra["max_model_len"] == 1024
@@ -260,6 +263,10 @@ async def test_completion_fields_the_engine_cannot_honour_are_refused(gw, fields
     ("chat", {"allowed_token_ids": [1, 2]}),
     ("chat", {"add_generation_prompt": False}),
     ("chat", {"continue_final_message": True}),
+    ("chat", {"chat_template_kwargs": {"enable_thinking": False}}),
+    ("chat", {"chat_template": "{{ messages[0].content }}"}),
+    ("chat", {"modalities": ["text", "audio"]}),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}),
     ("completions", {"guided_regex": "[0-9]+"}),
     ("completions", {"response_format": {"type": "json_object"}}),
     ("completions", {"prompt_logprobs": 1}),
@@ -282,7 +289,8 @@ async def test_vllm_extensions_the_engine_cannot_honour_are_refused(gw, endpoint
         await create(extra_body=fields)
     assert err.value.body["param"] == field and "not supported by the kvgate engine" in err.value.message
     defaults = {"bad_words": [], "add_generation_prompt": True, "continue_final_message": False,
-                "use_beam_search": False, "skip_special_tokens": True, "response_format": {"type": "text"}}
+                "use_beam_search": False, "skip_special_tokens": True, "response_format": {"type": "text"},
+                "chat_template_kwargs": {}, "modalities": ["text"]}
     ok = await create(extra_body={field: defaults.get(field)})
     assert ok.choices[0].finish_reason in ("stop", "length")
 
@@ -569,3 +577,18 @@ async def test_a_page_in_chromium_calls_the_api_only_from_an_allowed_origin(tiny
                 await api.stop()
     finally:
         await page_server.stop()
+
+
+async def test_fields_nothing_reads_are_logged_once_each(gw, caplog):
+    """Ignored as vLLM ignores them (OpenAI would refuse them), but named once in the
+    log: a misspelt option (``temprature``) would otherwise go unnoticed."""
+    app, server, client, engines, seen = gw
+    msgs = [{"role": "user", "content": "x"}]
+    with caplog.at_level(logging.WARNING, logger="gateway.app"):
+        for _ in range(2):
+            ok = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1,
+                                                      extra_body={"temprature": 0.2, "store": True, "top_k": 3})
+            assert ok.choices[0].finish_reason in ("stop", "length")
+        await client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"temprature": 1})
+    logged = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
+    assert logged == ["requests carry fields the kvgate engine does not read, ignored: 'store', 'temprature'"]
