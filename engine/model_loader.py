@@ -139,7 +139,7 @@ def load_gguf(gguf_file: str, dtype: torch.dtype | None = None):
         tensors = load_gguf_checkpoint(gguf_file, return_tensors=True, model_to_load=model)["tensors"]
         missing, unexpected = model.load_state_dict(tensors, strict=False)
     except Exception as exc:  # noqa: BLE001 - one message for every cause
-        raise ModelLoadError(gguf_file, f"{type(exc).__name__}: {exc}") from exc
+        raise ModelLoadError(gguf_file, _reason(exc)) from exc
     model.tie_weights()
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
@@ -178,8 +178,44 @@ def served_name(cfg: ModelConfig) -> str:
     return name.removesuffix(".gguf") if name.endswith(".gguf") else (cfg.path if not os.path.exists(cfg.path) else name)
 
 
+def _model_source(path: str) -> str:
+    """A model path, checked as far as it can be before loading: a GGUF file that
+    exists, or a local folder that exists (``~`` expanded); anything else
+    ("org/name") is a hub id.  ModelLoadError otherwise."""
+    if path.endswith(".gguf"):
+        if not os.path.isfile(os.path.expanduser(path)):
+            raise ModelLoadError(path, "GGUF file not found")
+        return os.path.expanduser(path)
+    if path.startswith(("/", ".", "~")) or os.path.exists(path):
+        local = os.path.expanduser(path)
+        if os.path.isfile(local):
+            raise ModelLoadError(local, "is a file; give a model directory (config.json, weights, tokenizer) "
+                                        "or a .gguf file")
+        if not os.path.isdir(local):
+            raise ModelLoadError(local, "directory not found")
+        return local
+    return path
+
+
+def _reason(exc: Exception) -> str:
+    """A loader's exception as one line: transformers spreads its reasons over several."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    reason = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return reason if len(reason) <= 400 else reason[:399] + "\u2026"
+
+
 def load_tokenizer(cfg: ModelConfig):
-    """The configured model's tokenizer alone, for a gateway whose engines are all remote."""
+    """The configured model's tokenizer alone, for a gateway whose engines are all
+    remote; raises ModelLoadError as load_model does."""
+    try:
+        return _load_tokenizer(cfg)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one message for every cause
+        raise ModelLoadError(cfg.path or "<default>", _reason(exc)) from exc
+
+
+def _load_tokenizer(cfg: ModelConfig):
     if cfg.path is None:
         folder = default_model_dir(cfg.cache_dir)
         if _saved_class(folder) == "TokenizersBackend":
@@ -194,7 +230,7 @@ def load_tokenizer(cfg: ModelConfig):
             return TokenizersBackend.from_pretrained(folder)
         source, kwargs = folder, {}
     else:
-        source, kwargs = os.path.expanduser(cfg.path), {}
+        source, kwargs = _model_source(cfg.path), {}
         if source.endswith(".gguf"):
             source, kwargs["gguf_file"] = os.path.split(os.path.abspath(source))
     from transformers import AutoTokenizer
@@ -221,30 +257,18 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(cfg.path or "<default>", "model.device is 'cuda' but torch sees no CUDA device",
                              key="model.device")
-    source = cfg.path if cfg.path is not None else default_model_dir(cfg.cache_dir)
+    source = _model_source(cfg.path if cfg.path is not None else default_model_dir(cfg.cache_dir))
     if source.endswith(".gguf"):
-        if not os.path.isfile(source):
-            raise ModelLoadError(source, "GGUF file not found")
         model, tokenizer = load_gguf(source, dtype)
         model.to(device).eval()
         return LoadedModel(model, tokenizer, served_name(cfg), source, device, dtype)
-    folder = source
-    if source.startswith(("/", ".", "~")) or os.path.exists(source):
-        # A local path; anything else ("org/name") is a hub id.
-        source = folder = os.path.expanduser(source)
-        if os.path.isfile(source):
-            raise ModelLoadError(source, "is a file; give a model directory (config.json, weights, tokenizer) "
-                                         "or a .gguf file")
-        if not os.path.isdir(source):
-            raise ModelLoadError(source, "directory not found")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except Exception as exc:  # noqa: BLE001 - one message for every cause
-        reason = f"{type(exc).__name__}: {exc}".strip()
-        raise ModelLoadError(source, reason.splitlines()[0] if reason else type(exc).__name__) from exc
+        raise ModelLoadError(source, _reason(exc)) from exc
     if not hasattr(model, "lm_head") and not hasattr(model, "get_output_embeddings"):
         raise ModelLoadError(source, f"{type(model).__name__} is not a causal language model")
     model.to(device).eval()

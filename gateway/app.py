@@ -121,8 +121,20 @@ class Gateway:
             await self.close()
 
     async def start(self) -> None:
-        await asyncio.gather(*(r.start() for r in self.replicas))
+        try:
+            await self._start()
+        except BaseException:
+            await self.close()  # the replicas that started: their sessions and probes
+            raise
+
+    async def _start(self) -> None:
         local = next((r for r in self.replicas if isinstance(r, InProcessReplica)), None)
+        tokenizer = None
+        if local is None:
+            # Before the replicas: a model that cannot be read stops the gateway now,
+            # not after waiting out a replica that is not answering yet.
+            tokenizer = self._tokenizer or await in_daemon_thread(load_tokenizer, self.config)
+        await asyncio.gather(*(r.start() for r in self.replicas))
         if local is not None:
             eng = local.engine
             chat_tokens = getattr(eng, "chat_tokens", None)
@@ -130,7 +142,6 @@ class Gateway:
             self.hasher = PrefixHasher(eng.tokenizer, eng.block_size, eng.hash_salt, eng.apply_chat_template, encoder)
             info = local.info
         else:
-            tokenizer = self._tokenizer or await in_daemon_thread(load_tokenizer, self.config)
             chat_tokens = await in_daemon_thread(ChatTokenizer, tokenizer, self.config.model.tokenize_cache_tokens)
             # Engines know their block identity exactly; external servers only their name.
             engines = [r for r in self.replicas if r.kind == "engine"]

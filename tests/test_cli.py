@@ -557,3 +557,23 @@ def test_an_output_path_that_cannot_be_written_says_why(tmp_path, capsys):
         locked.mkdir(mode=0o500)
         assert main(["synth", "--duration", "10", "-o", str(locked / "t.jsonl")]) == 2
         assert capsys.readouterr().err.endswith(": permission denied\n")
+
+
+@pytest.mark.parametrize("model", ["empty-folder", "no-such-folder", "bad.gguf"])
+def test_a_gateway_of_remote_replicas_names_a_model_it_cannot_read(tmp_path, capsys, model):
+    """Its tokenizer alone is loaded: that failed with a traceback (or a hub error for a missing folder)."""
+    path = tmp_path / model
+    if model == "empty-folder":
+        path.mkdir()
+    elif model == "bad.gguf":
+        path.write_bytes(b"not a gguf file")
+    config = tmp_path / "config.yaml"
+    config.write_text(f"model:\n  path: {path}\n")
+    started = time.monotonic()
+    assert main(["serve", "--config", str(config), "--port", "0", "--replica", "http://127.0.0.1:9"]) == 2
+    # At once: not after waiting out the replica that never answers (connect_timeout_s, 10 s).
+    assert time.monotonic() - started < 5
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvgate: {config}:2: cannot load model '{path}': ") and err.count("\n") == 1
+    if model == "no-such-folder":
+        assert err.endswith("directory not found\n")
