@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Literal, Sequence
 from urllib.parse import urlsplit
@@ -494,28 +495,32 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _key_lines(node: yaml.Node, path: tuple[str, ...] = (), inside: frozenset[int] = frozenset(),
+def _key_lines(node: yaml.Node | None, path: tuple[str, ...] = (), seen: set[int] | None = None,
                nodes: dict[int, tuple[str, ...]] | None = None) -> dict[tuple[str, ...], int]:
     """Dotted path (as pydantic's error locations, each part a string) -> the line
-    of its key, for errors that say where; list items by their index.  A node
-    that contains itself (``&a [*a]``) is walked once: its value is an error of
-    its own, which validation reports.  ``nodes``, if given, gets each key
-    node's path by its id (a key given twice has two)."""
+    of its key, for errors that say where; list items by their index.  Each node
+    is walked once: an alias (``*a``) is the very node its anchor names, so the
+    keys inside it are found at the anchor, and an error inside an aliased value
+    is placed at the key that uses the alias (the innermost path found, see
+    ``_line_of``).  Walking every use again would take exponential time on
+    aliases of aliases, and a node may even contain itself (``&a [*a]``).
+    ``nodes``, if given, gets each key node's path by its id (a key given twice has two)."""
     lines: dict[tuple[str, ...], int] = {}
-    if id(node) in inside:
+    seen = set() if seen is None else seen
+    if node is None or id(node) in seen:
         return lines
+    seen.add(id(node))
     if isinstance(node, yaml.MappingNode):
         children = [(key.value, key, value) for key, value in node.value if isinstance(key, yaml.ScalarNode)]
     elif isinstance(node, yaml.SequenceNode):
         children = [(str(i), item, item) for i, item in enumerate(node.value)]
     else:
         return lines
-    inside = inside | {id(node)}
     for name, where, value in children:
         lines[path + (name,)] = where.start_mark.line + 1
         if nodes is not None:
             nodes[id(where)] = path + (name,)
-        lines.update(_key_lines(value, path + (name,), inside, nodes))
+        lines.update(_key_lines(value, path + (name,), seen, nodes))
     return lines
 
 
@@ -535,7 +540,12 @@ def load_config(path: str | os.PathLike | None = None, *, gateway: bool = False)
         raise ConfigError(f"{source}: cannot read: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{source}: not UTF-8 text (byte {exc.start})") from None
-    loader = _ConfigLoader(text)
+    try:
+        loader = _ConfigLoader(text)  # checks every character: a control character fails here
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        code = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        raise ConfigError(f"{source}:{line}: invalid YAML: control character U+{code:04X} is not allowed") from None
     try:
         root = loader.get_single_node()
         data = loader.construct_document(root) if root is not None else None
@@ -550,6 +560,8 @@ def load_config(path: str | os.PathLike | None = None, *, gateway: bool = False)
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source
         raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    except ValueError:  # Python's guard on int(): no setting is a number that long
+        raise ConfigError(f"{source}: a number has over {sys.get_int_max_str_digits():,} digits") from None
     finally:
         loader.dispose()
     if data is None:

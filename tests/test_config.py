@@ -56,6 +56,39 @@ def test_invalid_yaml_gives_the_line(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize("text, message", [
+    ("engine:\n  seed: 1\x00\n", r":2: invalid YAML: control character U\+0000 is not allowed$"),
+    ("engine:\n  block_size: " + "9" * 5000 + "\n", r": a number has over 4,300 digits$"),
+])
+def test_what_yaml_cannot_read_is_one_line(tmp_path, text, message):
+    """A control character, or an integer too long for int(): tracebacks before."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}{message}"):
+        load_config(path)
+
+
+def test_an_error_through_an_alias_is_at_the_line_that_uses_it(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("engine: &d\n  block_size: 16\n  seed: -1\ncache:\n  s3fifo: *d\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    lines = str(info.value).splitlines()
+    assert lines[0].startswith(f"{path}:3: engine.seed:")
+    assert lines[1].startswith(f"{path}:5: cache.s3fifo.block_size: unknown key")
+
+
+def test_aliases_of_aliases_are_read_in_linear_time(tmp_path):
+    """Nine aliases nested nine deep name 9**9 values: walking each use for its
+    line numbers never finished (the file is 1 KB)."""
+    rows = ["engine:", "  x0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    rows += [f"  x{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    path = tmp_path / "c.yaml"
+    path.write_text("\n".join(rows) + "\n")
+    with pytest.raises(ConfigError, match=f"{re.escape(str(path))}:11: engine.x9: unknown key"):
+        load_config(path)
+
+
 def test_top_level_must_be_a_mapping(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("- a\n- b\n")
