@@ -86,7 +86,9 @@ class EngineConfig(Section):
     device_blocks: int | None = Field(None, ge=1)
     kv_memory_fraction: float = Field(0.9, gt=0, le=1)
     # Host tier = this multiple of device blocks (blog: 2x for to-B, 3x for to-C).
-    host_blocks_multiplier: float = Field(3.0, ge=0)
+    # At most 100: on CPU both tiers share one budget, and beyond that the device
+    # tier shrinks to a block or two.
+    host_blocks_multiplier: float = Field(3.0, ge=0, le=100)
     max_num_seqs: int = Field(16, ge=1)
     max_batched_tokens: int = Field(2048, ge=16)
     # Which waiting sequence takes a free slot.  tenant-fair: one of the tenant
@@ -95,8 +97,9 @@ class EngineConfig(Section):
     # single tenant (no API keys) that is first come, first served.  fcfs: arrival
     # order whatever the tenant, as vLLM's default.
     scheduling_policy: Literal["tenant-fair", "fcfs"] = "tenant-fair"
-    # CPU threads for torch; None keeps torch's default.
-    threads: int | None = Field(None, ge=1)
+    # CPU threads for torch; None keeps torch's default.  At most 1024: torch
+    # starts them all, and a typo of 100000 crashed the process.
+    threads: int | None = Field(None, ge=1, le=1024)
     # What torch.manual_seed takes: 64 bits (it reads a negative seed as seed +
     # 2**64, so those are refused: one seed, one spelling).
     seed: int = Field(0, ge=0, lt=2**64)

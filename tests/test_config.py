@@ -362,6 +362,16 @@ def test_dockerfile_healthcheck_port_matches_the_documented_runs():
     assert cpu_args == "--index-url https://download.pytorch.org/whl/cpu"
 
 
+@pytest.mark.parametrize("key, value", [("threads", "100000"), ("host_blocks_multiplier", "1.0e+308")])
+def test_engine_sizes_beyond_any_machine_are_refused_at_their_line(tmp_path, key, value):
+    """threads: 100000 crashed torch (a segmentation fault after a message blaming the
+    model); a huge multiplier shrank the device tier to one block and printed a 300-digit size."""
+    path = tmp_path / "c.yaml"
+    path.write_text(f"engine:\n  {key}: {value}\n")
+    with pytest.raises(ConfigError, match=f"{re.escape(str(path))}:2: engine.{key}: .*less than or equal"):
+        load_config(path)
+
+
 @pytest.mark.parametrize("value", ["true", "'16'", "16.5"])
 def test_numbers_are_numbers(tmp_path, value):
     # YAML gives each value its type: `true` for a count is a mistake, not 1.
