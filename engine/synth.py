@@ -34,8 +34,10 @@ a Mooncake trace carries no turns or types, so it reads as single-turn text.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -478,7 +480,25 @@ def _positive(value: object) -> bool:
 
 
 def write_trace(records: list[dict], path: str | Path) -> None:
-    """Write ``records`` as JSONL (one request per line, fields in a fixed order)."""
+    """Write ``records`` as JSONL (one request per line, fields in a fixed order),
+    whole or not at all: into a file beside ``path``, renamed over it at the end,
+    so that an interrupted write leaves the old file rather than a shorter trace
+    that reads as a valid one.  Anything but a regular file (a pipe, /dev/stdout)
+    is written as it is: renaming over it would replace it."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        _write_records(records, path)
+        return
+    partial = f"{path}.{os.getpid()}.part"
+    try:
+        _write_records(records, partial)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
+
+
+def _write_records(records: list[dict], path: str | Path) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as handle:
         for record in records:
             handle.write(json.dumps(record, separators=(", ", ": ")))

@@ -57,9 +57,10 @@ _MEMORY_HINTS = {"serve": _SERVER_MEMORY_HINT, "engine": _SERVER_MEMORY_HINT, "r
 
 
 def _setup_logging(level: str | None) -> None:
-    name = (level or os.environ.get("KVGATE_LOG_LEVEL") or "info").upper()
+    name = (level if level is not None else os.environ.get("KVGATE_LOG_LEVEL") or "info").upper()
     if name not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise CliError(f"log level {name.lower()!r}: choose debug, info, warning or error (--log-level, KVGATE_LOG_LEVEL)")
+        source = "--log-level" if level is not None else "KVGATE_LOG_LEVEL"
+        raise CliError(f"{source}: log level {name.lower()!r}: choose debug, info, warning or error")
     logging.basicConfig(level=name, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Libraries' INFO lines are not the user's business: matplotlib announces building
     # its font cache (the first --plot), torch dumps cache statistics at exit.
@@ -182,13 +183,17 @@ def _run_serve(args: argparse.Namespace) -> int:
         _check_replica_url(url)
     config = _load_config(args.config, gateway=True)
     _check_replica_servers(config, args.replica)
-    if args.record_trace:
+    if args.record_trace is not None:
+        if not args.record_trace:  # `--record-trace ""` would record nothing, silently
+            raise CliError("--record-trace: give a file path")
         config.server.record_trace = args.record_trace
     recording = config.server.record_trace
     if recording:  # now, not after the model has loaded
         flag = "--record-trace" if args.record_trace else "server.record_trace"
         if os.path.isdir(recording):
             raise CliError(f"{flag}: {recording} is a directory; give a file path")
+        # A recording moves an older file at its path aside (FILE.1, ...), then drops the oldest.
+        _distinct_outputs([(flag, recording)], [("config file", args.config), ("model", config.model.path)])
         try:
             # What the recorder will do at start: its folder, and a file it can write.
             os.makedirs(os.path.dirname(os.path.abspath(recording)), exist_ok=True)
@@ -199,7 +204,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from gateway.server import run_gateway
 
     with _startup_errors(args.config, _listen_flags(args)):
-        run_gateway(config, args.host or config.server.host,
+        run_gateway(config, config.server.host if args.host is None else args.host,
                     args.port if args.port is not None else config.server.port, args.replica)
     return 0
 
@@ -209,7 +214,7 @@ def _run_engine(args: argparse.Namespace) -> int:
     from gateway.server import run_engine_server
 
     with _startup_errors(args.config, _listen_flags(args)):
-        run_engine_server(config, args.host or config.server.host, args.port)
+        run_engine_server(config, config.server.host if args.host is None else args.host, args.port)
     return 0
 
 
@@ -291,6 +296,28 @@ def _writable(path: str | None, flag: str) -> None:
         raise CliError(f"{flag}: cannot write into {parent}: no such folder")
     if not os.access(parent, os.W_OK):
         raise CliError(f"{flag}: cannot write into {parent}: permission denied")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise CliError(f"{flag}: cannot write {path}: permission denied")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist yet: the same path, however written
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _distinct_outputs(outputs: Sequence[tuple[str, str | None]], inputs: Sequence[tuple[str, str | None]]) -> None:
+    """Refuse an output that would overwrite an input (the trace, the config) or
+    another output, before the run: the results would replace what they came from."""
+    given = [(flag, path) for flag, path in outputs if path]
+    for i, (flag, path) in enumerate(given):
+        for name, source in inputs:
+            if source and _same_file(path, source):
+                raise CliError(f"{flag}: {path} is the {name}; write the output elsewhere")
+        for other, other_path in given[:i]:
+            if _same_file(path, other_path):
+                raise CliError(f"{other} and {flag}: both write {path}; give each its own file")
 
 
 # More blocks than this is no cache anyone has, and the replay's pool would
@@ -413,6 +440,8 @@ def _read_trace(path: str, fmt: str):
 def _check_replay_args(args: argparse.Namespace) -> None:
     _writable(args.json, "--json")
     _writable(args.plot, "--plot")
+    _distinct_outputs([("--json", args.json), ("--plot", args.plot)],
+                      [("trace", args.trace), ("config file", args.config)])
     if args.plot and os.path.splitext(args.plot)[1].lower() not in ("", ".png", ".pdf", ".svg", ".jpg", ".jpeg"):
         raise CliError("--plot: write .png, .pdf, .svg or .jpg")
     _check_host_blocks(args.host_blocks)

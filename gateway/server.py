@@ -85,7 +85,7 @@ def run_gateway(
     config: KvgateConfig, host: str | None = None, port: int | None = None, replica_urls: list[str] | None = None
 ) -> None:
     """`kvgate serve`: blocks until stopped (SIGTERM, Ctrl-C), then drains."""
-    host = host or config.server.host
+    host = config.server.host if host is None else host  # "": every interface, as in the config
     port = config.server.port if port is None else port
     sockets = bind_sockets(host, port)  # before the model loads: a taken port fails at once
     app = create_app(config, replica_urls=list(replica_urls or ()))
@@ -95,7 +95,7 @@ def run_gateway(
 
 def run_engine_server(config: KvgateConfig, host: str | None = None, port: int | None = None) -> None:
     """`kvgate engine`: one in-process engine behind the OpenAI surface plus /kv_events."""
-    host = host or config.server.host
+    host = config.server.host if host is None else host  # "": every interface, as in the config
     port = config.server.port if port is None else port
     sockets = bind_sockets(host, port)
     app = create_app(config, engine_mode=True)

@@ -577,3 +577,84 @@ def test_a_gateway_of_remote_replicas_names_a_model_it_cannot_read(tmp_path, cap
     assert err.startswith(f"kvgate: {config}:2: cannot load model '{path}': ") and err.count("\n") == 1
     if model == "no-such-folder":
         assert err.endswith("directory not found\n")
+
+
+def test_replay_outputs_never_overwrite_the_trace_the_config_or_each_other(tmp_path, capsys):
+    trace = write_jsonl(tmp_path / "t.jsonl", [{"timestamp": 0, "input_length": 512, "hash_ids": [1]}])
+    config = tmp_path / "c.yaml"
+    config.write_text("cache:\n  policy: lru\n")
+    before = trace.read_text(), config.read_text()
+    base = ["replay", str(trace), "--policies", "lru", "--no-progress", "--config", str(config)]
+    for extra, message in [
+        (["--json", str(trace)], f"--json: {trace} is the trace; write the output elsewhere"),
+        (["--plot", f"{tmp_path}/./t.jsonl"], f"--plot: {tmp_path}/./t.jsonl is the trace"),
+        (["--json", str(config)], f"--json: {config} is the config file"),
+        (["--json", str(tmp_path / "out"), "--plot", str(tmp_path / "out")],
+         f"--json and --plot: both write {tmp_path / 'out'}; give each its own file"),
+    ]:
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1
+    assert (trace.read_text(), config.read_text()) == before
+
+
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    trace = write_jsonl(tmp_path / "t.jsonl", [{"timestamp": 0, "input_length": 512, "hash_ids": [1]}])
+    kept = tmp_path / "kept.json"
+    kept.write_text("{}")
+    real_access = os.access
+    # As a user without write permission sees it (root passes every permission check).
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(kept) else real_access(p, mode))
+    assert main(["replay", str(trace), "--policies", "lru", "--no-progress", "--json", str(kept)]) == 2
+    assert capsys.readouterr() == ("", f"kvgate: --json: cannot write {kept}: permission denied\n")
+
+
+def test_a_recording_never_replaces_the_config(tmp_path, capsys, monkeypatch):
+    """The recorder moves an older file at its path aside: the config was moved, and the
+    next start served the defaults."""
+    monkeypatch.setattr(engine.async_engine, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    config = tmp_path / "c.yaml"
+    config.write_text("server:\n  port: 0\n")
+    assert main(["serve", "--config", str(config), "--record-trace", str(config)]) == 2
+    assert f"--record-trace: {config} is the config file" in capsys.readouterr().err
+    assert config.read_text() == "server:\n  port: 0\n"
+    assert main(["serve", "--config", str(config), "--record-trace", ""]) == 2
+    assert "--record-trace: give a file path" in capsys.readouterr().err
+
+
+def test_an_interrupted_synth_leaves_the_old_file(tmp_path, monkeypatch):
+    from engine import synth
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("the old trace\n")
+    records = [{"n": i} for i in range(10)]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(synth.json, "dumps", lambda record, **kw: interrupted() if record["n"] == 5 else "{}")
+    with pytest.raises(KeyboardInterrupt):
+        synth.write_trace(records, path)
+    assert path.read_text() == "the old trace\n" and os.listdir(tmp_path) == ["t.jsonl"]
+    monkeypatch.undo()
+    synth.write_trace(records, path)
+    assert path.read_text().count("\n") == 10 and os.listdir(tmp_path) == ["t.jsonl"]
+
+
+def test_empty_flag_values_mean_what_the_same_config_value_means(capsys, monkeypatch):
+    import gateway.server
+
+    hosts = []
+
+    def bind(host, port):
+        hosts.append(host)
+        raise gateway.server.ListenError("server.host", "stop here")
+
+    monkeypatch.setattr(gateway.server, "bind_sockets", bind)
+    # `--host ""` is every interface, as `server.host: ""` is (it was the config's host).
+    assert main(["serve", "--host", "", "--port", "0"]) == 2
+    assert main(["engine", "--host", ""]) == 2
+    assert hosts == ["", ""]
+    capsys.readouterr()
+    assert main(["serve", "--log-level", ""]) == 2  # was info, silently
+    assert capsys.readouterr().err == "kvgate: --log-level: log level '': choose debug, info, warning or error\n"
