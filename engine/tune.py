@@ -70,6 +70,12 @@ class TuneResult:
     # so far is a guess from a few settings, not a search result.
     first_round_done: bool = True
     holdout_skipped: str | None = None  # why a requested held-out check did not run
+    # The starting workload-aware section whole (its settings outside the search too),
+    # so that a snippet can be the complete section that was scored.
+    base: WorkloadAwareConfig = field(default_factory=WorkloadAwareConfig)
+    # The config's own cache.policy, and its hit ratio when it is neither wa nor lru.
+    configured_policy: str = "wa"
+    configured: float | None = None
 
 
 class NothingFinished(Exception):
@@ -118,10 +124,16 @@ def split_trace(trace: Trace, holdout: float) -> tuple[Trace, Trace | None]:
     return head, tail
 
 
-def _deadline_check(deadline: float) -> Callable[[int], None]:
-    """A replay progress callback that abandons the replay once ``deadline`` has passed."""
-    def check(_requests: int) -> None:
-        if time.monotonic() >= deadline:
+def _deadline_check(deadline: float, total: int) -> Callable[[int], None]:
+    """A replay progress callback that abandons the replay once ``deadline`` has
+    passed, unless it has replayed all ``total`` requests (its last call comes
+    after the last request: a finished result is kept)."""
+    done = 0
+
+    def check(requests: int) -> None:
+        nonlocal done
+        done += requests
+        if done < total and time.monotonic() >= deadline:
             raise _OutOfTime
     return check
 
@@ -150,7 +162,8 @@ class _Runner:
             began = time.monotonic()
             ratio = replay(self.trace, policy, self.capacity_blocks, cfg, host_blocks=self.host_blocks,
                            unique_blocks=self.unique,
-                           progress=_deadline_check(self.search_deadline() if deadline is None else deadline)).hit_ratio
+                           progress=_deadline_check(self.search_deadline() if deadline is None else deadline,
+                                                    len(self.trace.requests))).hit_ratio
             self.seconds[policy].append(time.monotonic() - began)
             self.cache[key] = ratio
             self.done += 1
@@ -219,9 +232,14 @@ def tune(
     run = _Runner(search, capacity_blocks, base, host_blocks, time_limit_s, max_evaluations, progress, held_share)
     run.planned = 2 + sum(len(v) - 1 for _, v in knobs)
     current = {dotted: get_path(base.workload_aware.model_dump(), dotted) for dotted, _ in knobs}
+    configured = None
     try:
         lru = run.score({}, "lru", policy="lru", deadline=run.deadline)
         start = Evaluation(dict(current), run.score(current, "defaults", deadline=run.deadline))
+        if base.policy not in ("wa", "lru"):
+            # What the config serves with now: the baseline an operator compares against.
+            run.seconds.setdefault(base.policy, [])
+            configured = run.score({}, base.policy, policy=base.policy, deadline=run.deadline)
     except KeyboardInterrupt:
         raise NothingFinished("interrupted") from None
     except _OutOfTime:
@@ -232,7 +250,7 @@ def tune(
         held, held_skipped = _check_holdout(run, check, start, descent)
     return TuneResult(capacity_blocks, host_blocks, lru, start, descent.best, run.done, descent.rounds,
                       time.monotonic() - run.started, descent.stopped, skipped, held, descent.first_round_done,
-                      held_skipped)
+                      held_skipped, base.workload_aware, base.policy, configured)
 
 
 def _knobs(wa: WorkloadAwareConfig, space: Space) -> tuple[Space, list[str]]:
@@ -302,7 +320,9 @@ def _extend_grids(knobs: Space, best: Evaluation) -> None:
 def _check_holdout(run: _Runner, check: Trace, start: Evaluation,
                    descent: _Descent) -> tuple[dict[str, float] | None, str | None]:
     """LRU, the starting and the tuned settings replayed on the held-out tail from
-    a cold cache, within what is left of the time limit; else why not."""
+    a cold cache.  The search stopped early enough to leave the time this takes,
+    and it always runs to its end (only Ctrl-C stops it): a search cut by the time
+    limit is the very one whose result needs the check."""
     if descent.stopped == "interrupted":
         return None, "interrupted"
     held_unique = check.unique_blocks()
@@ -310,8 +330,8 @@ def _check_holdout(run: _Runner, check: Trace, start: Evaluation,
     def held_ratio(policy: str, settings: dict[str, Any]) -> float:
         cfg = run.base.model_copy(update={"policy": policy,
                                           "workload_aware": with_settings(run.base.workload_aware, settings)})
-        return replay(check, policy, run.capacity_blocks, cfg, host_blocks=run.host_blocks, unique_blocks=held_unique,
-                      progress=_deadline_check(run.deadline)).hit_ratio
+        return replay(check, policy, run.capacity_blocks, cfg, host_blocks=run.host_blocks,
+                      unique_blocks=held_unique).hit_ratio
 
     try:
         held = {"lru": held_ratio("lru", {}), "start": held_ratio("wa", start.settings)}
@@ -322,24 +342,19 @@ def _check_holdout(run: _Runner, check: Trace, start: Evaluation,
     except KeyboardInterrupt:
         descent.stopped = "interrupted"
         return None, "interrupted"
-    except _OutOfTime:
-        return None, "time limit"
 
 
-def config_snippet(result: TuneResult) -> str:
-    """The settings that differ from the starting ones, as a config.yaml fragment."""
-    changed = {k: v for k, v in result.best.settings.items() if result.start.settings.get(k) != v}
-    lines = ["cache:", "  policy: wa", "  workload_aware:"]
-    if not changed:
-        lines.append("    {}  # the starting settings were the best found")
+def config_snippet(result: TuneResult, settings: dict[str, Any] | None = None) -> str:
+    """A config.yaml cache section with ``settings`` (default: the tuned ones) on
+    the starting section: the whole workload_aware section that was scored (what
+    differs from the defaults), to replace the config's, not to merge into it."""
+    scored = with_settings(result.base, result.best.settings if settings is None else settings).model_dump()
+    tree = _differences(scored, WorkloadAwareConfig().model_dump())
+    switch = f"  # was {result.configured_policy}" if result.configured_policy != "wa" else ""
+    lines = ["cache:", f"  policy: wa{switch}", "  workload_aware:"]
+    if not tree:
+        lines.append("    {}  # the defaults")
         return "\n".join(lines)
-    tree: dict = {}
-    for dotted, value in sorted(changed.items()):
-        node = tree
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
 
     def emit(node: dict, indent: int) -> None:
         for key, value in node.items():
@@ -351,6 +366,20 @@ def config_snippet(result: TuneResult) -> str:
 
     emit(tree, 4)
     return "\n".join(lines)
+
+
+def _differences(values: dict, defaults: dict) -> dict:
+    """The leaves of ``values`` that differ from ``defaults``, nested as they are."""
+    out: dict = {}
+    for key, value in sorted(values.items()):
+        default = defaults.get(key)
+        if isinstance(value, dict) and isinstance(default, dict):
+            inner = _differences(value, default)
+            if inner:
+                out[key] = inner
+        elif value != default:
+            out[key] = value
+    return out
 
 
 def _yaml_scalar(value: Any) -> str:
@@ -377,6 +406,12 @@ def format_report(result: TuneResult, trace_name: str, requests: int, unique_blo
         f"#   wa, tuned             hit ratio {result.best.hit_ratio:.4f}  ({pts(result.best.hit_ratio, result.start.hit_ratio)} "
         f"vs starting, {pts(result.best.hit_ratio, result.lru)} vs lru)",
     ]
+    if result.configured is not None:
+        lines.insert(3, f"#   {result.configured_policy + ' (the config' + chr(39) + 's)':<21} hit ratio "
+                        f"{result.configured:.4f}  ({pts(result.configured, result.lru)} vs lru)")
+    if result.configured_policy != "wa":
+        lines.append(f"# the config serves cache.policy {result.configured_policy}; the settings below are wa's, "
+                     "and using them switches the policy")
     if result.holdout is not None:
         h = result.holdout
         lines.append(f"# held-out tail (cold cache): lru {h['lru']:.4f}, starting {h['start']:.4f}, tuned {h['best']:.4f} "
@@ -394,7 +429,11 @@ def format_report(result: TuneResult, trace_name: str, requests: int, unique_blo
         # the starting settings, unless the tuned ones earned their place.
         lines.append(f"# {doubt}; for reference only:")
         lines.extend("#   " + line for line in config_snippet(result).splitlines())
-        lines.append("cache:\n  policy: wa\n  workload_aware:\n    {}  # keep the starting settings")
+        if result.configured_policy == "wa":
+            lines.append("# keep the starting settings:")
+            lines.append(config_snippet(result, result.start.settings))
+        else:
+            lines.append(f"cache:\n  policy: {result.configured_policy}  # keep the config's policy")
     else:
         lines.append(config_snippet(result))
     return "\n".join(lines)

@@ -178,9 +178,11 @@ def test_time_limit_abandons_a_replay_that_runs_past_it(tmp_path, monkeypatch):
     assert limit <= result.elapsed_s < 3 * one_replay
 
 
-def test_cli_time_limit_before_the_baselines_finish(trace_path, capsys):
+def test_cli_time_limit_before_the_baselines_finish(tmp_path, capsys):
+    path = tmp_path / "long.jsonl"  # over 1,000 requests: replay checks the deadline every 1,000
+    synth.write_trace(synth.synthesize("mixed", 300.0, 4.0, 5), path)
     started = time.monotonic()
-    assert main(["tune", str(trace_path), "--time-limit", "0.001", "--no-progress"]) == 2
+    assert main(["tune", str(path), "--time-limit", "0.001", "--no-progress"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("kvgate: tune: the time limit (0.001 s) ran out before the first replays")
@@ -215,3 +217,72 @@ def test_cli_capacity_as_a_percentage_gets_a_hint(trace_path, capsys):
         main(["tune", str(trace_path), "--capacity", "5%"])
     assert exited.value.code == 2
     assert "'5%' is not a number; give a fraction such as 0.05" in capsys.readouterr().err
+
+
+def test_a_replay_finished_at_the_deadline_counts(trace_path):
+    """Its last progress call comes after its last request: raising there threw the
+    finished result away (a short trace never got past its baselines)."""
+    result = tune(load_trace(trace_path), 200, time_limit_s=1e-6, space=SMALL_SPACE)
+    assert result.stopped == "time limit" and result.evaluations == 2 and 0 < result.lru <= 1
+
+
+def test_the_held_out_check_runs_when_the_time_limit_stops_the_search(tmp_path, monkeypatch):
+    """The search stopped by the time limit is the very one that needs the check;
+    the limit cut it (its replays overran what the search left) in every such run."""
+    import engine.tune as tune_module
+
+    path = tmp_path / "t.jsonl"
+    synth.write_trace(synth.synthesize("mixed", 300.0, 4.0, 5), path)
+    trace = load_trace(path)
+    clock = [0.0]
+
+    def replay_one_second_a_request(*args, progress=None, **kwargs):
+        def step(requests_done: int) -> None:
+            clock[0] += requests_done
+            if progress is not None:
+                progress(requests_done)
+        return replay(*args, progress=step, **kwargs)
+
+    monkeypatch.setattr(tune_module, "replay", replay_one_second_a_request)
+    monkeypatch.setattr(tune_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    search_part = int(len(trace.requests) * 0.7)
+    tail = len(trace.requests) - search_part
+    # The baselines overrun what the search may use; the check's replays (a tail each) run past the limit.
+    result = tune(trace, 300, time_limit_s=2 * search_part + tail, space=SMALL_SPACE, holdout=0.3)
+    assert result.stopped == "time limit"
+    assert result.holdout is not None and result.holdout_skipped is None
+    assert set(result.holdout) == {"lru", "start", "best"}
+
+
+def test_the_snippet_is_the_whole_section_that_was_scored(trace_path):
+    """Settings of the starting config outside the search stay in the snippet: a
+    snippet of changes alone, pasted over the section, dropped them unscored."""
+    trace = load_trace(trace_path)
+    capacity = max(1, round(0.05 * trace.unique_blocks()))
+    base = CacheConfig.model_validate({"workload_aware": {"weights": {"reuse": 0.7}, "lifetime_c": 4.0}})
+    result = tune(trace, capacity, base, time_limit_s=120.0, space=SMALL_SPACE)
+    section = yaml.safe_load(config_snippet(result))
+    assert section["cache"]["workload_aware"]["weights"]["reuse"] == 0.7
+    assert section["cache"]["workload_aware"]["lifetime_c"] == 4.0
+    cfg = KvgateConfig.model_validate(section)
+    assert replay(trace, "wa", capacity, cfg.cache).hit_ratio == pytest.approx(result.best.hit_ratio, abs=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_a_config_serving_another_policy_is_the_baseline_and_the_switch_is_said(trace_path, policy):
+    trace = load_trace(trace_path)
+    capacity = max(1, round(0.05 * trace.unique_blocks()))
+    result = tune(trace, capacity, CacheConfig(policy=policy), time_limit_s=120.0, max_evaluations=4,
+                  space=SMALL_SPACE)
+    assert result.configured_policy == policy
+    report = format_report(result, "t.jsonl", len(trace.requests), trace.unique_blocks())
+    assert f"the config serves cache.policy {policy}; the settings below are wa's" in report
+    if policy == "s3fifo":
+        expected = replay(trace, "s3fifo", capacity).hit_ratio
+        assert result.configured == pytest.approx(expected, abs=1e-12)
+        assert f"#   s3fifo (the config's) hit ratio {expected:.4f}" in report
+    else:
+        assert result.configured is None  # lru's row is there already
+    assert f"policy: wa  # was {policy}" in config_snippet(result)
+    # Unsure (an incomplete search), the uncommented part keeps the config's own policy.
+    assert yaml.safe_load(report) == {"cache": {"policy": policy}}
