@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -150,7 +151,7 @@ class _Runner:
         self.started = time.monotonic()
         self.deadline = self.started + time_limit_s
         self.cache: dict[tuple, float] = {}
-        self.seconds: dict[str, list[float]] = {"lru": [], "wa": []}  # per finished replay, by policy
+        self.seconds: defaultdict[str, list[float]] = defaultdict(list)  # per finished replay, by policy
         self.done = 0
         self.planned = 0
 
@@ -238,7 +239,6 @@ def tune(
         start = Evaluation(dict(current), run.score(current, "defaults", deadline=run.deadline))
         if base.policy not in ("wa", "lru"):
             # What the config serves with now: the baseline an operator compares against.
-            run.seconds.setdefault(base.policy, [])
             configured = run.score({}, base.policy, policy=base.policy, deadline=run.deadline)
     except KeyboardInterrupt:
         raise NothingFinished("interrupted") from None
@@ -407,8 +407,8 @@ def format_report(result: TuneResult, trace_name: str, requests: int, unique_blo
         f"vs starting, {pts(result.best.hit_ratio, result.lru)} vs lru)",
     ]
     if result.configured is not None:
-        lines.insert(3, f"#   {result.configured_policy + ' (the config' + chr(39) + 's)':<21} hit ratio "
-                        f"{result.configured:.4f}  ({pts(result.configured, result.lru)} vs lru)")
+        label = f"{result.configured_policy} (the config's)"
+        lines.insert(3, f"#   {label:<21} hit ratio {result.configured:.4f}  ({pts(result.configured, result.lru)} vs lru)")
     if result.configured_policy != "wa":
         lines.append(f"# the config serves cache.policy {result.configured_policy}; the settings below are wa's, "
                      "and using them switches the policy")

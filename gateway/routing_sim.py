@@ -165,20 +165,15 @@ def simulate(
     cfg = (router_config or RouterConfig()).model_copy(update={"policy": routing})
     block_tokens = trace.block_tokens
     now = 0.0  # the trace's clock, for the approximate index's time-to-live
-    lagging: list[_LaggingIndex] = []
+    lagging = [_LaggingIndex(index_lag_s) for _ in range(replicas)] if index_lag_s else []
+    pools = [BlockPool(capacity_blocks, host_blocks, policy, cache_config,
+                       on_event=lagging[i].on_pool_event if lagging else None) for i in range(replicas)]
     approx: list[ApproxIndex] = []
     if index == "approx":
-        pools = [BlockPool(capacity_blocks, host_blocks, policy, cache_config) for _ in range(replicas)]
         approx = [ApproxIndex(cfg.approx_ttl_s, cfg.approx_capacity_blocks, clock=lambda: now) for _ in pools]
         indexes: list = approx
-    elif index_lag_s:
-        lagging = [_LaggingIndex(index_lag_s) for _ in range(replicas)]
-        pools = [BlockPool(capacity_blocks, host_blocks, policy, cache_config, on_event=i.on_pool_event)
-                 for i in lagging]
-        indexes = lagging
     else:
-        pools = [BlockPool(capacity_blocks, host_blocks, policy, cache_config) for _ in range(replicas)]
-        indexes = [_PoolIndex(p) for p in pools]
+        indexes = lagging or [_PoolIndex(p) for p in pools]
     router = Router(cfg, [f"r{i}" for i in range(replicas)], block_tokens)
     healthy = [True] * replicas
     finishing: list[tuple[float, int, object]] = []  # (finish time, seq, ticket)

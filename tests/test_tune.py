@@ -145,16 +145,13 @@ def test_sigint_to_a_running_tune_prints_the_report(tmp_path):
     assert "stopped: interrupted" in out and "wa, tuned" in out
 
 
-def test_time_limit_abandons_a_replay_that_runs_past_it(tmp_path, monkeypatch):
-    """On a clock where each replayed request takes one second, so that the
-    outcome does not hang on how fast this machine replays (wall-clock limits
-    sized from a timed baseline came out either side of the candidate's end)."""
+def _slow_trace(tmp_path, monkeypatch):
+    """A trace of over 1,000 requests, and tune's clock turned to one where each
+    replayed request takes one second (timing that does not hang on this machine)."""
     import engine.tune as tune_module
 
     path = tmp_path / "slow.jsonl"
     synth.write_trace(synth.synthesize("mixed", 300.0, 4.0, 5), path)
-    trace = load_trace(path)
-    capacity = max(1, round(0.05 * trace.unique_blocks()))
     clock = [0.0]
 
     def replay_one_second_a_request(*args, progress=None, **kwargs):
@@ -166,6 +163,15 @@ def test_time_limit_abandons_a_replay_that_runs_past_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tune_module, "replay", replay_one_second_a_request)
     monkeypatch.setattr(tune_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    return load_trace(path)
+
+
+def test_time_limit_abandons_a_replay_that_runs_past_it(tmp_path, monkeypatch):
+    """On a clock where each replayed request takes one second, so that the
+    outcome does not hang on how fast this machine replays (wall-clock limits
+    sized from a timed baseline came out either side of the candidate's end)."""
+    trace = _slow_trace(tmp_path, monkeypatch)
+    capacity = max(1, round(0.05 * trace.unique_blocks()))
     one_replay = len(trace.requests)
     assert one_replay > 1000  # replay checks the deadline every 1000 requests: one check inside it
     # Room for the two baselines, and not a second more.
@@ -229,22 +235,7 @@ def test_a_replay_finished_at_the_deadline_counts(trace_path):
 def test_the_held_out_check_runs_when_the_time_limit_stops_the_search(tmp_path, monkeypatch):
     """The search stopped by the time limit is the very one that needs the check;
     the limit cut it (its replays overran what the search left) in every such run."""
-    import engine.tune as tune_module
-
-    path = tmp_path / "t.jsonl"
-    synth.write_trace(synth.synthesize("mixed", 300.0, 4.0, 5), path)
-    trace = load_trace(path)
-    clock = [0.0]
-
-    def replay_one_second_a_request(*args, progress=None, **kwargs):
-        def step(requests_done: int) -> None:
-            clock[0] += requests_done
-            if progress is not None:
-                progress(requests_done)
-        return replay(*args, progress=step, **kwargs)
-
-    monkeypatch.setattr(tune_module, "replay", replay_one_second_a_request)
-    monkeypatch.setattr(tune_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    trace = _slow_trace(tmp_path, monkeypatch)
     search_part = int(len(trace.requests) * 0.7)
     tail = len(trace.requests) - search_part
     # The baselines overrun what the search may use; the check's replays (a tail each) run past the limit.
