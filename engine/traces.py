@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from engine.context import WORKLOADS, RequestContext
+from engine.context import REQUEST_TYPES, WORKLOADS, RequestContext
 
 BAILIAN_BLOCK_TOKENS = 16
 MOONCAKE_BLOCK_TOKENS = 512
@@ -133,7 +133,7 @@ def _read_records(handle: BinaryIO, source: str, fmt: str) -> Trace:
         elif looks != first_looks:
             notes.add("mixed", where, _mixed_note(first_looks, fmt))
         if fmt == "bailian":
-            requests.append(_bailian_request(record, where, chain, len(requests)))
+            requests.append(_bailian_request(record, where, chain, len(requests), notes))
         else:
             requests.append(_mooncake_request(record, where, len(requests)))
             if looks == "mooncake":  # a stray Bailian record has had its warning
@@ -320,12 +320,16 @@ def _chain(ids: list[int], parent_key: int, chain: dict[tuple[int, int], int]) -
 
 
 def _bailian_request(
-    record: dict, where: str, chain: dict[tuple[int, int], int], index: int
+    record: dict, where: str, chain: dict[tuple[int, int], int], index: int, notes: _Notes
 ) -> TraceRequest:
     input_length, output_length = _lengths(record, where)
     ids = _hash_ids(record, where)
     timestamp = _timestamp(record, where)
     request_type = _field(record, "type", str, where, default="text")
+    if request_type not in REQUEST_TYPES:
+        # Kept as given: the policy keys a category on it like any other type.
+        notes.add("type", where, f"type {json.dumps(request_type)[:60]} is none of {', '.join(REQUEST_TYPES)}; "
+                  "the policy gives it categories of its own")
     turn = _field(record, "turn", int, where, default=1)
     chat_id = _field(record, "chat_id", int, where, default=index)
     parent = _field(record, "parent_chat_id", int, where, default=-1)
@@ -333,15 +337,20 @@ def _bailian_request(
     # public traces do not, and it is inferred from the type.
     workload = record.get("workload")
     if workload not in WORKLOADS:
+        if workload is not None:
+            notes.add("workload", where, f"workload {json.dumps(workload)[:60]} is none of {', '.join(WORKLOADS)}; "
+                      "read from the type instead")
         workload = workload_of(request_type)
     # Bailian ids name single blocks; chain them so a key names a whole prefix.
     keys = _chain(ids, 0, chain)
+    block_tokens = _field(record, "block_tokens", int, where, default=BAILIAN_BLOCK_TOKENS)
+    if block_tokens < 1:
+        raise TraceError(f"{where}: block_tokens must be >= 1, got {block_tokens}")
     output_keys: list[int] = []
     if "output_hash_ids" in record:
         # They continue the prompt's last *full* block (a trailing partial block
         # has an id of its own that nothing else shares).
-        block_tokens = _field(record, "block_tokens", int, where, default=BAILIAN_BLOCK_TOKENS)
-        full = min(len(keys), input_length // max(block_tokens, 1))
+        full = min(len(keys), input_length // block_tokens)
         output_keys = _chain(_hash_ids(record, where, "output_hash_ids"), keys[full - 1] if full else 0, chain)
     cacheable = _field(record, "cacheable_blocks", int, where, default=-1)
     # Recordings name the session the engine's policy keyed on (gateway/recorder.py).

@@ -460,3 +460,31 @@ def test_mooncake_hash_ids_disagreeing_with_input_length_are_warned_about_once(t
 
 def test_the_shared_mooncake_trace_loads_without_warnings(caplog):
     assert trace_warnings(caplog, MOONCAKE) == []
+
+
+def test_bailian_block_tokens_below_one_are_refused_at_their_line(tmp_path):
+    from engine.traces import TraceError
+
+    for value in (0, -16):
+        rows = [BAILIAN_ROW, dict(BAILIAN_ROW, chat_id=10, block_tokens=value, output_hash_ids=[3])]
+        path = tmp_path / "b.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        with pytest.raises(TraceError, match=rf"b.jsonl:2: block_tokens must be >= 1, got {value}$"):
+            load_trace(path)
+
+
+def test_unknown_types_and_workloads_are_warned_about_once_and_kept_or_inferred(tmp_path, caplog):
+    rows = [dict(BAILIAN_ROW, chat_id=i, timestamp=float(i)) for i in range(6)]
+    rows[1] = dict(rows[1], type="video")
+    rows[3] = dict(rows[3], type="video")
+    rows[4] = dict(rows[4], type="api", workload="to-x")
+    path = tmp_path / "b.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    warnings = trace_warnings(caplog, path)
+    assert warnings == [
+        f'{path}:2: type "video" is none of text, search, image, file, api; the policy gives it categories of its own '
+        "(2 such lines; this is the first)",
+        f'{path}:5: workload "to-x" is none of to-c, to-b, multimodal; read from the type instead',
+    ]
+    contexts = {r.context.chat_id: r.context for r in load_trace(path).requests}
+    assert contexts[1].type == "video" and contexts[4].workload == "to-b"
