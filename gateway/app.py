@@ -641,7 +641,11 @@ def _load_keys(config: KvgateConfig) -> dict[bytes, Principal]:
         tenant, _, workload = rest.partition(":")
         if workload and workload not in WORKLOADS:
             raise ConfigError(f"KVGATE_API_KEYS: workload {workload!r} for a key must be one of {', '.join(WORKLOADS)}")
-        keys[key] = Principal(tenant or "default", workload or None)
+        principal = Principal(tenant or "default", workload or None)
+        if keys.setdefault(key, principal) != principal:
+            # The key itself is a secret and stays out of the message.
+            raise ConfigError(f"KVGATE_API_KEYS: entry {number} gives a key listed earlier (there or in "
+                              "server.api_keys) another tenant or workload; give each key once")
     return {_key_digest(key): principal for key, principal in keys.items()}
 
 

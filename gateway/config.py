@@ -464,6 +464,22 @@ class KvgateConfig(Section):
                 for later, first in pairs])
         return self
 
+    @model_validator(mode="after")
+    def _one_principal_per_key(self) -> "KvgateConfig":
+        # A key listed twice with different tenants used to take the last one silently;
+        # which tenant's cache and limits a caller gets must not hang on list order.
+        keys = self.server.api_keys
+        first: dict[str, int] = {}
+        for index, entry in enumerate(keys):
+            earlier = keys[first.setdefault(entry.key, index)]
+            if (earlier.tenant, earlier.workload) != (entry.tenant, entry.workload):
+                # At the second entry's line; the input is empty so no key is echoed.
+                raise ValidationError.from_exception_data(type(self).__name__, [
+                    {"type": PydanticCustomError("value_error", "the same key as server.api_keys.{first} with another "
+                                                 "tenant or workload; give each key once", {"first": first[entry.key]}),
+                     "loc": ("server", "api_keys", index), "input": {}}])
+        return self
+
 
 class _DuplicateKey(yaml.YAMLError):
     def __init__(self, node: yaml.Node, key: object, first: int) -> None:

@@ -716,3 +716,24 @@ def test_a_larger_body_limit_raises_the_default_pending_budget(tmp_path):
 def test_cors_origins_are_origins(tmp_path, origin):
     message = _config_error(tmp_path, f"server:\n  cors_allow_origins: ['{origin}']\n")
     assert "c.yaml:2: server.cors_allow_origins" in message and "is no origin" in message
+
+
+def test_a_key_listed_twice_with_different_tenants_is_refused(tmp_path, monkeypatch):
+    """The last entry used to win silently, so a caller's tenant hung on list order."""
+    from gateway.app import _load_keys
+
+    message = _config_error(tmp_path, "server:\n  api_keys:\n    - {key: sk-a, tenant: t1}\n"
+                                      "    - {key: sk-b, tenant: t2}\n    - {key: sk-a, tenant: t3}\n")
+    assert message == ("c.yaml:5: server.api_keys.2: the same key as server.api_keys.0 with another tenant or "
+                       "workload; give each key once")
+    path = tmp_path / "same.yaml"
+    path.write_text("server:\n  api_keys:\n    - {key: sk-a, tenant: t1}\n    - {key: sk-a, tenant: t1}\n")
+    config = load_config(path)  # the same entry twice means one thing: kept
+    monkeypatch.setenv("KVGATE_API_KEYS", "sk-b:t2,sk-a:t1")
+    assert len(_load_keys(config)) == 2
+    for env in ("sk-a:t9", "sk-b:t2,sk-b:t2:to-b"):
+        monkeypatch.setenv("KVGATE_API_KEYS", env)
+        with pytest.raises(ConfigError) as info:
+            _load_keys(config)
+        assert "listed earlier (there or in server.api_keys) another tenant or workload" in str(info.value)
+        assert "sk-" not in str(info.value)
