@@ -218,11 +218,17 @@ def test_report_of_an_incomplete_search_recommends_nothing_new():
     assert yaml.safe_load(unchecked) == {"cache": {"policy": "wa", "workload_aware": {}}}
 
 
-def test_cli_capacity_as_a_percentage_gets_a_hint(trace_path, capsys):
-    with pytest.raises(SystemExit) as exited:
-        main(["tune", str(trace_path), "--capacity", "5%"])
-    assert exited.value.code == 2
-    assert "'5%' is not a number; give a fraction such as 0.05" in capsys.readouterr().err
+def test_cli_capacities_read_as_replay_reads_them_in_one_line_errors(trace_path, capsys):
+    # 4e3 blocks was refused here and taken by replay; a bad value printed argparse's usage.
+    for argv, error in [(["--capacity", "5%"], "--capacity: '5%' is not a number; give a fraction such as 0.05"),
+                        (["--capacity", "0"], "--capacity: '0' must be a positive, finite number"),
+                        (["--capacity", "0.05,0.1"], "--capacity: tune searches at one capacity; give one value"),
+                        (["--capacity-blocks", "12.5"], "--capacity-blocks: '12.5' is not a whole number"),
+                        (["--capacity-blocks", "-5"], "--capacity-blocks: '-5' must be a positive, finite number")]:
+        assert main(["tune", str(trace_path), *argv, "--no-progress"]) == 2
+        assert capsys.readouterr().err == f"kvgate: {error}\n"
+    assert main(["tune", str(trace_path), "--capacity-blocks", "2e2", "--max-evals", "2", "--no-progress"]) == 0
+    assert "200 blocks" in capsys.readouterr().out
 
 
 def test_a_replay_finished_at_the_deadline_counts(trace_path):
