@@ -65,6 +65,9 @@ from gateway.router import ApproxIndex, ExactIndex, Router
 
 ROUTINGS = ("prefix-aware", "least-load", "round-robin", "session")
 INDEXES = ("exact", "approx")
+# The routings that ask the index what each replica holds (Router.choose); the others
+# go by load, turn or session alone.
+INDEX_READERS = frozenset({"prefix-aware"})
 # Defaults of the load model (see the module docstring).
 PREFILL_S_PER_TOKEN = 1e-4
 DECODE_S_PER_TOKEN = 0.03
@@ -295,7 +298,7 @@ def write_routing_json(path: str | Path, summary: dict, results: Sequence[Routin
 
 
 def write_routing_plot(path: str | Path, summary: dict, results: Sequence[RoutingResult],
-                       partial: bool = False, host_blocks: int = 0) -> None:
+                       partial: bool = False, host_blocks: int = 0, index: str = "") -> None:
     """Hit ratio (left) and load imbalance (right) against per-replica capacity:
     one line per routing and eviction policy, the routing as the colour."""
     import matplotlib
@@ -324,7 +327,7 @@ def write_routing_plot(path: str | Path, summary: dict, results: Sequence[Routin
         ax.set_xlabel("capacity per replica (% of the trace's unique blocks)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    fig.suptitle(f"{plot_title(summary, partial, host_blocks)}: {replicas} replicas")
+    fig.suptitle(f"{plot_title(summary, partial, host_blocks)}: {replicas} replicas" + (f"; {index}" if index else ""))
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
@@ -360,6 +363,13 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
     bad = [r for r in routings if r not in ROUTINGS]
     if bad or not routings:
         raise ValueError(f"--routing: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(ROUTINGS)}")
+    index_flags = [flag for flag, given in (("--index approx", args.index != "exact"),
+                                            ("--index-lag", args.index_lag != 0)) if given]
+    if index_flags and INDEX_READERS.isdisjoint(routings):
+        # Each of these routings ignores what the router knows of the caches: the
+        # flag would change nothing, and the header would claim it had.
+        raise ValueError(f"{index_flags[0]}: only {', '.join(sorted(INDEX_READERS))} routing reads the index; "
+                         "add it to --routing")
     policies = _simulated_policies(policies)
     start = time.perf_counter()
     runs = run_routing(trace, routings, args.replicas, policies, capacities, config.cache, config.router,
@@ -381,7 +391,8 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
                                {"interrupted": True} if interrupted else None)
     if args.plot and results:
         with write_errors_as(ValueError, "--plot", args.plot):
-            write_routing_plot(args.plot, summary, results, partial=interrupted, host_blocks=args.host_blocks)
+            write_routing_plot(args.plot, summary, results, partial=interrupted, host_blocks=args.host_blocks,
+                               index=index_note(args.index, args.index_lag))
     if interrupted:
         print(interrupted_note(len(results), len(policies) * len(capacities) * len(routings)), file=sys.stderr)
     return interrupted

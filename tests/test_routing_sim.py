@@ -214,3 +214,28 @@ def test_cli_routing_json_says_what_the_router_knew(tmp_path, capsys):
     assert "router index: KV events 0.25 s late" in capsys.readouterr().out
     result = json.loads(out.read_text())["results"][0]
     assert result["index"] == "exact" and result["index_lag_s"] == 0.25
+
+
+def test_cli_index_flags_need_a_routing_that_reads_the_index(tmp_path, capsys):
+    _trace(tmp_path, "to-b", 60.0)
+    trace = str(tmp_path / "to-b.jsonl")
+    for flags, first in ((["--index", "approx"], "--index approx"), (["--index-lag", "2"], "--index-lag")):
+        assert main(["replay", trace, "--replicas", "2", "--routing", "least-load,round-robin", "--policies", "lru",
+                     "--capacity", "0.1", *flags, "--no-progress"]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == (f"kvgate: {first}: only prefix-aware routing reads the index; add it to --routing\n")
+        assert captured.out == ""
+
+
+def test_the_routing_plot_title_names_the_index(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    titles = []
+    real = Figure.suptitle
+    monkeypatch.setattr(Figure, "suptitle", lambda fig, text, **kw: titles.append(text) or real(fig, text, **kw))
+    _trace(tmp_path, "to-b", 60.0)
+    assert main(["replay", str(tmp_path / "to-b.jsonl"), "--replicas", "2", "--routing", "prefix-aware",
+                 "--policies", "lru", "--capacity", "0.1", "--index", "approx", "--plot", str(tmp_path / "r.png"),
+                 "--no-progress"]) == 0
+    [title] = titles
+    assert title.endswith("2 replicas; router index: approximate (what was sent where, as for an external server)")
