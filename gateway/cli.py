@@ -390,6 +390,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     # Pools run one at a time, but a routing run holds one per replica (its pooled
     # reference, one of N times the capacity, is the same size).
     _check_pool_memory(max(capacities) + args.host_blocks, _capacity_flag(args), args.replicas)
+    _note_capacities_below_the_longest_prompt(trace, capacities, _capacity_flag(args))
     summary = trace_summary(trace, unique, trace.ideal_hit_ratio())
     if args.replicas > 1:
         from gateway.routing_sim import run_from_cli
@@ -416,6 +417,17 @@ def _run_replay(args: argparse.Namespace) -> int:
         print(interrupted_note(len(results), len(policies) * len(capacities)), file=sys.stderr)
         return EXIT_INTERRUPTED
     return 0
+
+
+def _note_capacities_below_the_longest_prompt(trace, capacities: Sequence[int], flag: str) -> None:
+    """Said, not refused: the figures are still what a cache of that size keeps,
+    but an engine (vLLM, kvgate's) with so few device blocks refuses such a prompt."""
+    longest = max(len(request.keys) for request in trace.requests)
+    small = [c for c in capacities if c < longest]
+    if small:
+        print(f"kvgate: note: {flag}: {', '.join(map(str, small))} (in blocks) below the trace's longest prompt "
+              f"({longest} blocks): an engine with so few device blocks would refuse that prompt, which the replay "
+              "still counts", file=sys.stderr)
 
 
 def _read_trace(path: str, fmt: str):
@@ -539,6 +551,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         unique = trace.unique_blocks()
         capacity = _tune_capacity(args, unique)
         _check_pool_memory(capacity + args.host_blocks, _capacity_flag(args))
+        _note_capacities_below_the_longest_prompt(trace, [capacity], _capacity_flag(args))
         result = _tune_with_progress(args, tune, trace, capacity, config)
     except NothingFinished as exc:
         return _nothing_to_report(exc.stopped, args.time_limit)

@@ -488,3 +488,17 @@ def test_unknown_types_and_workloads_are_warned_about_once_and_kept_or_inferred(
     ]
     contexts = {r.context.chat_id: r.context for r in load_trace(path).requests}
     assert contexts[1].type == "video" and contexts[4].workload == "to-b"
+
+
+def test_capacities_below_the_longest_prompt_are_noted_not_refused(tmp_path, capsys):
+    rows = [dict(BAILIAN_ROW, chat_id=i, timestamp=float(i), hash_ids=list(range(i + 1))) for i in range(6)]
+    path = tmp_path / "b.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["replay", str(path), "--policies", "lru", "--capacity-blocks", "3,5,6", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ("kvgate: note: --capacity-blocks: 3, 5 (in blocks) below the trace's longest prompt "
+                            "(6 blocks): an engine with so few device blocks would refuse that prompt, which the "
+                            "replay still counts\n")
+    assert len([line for line in captured.out.splitlines() if line.startswith("lru ")]) == 3
+    assert main(["tune", str(path), "--capacity-blocks", "2", "--max-evals", "2", "--no-progress"]) == 0
+    assert "--capacity-blocks: 2 (in blocks) below the trace's longest prompt" in capsys.readouterr().err

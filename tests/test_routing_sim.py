@@ -139,7 +139,7 @@ def test_cli_says_that_belady_is_skipped_across_replicas(tmp_path, capsys):
     synth.write_trace(synth.synthesize("mixed", 60.0, 3.0, 5), str(trace_path))
     out = tmp_path / "r.json"
     assert main(["replay", str(trace_path), "--replicas", "2", "--routing", "round-robin", "--policies", "belady,lru",
-                 "--capacity-blocks", "64", "--host-blocks", "16", "--json", str(out), "--no-progress"]) == 0
+                 "--capacity-blocks", "2000", "--host-blocks", "16", "--json", str(out), "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert captured.err == ("kvgate: belady skipped: it needs each replica's future, which depends on the routing "
                             "(not simulated across replicas)\n")
@@ -147,7 +147,7 @@ def test_cli_says_that_belady_is_skipped_across_replicas(tmp_path, capsys):
     assert [r["policy"] for r in json.loads(out.read_text())["results"]] == ["lru"]
     # Not named, not mentioned.
     assert main(["replay", str(trace_path), "--replicas", "2", "--routing", "round-robin", "--policies", "lru",
-                 "--capacity-blocks", "64", "--no-progress"]) == 0
+                 "--capacity-blocks", "2000", "--no-progress"]) == 0
     assert capsys.readouterr().err == ""
 
 

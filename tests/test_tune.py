@@ -116,7 +116,8 @@ def test_ctrl_c_before_the_baselines_finish_says_so_in_one_line(trace_path, caps
     import engine.tune
 
     monkeypatch.setattr(engine.tune, "replay", interrupt_on_call(engine.tune.replay, 2))
-    assert main(["tune", str(trace_path), "--no-progress"]) == 130
+    # 20%: above the longest prompt, so the only line is the one about Ctrl-C.
+    assert main(["tune", str(trace_path), "--capacity", "0.2", "--no-progress"]) == 130
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == ("kvgate: tune interrupted before the first replays (lru and the starting settings) "
