@@ -156,6 +156,7 @@ def simulate(
     decode_s_per_token: float = DECODE_S_PER_TOKEN,
     index: str = "exact",
     index_lag_s: float = 0.0,
+    gateway_block_tokens: int = 16,
 ) -> "SimOutcome":
     if routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
@@ -173,7 +174,8 @@ def simulate(
                        on_event=lagging[i].on_pool_event if lagging else None) for i in range(replicas)]
     approx: list[ApproxIndex] = []
     if index == "approx":
-        approx = [ApproxIndex(cfg.approx_ttl_s, cfg.approx_capacity_blocks, clock=lambda: now) for _ in pools]
+        approx = [ApproxIndex(cfg.approx_ttl_s, approx_trace_blocks(cfg.approx_capacity_blocks, gateway_block_tokens,
+                                                                 block_tokens), clock=lambda: now) for _ in pools]
         indexes: list = approx
     else:
         indexes = lagging or [_PoolIndex(p) for p in pools]
@@ -216,6 +218,13 @@ def simulate(
                       work_skew_sum / n, decisions)
 
 
+def approx_trace_blocks(capacity_blocks: int, gateway_block_tokens: int, trace_block_tokens: int) -> int:
+    """router.approx_capacity_blocks counts the gateway's blocks (engine.block_size
+    tokens); a trace's blocks can be larger (Mooncake's hold 512 tokens), and the
+    same number of them would let the index remember 32 times as much."""
+    return max(1, capacity_blocks * gateway_block_tokens // trace_block_tokens)
+
+
 def load_imbalance(per_replica: Sequence[int]) -> float:
     mean = sum(per_replica) / len(per_replica) if per_replica else 0
     return max(per_replica) / mean if mean else 1.0
@@ -234,6 +243,7 @@ def run_routing(
     unique_blocks: int | None = None,
     index: str = "exact",
     index_lag_s: float = 0.0,
+    gateway_block_tokens: int = 16,
 ) -> Iterator[RoutingResult]:
     """Per eviction policy and capacity: the pooled cache, then each routing over
     ``replicas`` caches; one result at a time, so an interrupted run keeps what finished."""
@@ -245,7 +255,7 @@ def run_routing(
             for routing in routings:
                 out = simulate(
                     trace, routing, replicas, capacity, policy, cache_config, router_config, host_blocks=host_blocks,
-                    index=index, index_lag_s=index_lag_s,
+                    index=index, index_lag_s=index_lag_s, gateway_block_tokens=gateway_block_tokens,
                 )
                 yield RoutingResult(
                     routing=routing, replicas=replicas, policy=policy, capacity_blocks=capacity,
@@ -374,7 +384,7 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
     start = time.perf_counter()
     runs = run_routing(trace, routings, args.replicas, policies, capacities, config.cache, config.router,
                         host_blocks=args.host_blocks, unique_blocks=unique, index=args.index,
-                        index_lag_s=args.index_lag)
+                        index_lag_s=args.index_lag, gateway_block_tokens=config.engine.block_size)
     # Rows as each simulation finishes: a long trace takes minutes per row.
     print(routing_header(summary, args.replicas, args.host_blocks, index_note(args.index, args.index_lag)),
           flush=True)

@@ -239,3 +239,18 @@ def test_the_routing_plot_title_names_the_index(tmp_path, monkeypatch):
                  "--no-progress"]) == 0
     [title] = titles
     assert title.endswith("2 replicas; router index: approximate (what was sent where, as for an external server)")
+
+
+def test_the_approximate_index_capacity_counts_the_gateway_blocks_not_the_trace_blocks(tmp_path):
+    """router.approx_capacity_blocks is in engine.block_size blocks; a Mooncake block holds
+    512 tokens, 32 of the gateway's, so 1,280 gateway blocks remember 40 trace blocks."""
+    doc = list(range(1, 41))
+    trace = _rows(tmp_path, [
+        {"timestamp": 0, "input_length": 40 * 512, "output_length": 200, "hash_ids": doc},
+        {"timestamp": 1000, "input_length": 41 * 512, "output_length": 10, "hash_ids": doc + [41]},
+    ])
+    assert trace.block_tokens == 512
+    for capacity, hit_ratio in ((1280, 40 / 81), (1279, 0)):
+        out = simulate(trace, "prefix-aware", 2, 1000, "lru", None, RouterConfig(approx_capacity_blocks=capacity),
+                       index="approx", gateway_block_tokens=16)
+        assert out.hit_ratio == hit_ratio, capacity
