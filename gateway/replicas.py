@@ -319,9 +319,12 @@ class RemoteReplica(Replica):
         # each good probe (at a few requests per probe interval it never tripped).
         self._probe_failures = 0
         self._request_failures = 0
-        # When the current run of failures began: a stream with output since then
-        # is being served, and a breaker trip leaves it to finish.
-        self._failing_since: float | None = None
+        # When each current run of failures began: a stream with output since the
+        # run that trips the breaker began is being served, and is left to finish.
+        # Kept apart, as the counts are: a request that failed an hour ago, with no
+        # request since to forgive it, must not date a run of probe failures now.
+        self._probes_failing_since: float | None = None
+        self._requests_failing_since: float | None = None
         self._key_refused = False  # /kv_events answered 401/403: said once, not at every retry
         # When any request last got output from this replica: a request left silent
         # for read_timeout_s while nothing else came either is a hung replica's.
@@ -484,32 +487,34 @@ class RemoteReplica(Replica):
         (a good probe does not forgive failed requests, nor output failed probes)."""
         if probes:
             self._probe_failures = 0
+            self._probes_failing_since = None
         if requests:
             self._request_failures = 0
-        if not self._probe_failures and not self._request_failures:
-            self._failing_since = None
+            self._requests_failing_since = None
 
     def _note_failure(self, probe: bool = False) -> None:
-        if self._failing_since is None:
-            self._failing_since = time.monotonic()
+        now = time.monotonic()
         if probe:
             self._probe_failures += 1
-            failures, what = self._probe_failures, "probes"
+            self._probes_failing_since = self._probes_failing_since or now
+            failures, what, since = self._probe_failures, "probes", self._probes_failing_since
         else:
             self._request_failures += 1
-            failures, what = self._request_failures, "requests"
+            self._requests_failing_since = self._requests_failing_since or now
+            failures, what, since = self._request_failures, "requests", self._requests_failing_since
         if failures >= self.router_cfg.breaker_failures:
-            self._trip(f"{failures} {what} failed in a row")
+            self._trip(f"{failures} {what} failed in a row", failing_since=since)
 
-    def _trip(self, why: str) -> None:
+    def _trip(self, why: str, failing_since: float | None = None) -> None:
         """Open the breaker: out of routing for breaker_reset_s, live streams cut
-        (unless the replica is draining: those streams are still being served)."""
+        (unless the replica is draining: those streams are still being served).
+        ``failing_since``: when the run of failures that tripped it began; streams
+        with output since then are spared (None: every stream is cut)."""
         if self.healthy:
             log.warning("replica %s leaves routing: %s", self.name, why)
         self.trips += 1
         self.healthy = False
         self._trip_reason = why  # what the streams it cuts tell their clients
-        failing_since = self._failing_since
         self._forgive(probes=True, requests=True)
         self._open_until = time.monotonic() + self.router_cfg.breaker_reset_s
         if isinstance(self.index, ApproxIndex):

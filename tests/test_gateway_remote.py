@@ -1799,3 +1799,32 @@ async def test_a_restart_that_ends_empty_leaves_one_record(tiny_model_dir, tmp_p
         for upstream in upstreams:
             await upstream.stop()
     assert len(path.read_text().splitlines()) == 1
+
+
+def test_a_breaker_trip_spares_streams_by_the_run_of_failures_that_tripped_it(monkeypatch):
+    """A request that failed long ago, with none since to forgive it, used to date a
+    later run of probe failures: every stream with output in the hour between was
+    spared, hung ones included."""
+    import gateway.replicas as replicas
+    from gateway.replicas import RemoteReplica, ReplicaInfo
+
+    now = [1000.0]
+    monkeypatch.setattr(replicas.time, "monotonic", lambda: now[0])
+    replica = RemoteReplica(ReplicaConfig(url="http://127.0.0.1:9", kind="openai"), RouterConfig(breaker_failures=2),
+                            ReplicaInfo("m", 16, "m", 4096))
+
+    class Stream:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    hung, served = Stream(), Stream()
+    replica.note_request_failure()  # one failed request at t=1000; the breaker needs two
+    now[0] = 4600.0
+    replica._note_failure(probe=True)  # the replica stops answering probes an hour later
+    replica._live.update({hung: 1100.0, served: 4600.5})  # hung since 1100; output after the probes began failing
+    now[0] = 4601.0
+    replica._note_failure(probe=True)
+    assert replica.breaker_open and not replica.healthy
+    assert hung.closed and not served.closed
