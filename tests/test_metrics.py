@@ -549,6 +549,27 @@ def test_dashboard_panel_titles_agree_with_their_units():
             assert unit == "percentunit", (panel.get("id"), title)
 
 
+def _stat_colour(panel: dict, reading: float) -> str:
+    """The colour Grafana paints a stat panel at `reading`: the last threshold step at or
+    under it, with Grafana's own default (green, red from 80) where the panel sets none."""
+    default = {"steps": [{"color": "green", "value": None}, {"color": "red", "value": 80}]}
+    steps = panel["fieldConfig"]["defaults"].get("thresholds", default)["steps"]
+    return [s["color"] for s in steps if s["value"] is None or s["value"] <= reading][-1]
+
+
+def test_dashboard_status_panels_colour_bad_readings_and_only_those():
+    """A background-coloured stat is read by its colour: no replica healthy must not
+    show green, a raised alarm must not, and a fleet of 80 healthy replicas must not show red."""
+    dashboard = json.loads((Path(__file__).parent.parent / "deploy/grafana/kvgate-dashboard.json").read_text())
+    panels = {p["title"]: p for p in dashboard["panels"] if p["type"] == "stat"}
+    bad_when = {"Healthy replicas": [0], "Reuse alarm": [1], "Traffic spike": [1], "Cache fallbacks (1h)": [1, 500]}
+    good_when = {"Healthy replicas": [1, 80, 500], "Reuse alarm": [0], "Traffic spike": [0], "Cache fallbacks (1h)": [0]}
+    for title, panel in panels.items():
+        assert panel["options"]["colorMode"] == "background", title
+        assert all(_stat_colour(panel, r) != "green" for r in bad_when[title]), title
+        assert all(_stat_colour(panel, r) == "green" for r in good_when[title]), title
+
+
 def test_request_counts_of_common_statuses_start_at_zero():
     """An alert on rate(kvgate_requests_total{status="500"}) must see the first 500:
     a series born at 1 shows no increase, so the common ones exist from the start."""
