@@ -224,6 +224,10 @@ class Dispatcher:
                         answer_failed.append((replica, exc))
                 except UpstreamError as exc:
                     status = exc.status if 400 <= exc.status < 600 else 502
+                    if produced and status >= 500:
+                        # The replica's own error event after output (vLLM's way when
+                        # generation fails): its failure, though it still talks HTTP.
+                        self.metrics.replica_failures.labels(replica.name, "mid_stream").inc()
                     raise errors.relayed(status, exc.body, str(exc), "api_error") from None
                 finally:
                     if produced:  # the replica did the prefill (and generated what came)

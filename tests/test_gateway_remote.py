@@ -1559,6 +1559,40 @@ async def test_a_non_streaming_request_whose_replica_dies_mid_answer_starts_over
         assert sorted(endings, key=str) == [None, "upstream_error"]
 
 
+async def test_an_error_event_after_output_is_relayed_and_counted_as_the_replicas_failure(tiny_model_dir):
+    """vLLM ends a stream whose generation fails with an error event after the
+    tokens so far: the client gets that error, and the replica's failure shows in
+    kvgate_replica_failures_total{stage="mid_stream"}, as a cut stream's does.  An
+    in-stream 4xx is the client's: not counted."""
+    state = {"code": 500}
+
+    async def failing_midway(request):
+        await request.read()
+        token = {"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}
+        error = {"error": {"message": "EngineCore died", "type": "InternalServerError", "code": state["code"]}}
+        return web.Response(body=_sse(token, error) + b"data: [DONE]\n\n", content_type="text/event-stream")
+
+    router = RouterConfig(policy="round-robin", health_interval_s=60)
+    messages = [{"role": "user", "content": "hi"}]
+    async with _gateway_over_pair(tiny_model_dir, failing_midway, _answer_fine, ("failing", "good"), router) as (
+            gateway, url, client, _):
+        for code, counted in ((500, 1.0), (400, 1.0)):
+            state["code"] = code
+            texts, failures = [], []
+            for _ in range(2):  # round-robin: one of the two streams meets the failing replica
+                stream = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+                try:
+                    async for chunk in stream:
+                        if chunk.choices and chunk.choices[0].delta.content:
+                            texts.append(chunk.choices[0].delta.content)
+                except openai.APIError as exc:
+                    failures.append(str(exc))
+            assert sorted(texts) == ["Fine", "Hel"] and len(failures) == 1 and "EngineCore died" in failures[0]
+            counts = await metric_by_replica(url, "kvgate_replica_failures_total")
+            assert counts == {"failing": counted, "good": 0.0}, (code, counts)
+        assert gateway.router.inflight_requests == [0, 0]
+
+
 async def test_a_kvgate_engine_refuses_a_session_no_gateway_would_send(tiny_model_dir):
     """The engine's policy keeps sessions as keys, up to 200k of them: a client
     talking to an engine directly must not fill them with megabytes each."""
