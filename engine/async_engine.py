@@ -463,7 +463,8 @@ class AsyncEngine:
         first = seq.num_tokens == seq.num_prompt_tokens
         seq.append(token)
         text, finish = seq.sampler.accept(token, seq.num_tokens, self._max_model_len)
-        if logprob is not None and finish == "stop" and seq.sampler.is_end_token(token):
+        if (logprob is not None and finish == "stop" and seq.sampler.is_end_token(token)
+                and not seq.sampler.params.include_stop_str_in_output):
             # The end token is not part of the text; OpenAI's logprobs cover the text's tokens only.
             logprob = None
         out = GenerationOutput(seq.request_id, seq.index, [token], text, [logprob] if logprob is not None else None)

@@ -139,9 +139,14 @@ async def test_vllm_sampling_extensions(gw):
     # The forced token is a stop token: the choice ends on it, without its text unless asked.
     stopped = await client.completions.create(**base, logit_bias={str(a): 100}, extra_body={"stop_token_ids": [a]})
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("", "stop", 1)
-    kept = await client.completions.create(**base, logit_bias={str(a): 100},
+    kept = await client.completions.create(**base, logit_bias={str(a): 100}, logprobs=0,
                                            extra_body={"stop_token_ids": [a], "include_stop_str_in_output": True})
     assert kept.choices[0].text == "a"
+    # Logprobs cover the text's tokens: the stop token's too once its text is kept.
+    assert kept.choices[0].logprobs.tokens == ["a"] and len(kept.choices[0].logprobs.token_logprobs) == 1
+    dropped = await client.completions.create(**base, logit_bias={str(a): 100}, logprobs=0,
+                                              extra_body={"stop_token_ids": [a]})
+    assert dropped.choices[0].logprobs.tokens == []
     # EOS forced, but not before min_tokens tokens.
     short = await client.completions.create(**base, logit_bias={str(eos): 100}, extra_body={"min_tokens": 4})
     assert (short.usage.completion_tokens, short.choices[0].finish_reason) == (5, "stop")
