@@ -33,14 +33,14 @@ class Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _empty_section(cls, value: Any, info: ValidationInfo) -> Any:
-        # A section whose keys (or a list whose items) are all commented out reads
-        # as null in YAML: it is empty (every key optional), not a type error.
+        # A section, list or mapping whose keys or items are all commented out reads
+        # as null in YAML: it takes its defaults (classifier.rules its default rules),
+        # not a type error.  An explicit [] or {} is what it says.
         if value is None:
-            annotation = cls.model_fields[info.field_name].annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                return {}
-            if get_origin(annotation) is list:
-                return []
+            field = cls.model_fields[info.field_name]
+            annotation = field.annotation
+            if (isinstance(annotation, type) and issubclass(annotation, BaseModel)) or get_origin(annotation) in (list, dict):
+                return field.get_default(call_default_factory=True)
         return value
 
 

@@ -486,6 +486,12 @@ def test_an_empty_section_is_an_empty_section(tmp_path):
     path.write_text("engine:\n  # max_num_seqs: 4\ncache:\n  workload_aware:\n    fallback:\nserver:\n  limits:\n"
                     "replicas:\n  # - kind: engine\n")
     assert load_config(path) == KvgateConfig()
+    # A list or mapping with its items commented out takes its defaults too; [] and {} are empty.
+    path.write_text("classifier:\n  rules:\n    # - {when: api_key}\ncache:\n  workload_aware:\n    overrides:\n"
+                    "    model:\n      prior_lambda:\n")
+    assert load_config(path) == KvgateConfig()
+    path.write_text("classifier:\n  rules: []\ncache:\n  workload_aware:\n    overrides: {}\n")
+    assert load_config(path).classifier.rules == []
     # Not a section at all: said without the class name.
     assert _config_error(tmp_path, "engine: 5\n") == "c.yaml:1: engine: should be a section (a mapping of keys), got int"
 
