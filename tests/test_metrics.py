@@ -570,6 +570,18 @@ def test_dashboard_status_panels_colour_bad_readings_and_only_those():
         assert all(_stat_colour(panel, r) == "green" for r in good_when[title]), title
 
 
+def test_dashboard_ratios_drop_a_zero_denominator():
+    """A rate over a zero rate is NaN or +Inf in PromQL: the router accuracy under
+    least-load routing (nothing predicted) drew +Inf and threw the axis.  Each
+    ratio's denominator is filtered `> 0`, so such a point is simply absent."""
+    dashboard = json.loads((Path(__file__).parent.parent / "deploy/grafana/kvgate-dashboard.json").read_text())
+    ratios = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", ()) if " / " in t["expr"]]
+    assert len(ratios) >= 3
+    for expr in ratios:
+        _, denominator = expr.split(" / ")
+        assert denominator.startswith("(") and denominator.endswith(" > 0)"), expr
+
+
 def test_request_counts_of_common_statuses_start_at_zero():
     """An alert on rate(kvgate_requests_total{status="500"}) must see the first 500:
     a series born at 1 shows no increase, so the common ones exist from the start."""
