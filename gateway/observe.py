@@ -166,11 +166,17 @@ class Observer:
             recorder.close()  # flushing the line that failed may fail again
 
     async def _log_status(self, interval: float) -> None:
+        last = time.monotonic()
         while True:
             await asyncio.sleep(interval)
             try:
                 await self.refresh()
-                line = self.status.line(interval, self.history, (
+                # The window since the last line, not the interval: a remote
+                # engine's stats poll may take seconds, which rates over the
+                # interval alone would overstate.
+                now = time.monotonic()
+                window, last = now - last, now
+                line = self.status.line(window, self.history, (
                     (r.name, int(self._inflight(i)), self._engine_stats(r), r.healthy) for i, r in enumerate(self._replicas)
                 ), self.metrics.errors_total(), self.metrics.generated_total())
             except Exception:  # noqa: BLE001 - a status line must never stop the server

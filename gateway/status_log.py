@@ -63,7 +63,7 @@ class StatusLog:
             return None
         share = f" ({100 * cached / prompt:.0f}% cached)" if prompt else ""
         errs = f", {_count(failed, 'error')}" if failed else ""
-        head = (f"last {seconds:g} s: {_count(requests, 'request')}{errs}, prompt {prompt / seconds:.0f} tok/s{share}, "
+        head = (f"last {round(seconds, 1):g} s: {_count(requests, 'request')}{errs}, prompt {prompt / seconds:.0f} tok/s{share}, "
                 f"generation {completion / seconds:.0f} tok/s")
         return "; ".join([head, *parts])
 

@@ -733,6 +733,28 @@ async def test_status_line_in_the_log_while_busy(tiny_model_dir, caplog):
     assert sum("1 request," in line for line in lines) == 1  # counted once, then quiet while idle
 
 
+async def test_status_line_rates_are_over_the_time_since_the_last_line(tiny_model_dir, caplog, monkeypatch):
+    """A remote engine's stats poll may take seconds (up to its timeout): the line
+    then covers the interval and the poll, and its rates are over that."""
+    config = _config(tiny_model_dir)
+    config.server.log_stats_interval_s = 0.3
+    caplog.set_level(logging.INFO, logger="gateway.observe")
+    async with serving(create_app(config)) as (app, server, client):
+        observer = app[GATEWAY].observer
+        refresh = observer.refresh
+
+        async def slow_stats_poll():
+            await asyncio.sleep(0.5)
+            await refresh()
+
+        monkeypatch.setattr(observer, "refresh", slow_stats_poll)
+        await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3)
+        await wait_for(lambda: any("1 request," in r.getMessage() for r in caplog.records), what="a status line")
+    line = next(r.getMessage() for r in caplog.records if "1 request," in r.getMessage())
+    window = float(line.split()[1])
+    assert 0.75 <= window < 1.5, line  # the 0.3 s interval and the 0.5 s poll
+
+
 def _tokens(scrape: str, name: str = "kvgate_generation_tokens_total") -> float:
     return sum(sample.value for family in text_string_to_metric_families(scrape) for sample in family.samples
                if sample.name == name)
