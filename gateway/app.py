@@ -255,11 +255,29 @@ class Gateway:
 
     # -- small endpoints
 
+    def stalled_steps(self) -> dict[str, float]:
+        """In-process replicas whose model step has run past engine.step_timeout_s
+        (a stuck kernel, a hung GPU): name -> seconds it has run.  The event loop
+        answers while the step's thread hangs, so only this shows it."""
+        limit = self.config.engine.step_timeout_s
+        stalled = {}
+        for replica in self.replicas:
+            running = getattr(getattr(replica, "engine", None), "step_running_s", None)
+            if limit and replica.kind == "inprocess" and running is not None and running() > limit:
+                stalled[replica.name] = round(running(), 1)
+        return stalled
+
     async def health(self, request: web.Request) -> web.Response:
+        # A hung model step is what a liveness check (Docker's HEALTHCHECK, a
+        # Kubernetes probe) must see: only a restart frees the device.
+        stalled = self.stalled_steps()
+        if stalled:
+            return web.json_response({"status": "stalled", "step_running_s": stalled}, status=503)
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        healthy = [r.name for r in self.replicas if r.healthy]
+        stalled = self.stalled_steps()
+        healthy = [r.name for r in self.replicas if r.healthy and r.name not in stalled]
         ready = bool(healthy) and not self.draining
         body = {"ready": ready, "healthy_replicas": healthy}
         if self.draining:

@@ -407,3 +407,44 @@ async def test_one_tenant_cannot_hold_more_than_its_share_in_flight(tiny_model_d
         finally:
             await acme.close()
             await globex.close()
+
+
+async def test_a_hung_in_process_model_step_fails_health_and_readiness(tiny_model_dir):
+    """`kvgate serve` with its engines in-process (the image's default): a model
+    step running past engine.step_timeout_s is a hung engine that only a restart
+    frees, so /health (the image's HEALTHCHECK, a liveness probe) answers 503,
+    and /ready drops that replica, until the step ends."""
+    import threading
+
+    config = _config(tiny_model_dir, replicas=1)
+    config.engine.step_timeout_s = 0.3
+    async with serving(create_app(config)) as (app, server, _):
+        engine = app[GATEWAY].replicas[0].engine
+        release = threading.Event()
+        step = engine._step
+
+        def hung_step():
+            release.wait(30)  # bounded: the test releases it
+            return step()
+
+        engine._step = hung_step
+        try:
+            async with aiohttp.ClientSession() as session:
+                post = asyncio.ensure_future(session.post(server.url + "/v1/completions", json={
+                    "model": MODEL, "prompt": "hello", "max_tokens": 2}))
+                await wait_for(lambda: engine.step_running_s() > 0.5, what="a step past its limit")
+                async with session.get(server.url + "/health") as resp:
+                    body = await resp.json()
+                    assert resp.status == 503 and body["status"] == "stalled", body
+                    assert list(body["step_running_s"].values())[0] > 0.3
+                async with session.get(server.url + "/ready") as resp:
+                    assert resp.status == 503 and (await resp.json())["healthy_replicas"] == []
+                release.set()
+                async with await post as resp:
+                    assert resp.status == 200
+                for path in ("/health", "/ready"):
+                    async with session.get(server.url + path) as resp:
+                        assert resp.status == 200, path
+        finally:
+            release.set()
+            engine._step = step
