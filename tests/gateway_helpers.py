@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-from contextlib import asynccontextmanager
-from typing import AsyncIterator
+import threading
+from contextlib import asynccontextmanager, contextmanager
+from typing import AsyncIterator, Iterator
 
 import aiohttp
 import openai
@@ -48,3 +49,22 @@ async def metric_by_replica(url: str, name: str) -> dict[str, float]:
             if sample.name == name:
                 out[sample.labels["replica"]] = out.get(sample.labels["replica"], 0.0) + sample.value
     return out
+
+
+@contextmanager
+def hung_model_steps(engine) -> Iterator[threading.Event]:
+    """``engine``'s model steps wait, as behind a stuck kernel, until the yielded
+    event is set (at most 30 s, and always on leaving)."""
+    release = threading.Event()
+    step = engine._step
+
+    def hung_step():
+        release.wait(30)
+        return step()
+
+    engine._step = hung_step
+    try:
+        yield release
+    finally:
+        release.set()
+        engine._step = step

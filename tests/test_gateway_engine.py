@@ -19,7 +19,7 @@ from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, KvgateConfig, ReplicaConfig, RouterConfig, ServerConfig
 from gateway.server import start_server
 from tests.engine_procs import wait_for
-from tests.gateway_helpers import metric_by_replica, serving
+from tests.gateway_helpers import hung_model_steps, metric_by_replica, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -414,21 +414,11 @@ async def test_a_hung_in_process_model_step_fails_health_and_readiness(tiny_mode
     step running past engine.step_timeout_s is a hung engine that only a restart
     frees, so /health (the image's HEALTHCHECK, a liveness probe) answers 503,
     and /ready drops that replica, until the step ends."""
-    import threading
-
     config = _config(tiny_model_dir, replicas=1)
     config.engine.step_timeout_s = 0.3
     async with serving(create_app(config)) as (app, server, _):
         engine = app[GATEWAY].replicas[0].engine
-        release = threading.Event()
-        step = engine._step
-
-        def hung_step():
-            release.wait(30)  # bounded: the test releases it
-            return step()
-
-        engine._step = hung_step
-        try:
+        with hung_model_steps(engine) as release:
             async with aiohttp.ClientSession() as session:
                 post = asyncio.ensure_future(session.post(server.url + "/v1/completions", json={
                     "model": MODEL, "prompt": "hello", "max_tokens": 2}))
@@ -445,6 +435,3 @@ async def test_a_hung_in_process_model_step_fails_health_and_readiness(tiny_mode
                 for path in ("/health", "/ready"):
                     async with session.get(server.url + path) as resp:
                         assert resp.status == 200, path
-        finally:
-            release.set()
-            engine._step = step

@@ -34,7 +34,7 @@ from tests.engine_procs import (
     tiny_config,
     wait_for,
 )
-from tests.gateway_helpers import metric_by_replica, serving, sse_events
+from tests.gateway_helpers import hung_model_steps, metric_by_replica, serving, sse_events
 
 
 async def _engine_server(model_dir, **kw):
@@ -1261,20 +1261,11 @@ async def test_an_engine_whose_model_step_hangs_fails_its_health_checks(tiny_mod
     """A step running past engine.step_timeout_s (a stuck kernel, say) makes a
     `kvgate engine`'s /health a 503, though its event loop still answers: the
     gateway takes it out of routing at once, not after read_timeout_s per request."""
-    import threading
-
     engine_config = tiny_config(tiny_model_dir)
     engine_config.engine.step_timeout_s = 0.3
     engine_app = create_app(engine_config, engine_mode=True)
     engine_server = await start_server(engine_app)
     engine = engine_app[GATEWAY].replicas[0].engine
-    release = threading.Event()
-    step = engine._step
-
-    def hung_step():
-        release.wait(30)  # bounded: the test releases it
-        return step()
-
     config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine_server.url, name="e")],
                          router=RouterConfig(health_interval_s=0.1, breaker_failures=2, breaker_reset_s=0.2))
     app = create_app(config)
@@ -1282,23 +1273,22 @@ async def test_an_engine_whose_model_step_hangs_fails_its_health_checks(tiny_mod
     replica = app[GATEWAY].replicas[0]
     try:
         await wait_for(lambda: replica.healthy, what="healthy")
-        engine._step = hung_step
-        async with aiohttp.ClientSession() as session:
-            post = asyncio.ensure_future(session.post(engine_server.url + "/v1/completions", json={
-                "model": MODEL, "prompt": "hello", "max_tokens": 2}))
-            await wait_for(lambda: engine.step_running_s() > 0.5, what="a step past its limit")
-            async with session.get(engine_server.url + "/health") as resp:
-                body = await resp.json()
-                assert resp.status == 503 and body["status"] == "stalled" and body["step_running_s"] > 0.3
-            await wait_for(lambda: not replica.healthy, timeout=10, what="the gateway took it out of routing")
-            release.set()
-            async with await post as resp:
-                assert resp.status == 200
-            async with session.get(engine_server.url + "/health") as resp:
-                assert resp.status == 200
+        with hung_model_steps(engine) as release:
+            async with aiohttp.ClientSession() as session:
+                post = asyncio.ensure_future(session.post(engine_server.url + "/v1/completions", json={
+                    "model": MODEL, "prompt": "hello", "max_tokens": 2}))
+                await wait_for(lambda: engine.step_running_s() > 0.5, what="a step past its limit")
+                async with session.get(engine_server.url + "/health") as resp:
+                    body = await resp.json()
+                    assert resp.status == 503 and body["status"] == "stalled" and body["step_running_s"] > 0.3
+                await wait_for(lambda: not replica.healthy, timeout=10, what="the gateway took it out of routing")
+                release.set()
+                async with await post as resp:
+                    assert resp.status == 200
+                async with session.get(engine_server.url + "/health") as resp:
+                    assert resp.status == 200
         await wait_for(lambda: replica.healthy, timeout=20, what="back in routing")
     finally:
-        release.set()
         await gw.stop()
         await engine_server.stop()
 
