@@ -19,7 +19,7 @@ from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, KvgateConfig, ReplicaConfig, RouterConfig, ServerConfig
 from gateway.server import start_server
 from tests.engine_procs import wait_for
-from tests.gateway_helpers import hung_model_steps, metric_by_replica, serving
+from tests.gateway_helpers import a_request_in_a_hung_step, metric_by_replica, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -418,11 +418,8 @@ async def test_a_hung_in_process_model_step_fails_health_and_readiness(tiny_mode
     config.engine.step_timeout_s = 0.3
     async with serving(create_app(config)) as (app, server, _):
         engine = app[GATEWAY].replicas[0].engine
-        with hung_model_steps(engine) as release:
-            async with aiohttp.ClientSession() as session:
-                post = asyncio.ensure_future(session.post(server.url + "/v1/completions", json={
-                    "model": MODEL, "prompt": "hello", "max_tokens": 2}))
-                await wait_for(lambda: engine.step_running_s() > 0.5, what="a step past its limit")
+        async with aiohttp.ClientSession() as session:
+            async with a_request_in_a_hung_step(engine, session, server.url, MODEL) as (release, post):
                 async with session.get(server.url + "/health") as resp:
                     body = await resp.json()
                     assert resp.status == 503 and body["status"] == "stalled", body

@@ -34,7 +34,7 @@ from tests.engine_procs import (
     tiny_config,
     wait_for,
 )
-from tests.gateway_helpers import hung_model_steps, metric_by_replica, serving, sse_events
+from tests.gateway_helpers import a_request_in_a_hung_step, metric_by_replica, serving, sse_events
 
 
 async def _engine_server(model_dir, **kw):
@@ -1273,11 +1273,8 @@ async def test_an_engine_whose_model_step_hangs_fails_its_health_checks(tiny_mod
     replica = app[GATEWAY].replicas[0]
     try:
         await wait_for(lambda: replica.healthy, what="healthy")
-        with hung_model_steps(engine) as release:
-            async with aiohttp.ClientSession() as session:
-                post = asyncio.ensure_future(session.post(engine_server.url + "/v1/completions", json={
-                    "model": MODEL, "prompt": "hello", "max_tokens": 2}))
-                await wait_for(lambda: engine.step_running_s() > 0.5, what="a step past its limit")
+        async with aiohttp.ClientSession() as session:
+            async with a_request_in_a_hung_step(engine, session, engine_server.url, MODEL) as (release, post):
                 async with session.get(engine_server.url + "/health") as resp:
                     body = await resp.json()
                     assert resp.status == 503 and body["status"] == "stalled" and body["step_running_s"] > 0.3
