@@ -6,7 +6,9 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence, TypeVar
@@ -134,6 +136,38 @@ def write_errors_as(error: type[Exception], flag: str, path: str | Path) -> Iter
         raise error(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
 
 
+def write_outputs(error: type[Exception], outputs: Sequence[tuple[str, str | None, Callable[[], None]]]) -> bool:
+    """Write each (flag, path, writer) whose path is set, with Ctrl-C held until
+    they are written: the runs behind them are finished, and a plot takes a second
+    or so to draw, long enough for a late keypress to lose it.  A second Ctrl-C
+    stops at once and says which file it left unwritten.  Returns whether Ctrl-C
+    was pressed meanwhile."""
+    pressed: list[int] = []
+
+    def hold(signum, frame) -> None:
+        pressed.append(signum)
+        if len(pressed) > 1:
+            raise KeyboardInterrupt
+
+    # Signal handlers belong to the main thread; an ignored SIGINT (a background job) stays ignored.
+    holding = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+    previous = signal.signal(signal.SIGINT, hold) if holding else None
+    try:
+        for flag, path, write in outputs:
+            if not path:
+                continue
+            try:
+                with write_errors_as(error, flag, path):
+                    write()
+            except KeyboardInterrupt:
+                print(f"kvgate: {flag} {path} not written (interrupted)", file=sys.stderr)
+                raise
+    finally:
+        if holding:
+            signal.signal(signal.SIGINT, previous)
+    return bool(pressed)
+
+
 def write_json(path: str | Path, summary: dict, results: Sequence[ReplayResult], extra: dict | None = None) -> None:
     payload = {"trace": summary, "results": [r.to_json() for r in results]}
     payload["capacity_planning"] = capacity_answers(results, summary["ideal_hit_ratio"])
@@ -171,7 +205,13 @@ def print_row(line: str) -> None:
 
 
 def interrupted_note(done: int, planned: int) -> str:
+    if done == planned:  # Ctrl-C while the outputs were written, which it waited for
+        return "kvgate: interrupted after every run had finished; the outputs were written first"
     return f"kvgate: interrupted after {done} of {planned} runs; the results above are partial"
+
+
+def no_plot_note(path: str) -> str:
+    return f"kvgate: --plot {path} not written: no run finished"
 
 
 def plot_title(summary: dict, partial: bool, host_blocks: int = 0) -> str:

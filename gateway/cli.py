@@ -377,8 +377,8 @@ def _percent_as_fraction(text: str) -> str:
 def _run_replay(args: argparse.Namespace) -> int:
     from engine.replay import future_accesses
     from engine.replay_report import (
-        collect_until_interrupted, interrupted_note, print_row, table_footer, table_header, table_row, trace_summary,
-        write_errors_as, write_json, write_plot,
+        collect_until_interrupted, interrupted_note, no_plot_note, print_row, table_footer, table_header, table_row,
+        trace_summary, write_json, write_outputs, write_plot,
     )
 
     config = _load_config(args.config)
@@ -407,12 +407,12 @@ def _run_replay(args: argparse.Namespace) -> int:
     ideal = summary["ideal_hit_ratio"]
     results, interrupted = collect_until_interrupted(runs, on_result=lambda r: print_row(table_row(r, ideal)))
     print(table_footer(summary, results))
-    if args.json:
-        with write_errors_as(CliError, "--json", args.json):
-            write_json(args.json, summary, results, {"interrupted": True} if interrupted else None)
-    if args.plot and results:
-        with write_errors_as(CliError, "--plot", args.plot):
-            write_plot(args.plot, summary, results, partial=interrupted)
+    if args.plot and not results:
+        print(no_plot_note(args.plot), file=sys.stderr)
+    interrupted |= write_outputs(CliError, [
+        ("--json", args.json, lambda: write_json(args.json, summary, results, {"interrupted": True} if interrupted else None)),
+        ("--plot", args.plot if results else None, lambda: write_plot(args.plot, summary, results, partial=interrupted)),
+    ])
     if interrupted:
         print(interrupted_note(len(results), len(policies) * len(capacities)), file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -56,8 +56,8 @@ from engine.block_pool import BlockPool
 from engine.config import CacheConfig
 from engine.replay import replay, replay_request
 from engine.replay_report import (
-    collect_until_interrupted, host_tier_note, interrupted_note, plot_title, print_row, save_figure, trace_line,
-    write_errors_as,
+    collect_until_interrupted, host_tier_note, interrupted_note, no_plot_note, plot_title, print_row, save_figure,
+    trace_line, write_outputs,
 )
 from engine.traces import Trace
 from gateway.config import RouterConfig
@@ -391,18 +391,19 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
     results, interrupted = collect_until_interrupted(runs, on_result=lambda r: print_row(routing_row(r)))
     print(f"\n({time.perf_counter() - start:.1f} s; load model: prefill {PREFILL_S_PER_TOKEN * 1e3:g} ms/token, "
           f"decode {DECODE_S_PER_TOKEN * 1e3:g} ms/token, no queueing)")
-    if "session" in routings and all(r.context.session is None for r in trace.requests):
+    if any(r.routing == "session" for r in results) and all(r.context.session is None for r in trace.requests):
         print("(this trace names no sessions (Mooncake): session routing fell back to least-load "
               "for every request)")
-    if args.json:
-        with write_errors_as(ValueError, "--json", args.json):
-            write_routing_json(args.json, summary, results,
-                               {"prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN},
-                               {"interrupted": True} if interrupted else None)
-    if args.plot and results:
-        with write_errors_as(ValueError, "--plot", args.plot):
-            write_routing_plot(args.plot, summary, results, partial=interrupted, host_blocks=args.host_blocks,
-                               index=index_note(args.index, args.index_lag))
+    if args.plot and not results:
+        print(no_plot_note(args.plot), file=sys.stderr)
+    load_model = {"prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN}
+    interrupted |= write_outputs(ValueError, [
+        ("--json", args.json, lambda: write_routing_json(args.json, summary, results, load_model,
+                                                         {"interrupted": True} if interrupted else None)),
+        ("--plot", args.plot if results else None,
+         lambda: write_routing_plot(args.plot, summary, results, partial=interrupted, host_blocks=args.host_blocks,
+                                    index=index_note(args.index, args.index_lag))),
+    ])
     if interrupted:
         print(interrupted_note(len(results), len(policies) * len(capacities) * len(routings)), file=sys.stderr)
     return interrupted

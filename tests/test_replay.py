@@ -278,6 +278,56 @@ def test_cli_ctrl_c_during_replay_reports_the_finished_rows(tmp_path, capsys, mo
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("presses", [1, 2])
+def test_cli_ctrl_c_while_the_plot_is_drawn(tmp_path, capsys, monkeypatch, presses):
+    """Every run has finished and the plot is being drawn (a second or so): one
+    Ctrl-C waits for the outputs, whole; a second stops at once and says which
+    file it left unwritten.  Never a silent exit without the plot."""
+    import os
+    import signal
+
+    import engine.replay_report
+
+    draw = engine.replay_report.write_plot
+
+    def pressed_while_drawing(*args, **kwargs):
+        for _ in range(presses):
+            os.kill(os.getpid(), signal.SIGINT)  # what the terminal sends on Ctrl-C
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(engine.replay_report, "write_plot", pressed_while_drawing)
+    trace = write_bailian(tmp_path / "t.jsonl", requests=60)
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    # A shell's background job (CI may run this way) starts with SIGINT ignored; a terminal's does not.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code = main(["replay", str(trace), "--policies", "lru", "--capacity-blocks", "8,32",
+                     "--json", str(out_json), "--plot", str(out_png), "--no-progress"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 130
+    err = capsys.readouterr().err
+    assert "interrupted" not in json.loads(out_json.read_text())  # both runs finished
+    if presses == 1:
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "interrupted after every run had finished; the outputs were written first" in err
+    else:
+        assert not out_png.exists() and f"--plot {out_png} not written (interrupted)" in err
+
+
+def test_cli_ctrl_c_before_any_run_says_the_plot_is_not_written(tmp_path, capsys, monkeypatch):
+    import engine.replay
+
+    monkeypatch.setattr(engine.replay, "replay", interrupt_on_call(engine.replay.replay, 1))
+    trace = write_bailian(tmp_path / "t.jsonl", requests=60)
+    out_png = tmp_path / "r.png"
+    out_png.write_bytes(b"an earlier run's plot")
+    code = main(["replay", str(trace), "--policies", "lru", "--capacity-blocks", "8", "--plot", str(out_png),
+                 "--no-progress"])
+    assert code == 130
+    assert f"--plot {out_png} not written: no run finished" in capsys.readouterr().err
+
+
 def test_cli_ctrl_c_during_a_routing_replay_reports_the_finished_rows(tmp_path, capsys, monkeypatch):
     import gateway.routing_sim
 
