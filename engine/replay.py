@@ -119,6 +119,13 @@ def replay_request(pool: BlockPool, request) -> int:
     return request.served_hits(hit)
 
 
+def pool_sizes(device_blocks: int, host_blocks: int, unique_blocks: int) -> tuple[int, int]:
+    """The tiers a replay allocates: never more than the trace's distinct blocks,
+    which such a tier holds without one eviction, so a larger one changes no
+    figure, only memory (100M blocks is ~7 GiB of bookkeeping up front)."""
+    return min(device_blocks, max(1, unique_blocks)), min(host_blocks, unique_blocks)
+
+
 def replay(
     trace: Trace,
     policy: str,
@@ -130,11 +137,13 @@ def replay(
     progress: Callable[[int], None] | None = None,
     future: dict[int, list[int]] | None = None,
 ) -> ReplayResult:
-    """Replay ``trace`` through one pool; ``progress(n)`` is told of each n requests done."""
+    """Replay ``trace`` through one pool; ``progress(n)`` is told of each n requests done.
+    ``unique_blocks``, when given, is the trace's own count (Trace.unique_blocks)."""
     kwargs = {}
     if policy == "belady":
         kwargs["future"] = future if future is not None else future_accesses(trace)
-    pool = BlockPool(capacity_blocks, host_blocks, policy, cache_config, policy_kwargs=kwargs)
+    unique = unique_blocks if unique_blocks is not None else trace.unique_blocks()
+    pool = BlockPool(*pool_sizes(capacity_blocks, host_blocks, unique), policy, cache_config, policy_kwargs=kwargs)
     timer = _EvictionTimer(pool.device_policy.evict)
     pool.device_policy.evict = timer  # type: ignore[method-assign]
     hits = accesses = 0
@@ -148,7 +157,6 @@ def replay(
     elapsed = time.perf_counter() - start
     if progress is not None:
         progress(len(trace.requests) % step)
-    unique = unique_blocks if unique_blocks is not None else trace.unique_blocks()
     return ReplayResult(
         policy=policy,
         capacity_blocks=capacity_blocks,

@@ -323,6 +323,9 @@ def _distinct_outputs(outputs: Sequence[tuple[str, str | None]], inputs: Sequenc
 # More blocks than this is no cache anyone has, and the replay's pool would
 # allocate bookkeeping for every one of them up front (gigabytes, then MemoryError).
 MAX_BLOCKS = 100_000_000
+# Each simulated replica is a whole cache and its policy; a fleet past this is no
+# longer one router's (and 100,000 of them took 5 GB on a 172-request trace).
+MAX_REPLICAS = 1024
 # A block pool's bookkeeping per block, allocated up front whatever the trace
 # (engine.block_pool: ~72 bytes measured); the blocks a trace fills cost more on top.
 POOL_BYTES_PER_BLOCK = 80
@@ -375,7 +378,7 @@ def _percent_as_fraction(text: str) -> str:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from engine.replay import future_accesses
+    from engine.replay import future_accesses, pool_sizes
     from engine.replay_report import (
         collect_until_interrupted, interrupted_note, no_plot_note, print_row, table_footer, table_header, table_row,
         trace_summary, write_json, write_outputs, write_plot,
@@ -389,7 +392,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     capacities = _replay_capacities(args, unique)
     # Pools run one at a time, but a routing run holds one per replica (its pooled
     # reference, one of N times the capacity, is the same size).
-    _check_pool_memory(max(capacities) + args.host_blocks, _capacity_flag(args), args.replicas)
+    _check_pool_memory(sum(pool_sizes(max(capacities), args.host_blocks, unique)), _capacity_flag(args), args.replicas)
     _note_capacities_below_the_longest_prompt(trace, capacities, _capacity_flag(args))
     summary = trace_summary(trace, unique, trace.ideal_hit_ratio())
     if args.replicas > 1:
@@ -448,8 +451,8 @@ def _check_replay_args(args: argparse.Namespace) -> None:
     if args.plot and os.path.splitext(args.plot)[1].lower() not in ("", ".png", ".pdf", ".svg", ".jpg", ".jpeg"):
         raise CliError("--plot: write .png, .pdf, .svg or .jpg")
     _check_host_blocks(args.host_blocks)
-    if args.replicas < 1:
-        raise CliError("--replicas: give a positive number")
+    if not 1 <= args.replicas <= MAX_REPLICAS:
+        raise CliError(f"--replicas: give a number from 1 to {MAX_REPLICAS}")
     if args.replicas < 2:
         # One replica has nothing to route: the run would be a plain replay in disguise.
         for flag, given in (("--routing", args.routing is not None), ("--index", args.index != "exact"),
@@ -542,6 +545,7 @@ def _quietly(run):
 
 
 def _run_tune(args: argparse.Namespace) -> int:
+    from engine.replay import pool_sizes
     from engine.tune import NothingFinished, format_report, tune
 
     config = _load_config(args.config)
@@ -550,7 +554,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         trace = _read_trace(args.trace, args.format)
         unique = trace.unique_blocks()
         capacity = _tune_capacity(args, unique)
-        _check_pool_memory(capacity + args.host_blocks, _capacity_flag(args))
+        _check_pool_memory(sum(pool_sizes(capacity, args.host_blocks, unique)), _capacity_flag(args))
         _note_capacities_below_the_longest_prompt(trace, [capacity], _capacity_flag(args))
         result = _tune_with_progress(args, tune, trace, capacity, config)
     except NothingFinished as exc:

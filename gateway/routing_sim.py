@@ -54,7 +54,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig
-from engine.replay import replay, replay_request
+from engine.replay import pool_sizes, replay, replay_request
 from engine.replay_report import (
     collect_until_interrupted, host_tier_note, interrupted_note, no_plot_note, plot_title, print_row, save_figure,
     trace_line, write_outputs,
@@ -157,6 +157,7 @@ def simulate(
     index: str = "exact",
     index_lag_s: float = 0.0,
     gateway_block_tokens: int = 16,
+    unique_blocks: int | None = None,
 ) -> "SimOutcome":
     if routing not in ROUTINGS:
         raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
@@ -170,7 +171,8 @@ def simulate(
     block_tokens = trace.block_tokens
     now = 0.0  # the trace's clock, for the approximate index's time-to-live
     lagging = [_LaggingIndex(index_lag_s) for _ in range(replicas)] if index_lag_s else []
-    pools = [BlockPool(capacity_blocks, host_blocks, policy, cache_config,
+    sizes = pool_sizes(capacity_blocks, host_blocks, unique_blocks if unique_blocks is not None else trace.unique_blocks())
+    pools = [BlockPool(*sizes, policy, cache_config,
                        on_event=lagging[i].on_pool_event if lagging else None) for i in range(replicas)]
     approx: list[ApproxIndex] = []
     if index == "approx":
@@ -256,6 +258,7 @@ def run_routing(
                 out = simulate(
                     trace, routing, replicas, capacity, policy, cache_config, router_config, host_blocks=host_blocks,
                     index=index, index_lag_s=index_lag_s, gateway_block_tokens=gateway_block_tokens,
+                    unique_blocks=unique,
                 )
                 yield RoutingResult(
                     routing=routing, replicas=replicas, policy=policy, capacity_blocks=capacity,

@@ -552,3 +552,34 @@ def test_capacities_below_the_longest_prompt_are_noted_not_refused(tmp_path, cap
     assert len([line for line in captured.out.splitlines() if line.startswith("lru ")]) == 3
     assert main(["tune", str(path), "--capacity-blocks", "2", "--max-evals", "2", "--no-progress"]) == 0
     assert "--capacity-blocks: 2 (in blocks) below the trace's longest prompt" in capsys.readouterr().err
+
+
+def test_a_capacity_past_the_traces_blocks_allocates_only_those(tmp_path, capsys, monkeypatch):
+    """A cache as large as the trace's distinct blocks never evicts: a larger one
+    gives the same figures, so a replay allocates no more (100M blocks took 7 GB
+    on a 172-request trace, and 8 such replicas were refused for want of RAM)."""
+    import engine.block_pool
+
+    trace_path = write_bailian(tmp_path / "t.jsonl", requests=80)
+    trace = load_trace(str(trace_path))
+    unique = trace.unique_blocks()
+    sizes = []
+    real_pool = engine.block_pool.BlockPool
+
+    def noting_sizes(device, host, *args, **kwargs):
+        sizes.append((device, host))
+        return real_pool(device, host, *args, **kwargs)
+
+    monkeypatch.setattr("engine.replay.BlockPool", noting_sizes)
+    monkeypatch.setattr("gateway.routing_sim.BlockPool", noting_sizes)
+    code = main(["replay", str(trace_path), "--replicas", "8", "--routing", "prefix-aware", "--policies", "lru",
+                 "--capacity-blocks", "100000000", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    assert sizes and all(device <= unique and host == 0 for device, host in sizes)
+    assert main(["replay", str(trace_path), "--replicas", "5000", "--no-progress"]) == 2
+    assert "--replicas: give a number from 1 to 1024" in capsys.readouterr().err
+    for policy in ("lru", "fifo", "s3fifo", "wa", "wa-paper", "belady"):
+        exact, huge = (replay(trace, policy, capacity, host_blocks=host, unique_blocks=unique)
+                       for capacity, host in ((unique, 0), (100_000_000, 100_000_000)))
+        assert (huge.hits, huge.accesses, huge.evictions) == (exact.hits, exact.accesses, exact.evictions), policy
+        assert huge.capacity_blocks == 100_000_000  # reported as asked
