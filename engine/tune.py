@@ -77,6 +77,7 @@ class TuneResult:
     # The config's own cache.policy, and its hit ratio when it is neither wa nor lru.
     configured_policy: str = "wa"
     configured: float | None = None
+    searched_requests: int = 0  # the head of the trace the search replayed (all of it without --holdout)
 
 
 class NothingFinished(Exception):
@@ -250,7 +251,7 @@ def tune(
         held, held_skipped = _check_holdout(run, check, start, descent)
     return TuneResult(capacity_blocks, host_blocks, lru, start, descent.best, run.done, descent.rounds,
                       time.monotonic() - run.started, descent.stopped, skipped, held, descent.first_round_done,
-                      held_skipped, base.workload_aware, base.policy, configured)
+                      held_skipped, base.workload_aware, base.policy, configured, len(search.requests))
 
 
 def _knobs(wa: WorkloadAwareConfig, space: Space) -> tuple[Space, list[str]]:
@@ -397,8 +398,10 @@ def format_report(result: TuneResult, trace_name: str, requests: int, unique_blo
         return f"{(a - b) * 100:+.2f} points"
 
     frac = result.capacity_blocks / unique_blocks if unique_blocks else 0.0
+    searched = result.searched_requests
+    held_out = f" ({searched} searched, {requests - searched} held out)" if 0 < searched < requests else ""
     lines = [
-        f"# kvgate tune {trace_name}: {requests} requests, capacity {result.capacity_blocks} blocks "
+        f"# kvgate tune {trace_name}: {requests} requests{held_out}, capacity {result.capacity_blocks} blocks "
         f"({frac:.1%} of {unique_blocks} unique)" + (f" + {result.host_blocks} host" if result.host_blocks else ""),
         f"# {result.evaluations} replays in {result.elapsed_s:.0f} s, {result.rounds} round(s), stopped: {result.stopped}",
         f"#   lru                   hit ratio {result.lru:.4f}",
@@ -423,6 +426,11 @@ def format_report(result: TuneResult, trace_name: str, requests: int, unique_blo
     if not result.first_round_done:
         lines.append("# the search is incomplete: it stopped before trying every setting once; "
                      + _more_budget(result.stopped))
+    few = 4 * result.base.model.min_samples
+    if 0 < searched < few:
+        # Below this the reuse model runs on its priors: the settings tuned are those of the priors.
+        lines.append(f"# only {searched} requests searched: too few for the reuse model to fit its categories "
+                     f"(model.min_samples {result.base.model.min_samples} episodes each); give {few} or more")
     doubt = _doubt(result)
     if doubt:
         # What is not commented out is what a reader pastes (or a script keeps):
@@ -441,6 +449,8 @@ def format_report(result: TuneResult, trace_name: str, requests: int, unique_blo
 
 def _doubt(result: TuneResult) -> str | None:
     """Why the tuned settings should not be pasted as they are, or None."""
+    if result.lru == result.start.hit_ratio == result.best.hit_ratio == 0:
+        return "the searched requests reuse no block, so no setting made a difference"
     if result.holdout is not None:
         # The held-out tail has the last word, even on a short search.
         if result.holdout["best"] < result.holdout["start"]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import signal
 import subprocess
 import sys
@@ -284,3 +286,21 @@ def test_a_config_serving_another_policy_is_the_baseline_and_the_switch_is_said(
     assert f"policy: wa  # was {policy}" in config_snippet(result)
     # Unsure (an incomplete search), the uncommented part keeps the config's own policy.
     assert yaml.safe_load(report) == {"cache": {"policy": policy}}
+
+
+def test_a_search_on_too_few_requests_says_so(trace_path, tmp_path, capsys):
+    """--holdout 0.99 leaves the search a handful of requests: the header says how
+    many were searched, and the report that they are too few for the reuse model;
+    a search whose requests reuse nothing recommends no change."""
+    assert main(["tune", str(trace_path), "--holdout", "0.99", "--time-limit", "30", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    total = len(load_trace(str(trace_path)).requests)
+    searched = int(total * (1 - 0.99))
+    assert f"{total} requests ({searched} searched, {total - searched} held out)" in out.splitlines()[0]
+    assert f"# only {searched} requests searched: too few for the reuse model" in out
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"timestamp": 0, "input_length": 48, "output_length": 4, "hash_ids": [1, 2, 3]}) + "\n")
+    assert main(["tune", str(one), "--capacity-blocks", "2", "--time-limit", "30", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "the searched requests reuse no block" in out
+    assert yaml.safe_load(out) == {"cache": {"policy": "wa", "workload_aware": {}}}
