@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _json_str  # json.dumps' own encoder for a str
@@ -163,7 +164,7 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
     unsupported = _ENGINE_UNSUPPORTED_CHAT if endpoint == CHAT else _ENGINE_UNSUPPORTED_COMPLETIONS
     if not unsupported.keys().isdisjoint(body) and req.engine_unsupported is None:
         _check_engine_unsupported(req, body, unsupported)
-    req.ignored = body.keys() - _READ_FIELDS - unsupported.keys() or None
+    req.ignored = body.keys() - _READ_FIELDS[endpoint] - unsupported.keys() or None
     # Each prompt's n choices are decoded on their own: cap one request's share.
     n, prompts = req.sampling.n, len(req.prompts) if req.prompts is not None else 1
     if prompts * n > limits.max_choices:
@@ -175,17 +176,21 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
 
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
-# Every field parse_request reads, of either endpoint (the rest are ignored).
-_READ_FIELDS = frozenset({
-    "model", "messages", "prompt", "stream", "stream_options", "user", "cache_salt", "n", "max_tokens",
-    "max_completion_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",
-    "logit_bias", "logprobs", "top_logprobs", "echo", "suffix", "best_of", "tools", "tool_choice", "functions",
-    "function_call", "response_format",
+# Every field parse_request reads, by endpoint; the rest are ignored (and named in
+# the log), the other endpoint's own fields too: best_of on chat is no best-of.
+_READ_BY_BOTH = frozenset({
+    "model", "stream", "stream_options", "user", "cache_salt", "n", "max_tokens", "max_completion_tokens",
+    "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "logit_bias", "logprobs",
     # vLLM's sampling extensions, which the engine does.
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
     # What a gateway sends its `kvgate engine` replicas.
     "kvgate_context", "kvgate_mm_hashes",
 })
+_READ_FIELDS = {
+    CHAT: _READ_BY_BOTH | {"messages", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+                           "response_format"},
+    COMPLETIONS: _READ_BY_BOTH | {"prompt", "echo", "suffix", "best_of"},
+}
 
 # Request fields the kvgate engine does not do (vLLM's extensions, OpenAI's audio
 # output), each with the test for a value that asks for something (a default
@@ -484,11 +489,16 @@ def _content_text(req: ParsedRequest, content: Any, where: str, role: str) -> st
     return "\n".join(pieces)
 
 
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
 def _is_image_url(url: str) -> bool:
     """What a server can fetch or decode: http(s), or a data URL with an image type and a base64 payload."""
     if url[:11].lower() == "data:image/":
         meta, comma, payload = url.partition(",")
-        return bool(comma and payload) and meta.lower().endswith(";base64")
+        # Base64's alphabet and padding, checked without decoding (an image may be megabytes).
+        return (bool(comma and payload) and meta.lower().endswith(";base64") and len(payload) % 4 == 0
+                and _BASE64.fullmatch(payload) is not None)
     scheme, sep, rest = url[:16].partition("://")
     return bool(sep and rest) and scheme.lower() in ("http", "https")
 

@@ -31,7 +31,7 @@ def test_image_parts_must_be_fetchable_and_from_the_user():
     assert image("https://example.com/a.png").images == [b"https://example.com/a.png"]
     assert image("data:image/png;base64,iVBORw0KGgo=").images == [b"iVBORw0KGgo="]
     for url in ("not a url", "ftp://example.com/a.png", "data:image/png;base64,", "data:text/plain;base64,eA==",
-                "data:image/png,raw", "https://"):
+                "data:image/png,raw", "https://", "data:image/png;base64,!!!!", "data:image/png;base64,iVBORw0KGgo"):
         with pytest.raises(ApiError) as info:
             image(url)
         assert info.value.param == "messages[0].content[0].image_url.url" and info.value.code == "invalid_value"
@@ -46,6 +46,11 @@ def test_fields_nothing_reads_are_named():
     assert chat(store=True, temprature=1).ignored == {"store", "temprature"}
     # Refused fields are no ignored ones, default-valued or not.
     assert chat(guided_json=None, chat_template_kwargs={}).ignored is None
+    # The other endpoint's own fields are read by neither: best_of on chat is no best-of.
+    assert chat(best_of=3, echo=True, suffix="x", prompt="p").ignored == {"best_of", "echo", "suffix", "prompt"}
+    completion = parse_request("completions", {"model": "m", "prompt": "p", "messages": [], "top_logprobs": 2,
+                                               "tool_choice": "none"}, LimitsConfig())
+    assert completion.ignored == {"messages", "top_logprobs", "tool_choice"}
 
 
 @pytest.mark.parametrize(
