@@ -417,11 +417,13 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
         if not isinstance(msg, dict):
             raise bad_request(_type_msg(where, "an object", msg), where)
         role = msg.get("role")
+        if role is None:
+            raise bad_request(f"Missing required parameter: '{where}.role'.", f"{where}.role")
         mapped = _ROLE_MAP.get(role) if isinstance(role, str) else None
         if mapped is None:
             raise bad_request(
-                f"Invalid value for '{where}.role': {role!r}. Supported values are: 'system', 'developer', "
-                "'user', 'assistant', 'tool'.",
+                f"Invalid value for '{where}.role': {json.dumps(role)}. Supported values are: 'system', 'developer', "
+                "'user', 'assistant', 'tool' and 'function'.",
                 f"{where}.role",
             )
         if role == "tool" and not isinstance(msg.get("tool_call_id"), str):

@@ -88,6 +88,16 @@ def test_invalid_fields_name_the_param(field, value, param):
     assert info.value.type == "invalid_request_error"
 
 
+def test_a_message_role_missing_or_unknown_is_said_in_json_terms():
+    for message, said in (({"content": "x"}, "Missing required parameter: 'messages[0].role'."),
+                          ({"role": None, "content": "x"}, "Missing required parameter: 'messages[0].role'."),
+                          ({"role": "wizard", "content": "x"}, "Invalid value for 'messages[0].role': \"wizard\". "
+                           "Supported values are: 'system', 'developer', 'user', 'assistant', 'tool' and 'function'.")):
+        with pytest.raises(ApiError) as info:
+            chat(messages=[message])
+        assert info.value.message == said and info.value.param == "messages[0].role"
+
+
 def test_valid_chat_fields_are_honoured_and_unknown_ignored():
     req = chat(
         temperature=0, top_p=0.5, n=2, stop="x", seed=7, max_completion_tokens=9, presence_penalty=1,
