@@ -36,7 +36,14 @@ import re
 from http import HTTPStatus
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadStatusLine, HttpProcessingError, InvalidHeader, InvalidURLError, LineTooLong
+from aiohttp.http_exceptions import (
+    BadStatusLine,
+    ContentEncodingError,
+    HttpProcessingError,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+)
 from aiohttp.http_parser import HttpRequestParser, HttpRequestParserPy
 from aiohttp.streams import EMPTY_PAYLOAD, EmptyStreamReader, StreamReader
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
@@ -59,6 +66,8 @@ _PARSE_ERRORS = (
 # Only the C parser's: some of the pure-Python parser's messages begin with the bytes.
 _LLHTTP_REASON = re.compile(r"([A-Za-z][A-Za-z0-9_ '/.-]{0,79}):\n\n  ")
 _C_PARSER = HttpRequestParser is not HttpRequestParserPy
+# aiohttp's refusal of an encoding it has no decoder for: "... content-encoding: brotli (br). Please install ...".
+_UNSUPPORTED_ENCODING = re.compile(r"content-encoding: \w+ \((br|zstd)\)\. Please install")
 # aiohttp's own messages that quote nothing the client sent.
 _FIXED_REASONS = frozenset({
     "Too many headers received",
@@ -70,6 +79,13 @@ _FIXED_REASONS = frozenset({
 def parse_error(exc: HttpProcessingError, status: int = 400) -> ApiError:
     """The OpenAI error for a request aiohttp could not parse; its message
     never repeats the request's bytes."""
+    unsupported = _UNSUPPORTED_ENCODING.search(exc.message) if isinstance(exc, ContentEncodingError) else None
+    if unsupported:
+        # br or zstd without its decoder installed: the client's choice of encoding,
+        # not a malformed request (RFC 9110's 415 names what to send instead).
+        return ApiError(415, f"Content-Encoding {unsupported.group(1)} is not supported here: send the body as it "
+                        "is, or compressed with gzip or deflate.", "invalid_request_error", None,
+                        "unsupported_content_encoding")
     summary, code = next((s, c) for kind, s, c in _PARSE_ERRORS if isinstance(exc, kind))
     detail = ""
     if isinstance(exc, LineTooLong):

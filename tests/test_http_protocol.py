@@ -280,6 +280,25 @@ def test_a_body_that_does_not_decode_is_a_400_and_no_error_in_the_log(gateway, c
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
 
+@pytest.mark.parametrize("encoding", ["br", "zstd"])
+def test_an_encoding_with_no_decoder_here_is_a_415_naming_it(gateway, encoding):
+    """aiohttp decodes br and zstd only with an optional package; without it the
+    body is the client's choice of encoding, not a malformed request."""
+    import aiohttp.http_parser
+
+    if getattr(aiohttp.http_parser, "HAS_BROTLI" if encoding == "br" else "HAS_ZSTD"):
+        pytest.skip(f"aiohttp decodes {encoding} in this environment")  # then a real body of it is served
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Encoding: %s\r\nContent-Length: 4\r\n\r\nabcd" % encoding.encode())
+    with _connect(gateway.port) as sock:
+        sock.sendall(head)
+        status, _, body = _read_response(sock)
+    error = json.loads(body)["error"]
+    assert status == 415 and error["code"] == "unsupported_content_encoding", body
+    assert f"Content-Encoding {encoding} is not supported" in error["message"]
+    _assert_serving(gateway.port)
+
+
 def test_expect_100_continue_is_met_and_other_expectations_get_an_openai_417(gateway):
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
