@@ -720,17 +720,48 @@ async def _unmatched(request: web.Request) -> web.Response:
     raise errors.not_found(request.path)
 
 
-async def _expect(request: web.Request) -> web.StreamResponse | None:
-    """An ``Expect`` header, as aiohttp's own handler takes it, but an
-    expectation other than 100-continue is refused in OpenAI's error shape."""
-    if request.version != HttpVersion11:
-        return None  # HTTP/1.0 has no Expect
+def _expectation_refused(request: web.Request) -> web.StreamResponse | None:
+    """The answer to an ``Expect`` header instead of 100 Continue, or None: an
+    expectation other than 100-continue (in OpenAI's error shape), or a body
+    declared over the limit, whose 413 comes before it is sent (the point of
+    asking first)."""
     if request.headers.get("Expect", "").lower() != "100-continue":
         return ApiError(417, "Unsupported Expect header; only 100-continue is supported.",
                         code="expectation_failed").response()
+    limit = request.app[GATEWAY].limits.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        response = errors.too_large(limit).response()
+        response.force_close()  # the body the client holds back is never read
+        return response
+    return None
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """An ``Expect`` header, as aiohttp's own handler takes it, but refusing
+    what _expectation_refused refuses."""
+    if request.version != HttpVersion11:
+        return None  # HTTP/1.0 has no Expect
+    refused = _expectation_refused(request)
+    if refused is not None:
+        return refused
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the response proper has not begun
     return None
+
+
+async def _expect_unmatched(request: web.Request) -> web.StreamResponse | None:
+    """No route: its 404 or 405 comes before the body, not after 100 Continue."""
+    if request.version != HttpVersion11:
+        return None
+    refused = _expectation_refused(request)
+    if refused is not None:
+        return refused
+    try:
+        response = await _unmatched(request)
+    except ApiError as exc:
+        response = exc.response()
+    response.force_close()  # the body the client holds back is never read
+    return response
 
 
 def create_app(
@@ -794,5 +825,5 @@ def create_app(
             methods.setdefault(path, {"HEAD"} if method == "GET" else set()).add(method)
         for path, allowed in methods.items():
             app.router.add_route("OPTIONS", path, openai_errors(functools.partial(cors.preflight, methods=allowed)))
-    app.router.add_route("*", "/{tail:.*}", openai_errors(_unmatched), expect_handler=_expect)
+    app.router.add_route("*", "/{tail:.*}", openai_errors(_unmatched), expect_handler=_expect_unmatched)
     return app

@@ -322,6 +322,20 @@ def test_expect_100_continue_is_met_and_other_expectations_get_an_openai_417(gat
     _assert_serving(gateway.port)
 
 
+def test_expect_100_continue_is_refused_before_the_body_when_it_would_be_refused_after(gateway):
+    """Asking first saves the upload: a declared body over limits.max_body_bytes
+    gets its 413, and an unknown path its 404, instead of 100 Continue."""
+    head = (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n")
+    for path, length, status, code in ((b"/v1/chat/completions", 9 * 2**20, 413, "request_too_large"),
+                                       (b"/v1/no/such/path", 20, 404, "unknown_url")):
+        with _connect(gateway.port) as sock:
+            sock.sendall(head % (path, length))
+            got, headers, data = _read_response(sock)
+        assert got == status and json.loads(data)["error"]["code"] == code, data
+    _assert_serving(gateway.port)
+
+
 def test_request_targets_that_are_no_path_get_an_openai_404(gateway):
     """`OPTIONS *` and `CONNECT host:port` never reach aiohttp's routes; they get
     OpenAI's error shape too, and the connection goes on serving."""
