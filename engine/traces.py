@@ -121,6 +121,7 @@ def _read_records(handle: BinaryIO, source: str, fmt: str) -> Trace:
     sessions: dict[int, int] = {}  # chat id -> id of the conversation's first turn
     notes = _Notes()
     first_looks = ""  # the format the first record looks like
+    block_tokens: int | None = None  # a Bailian file's one block size (recordings name it on every line)
     for line_no, raw in enumerate(handle, 1):
         text = raw.strip()
         if not text:
@@ -133,7 +134,14 @@ def _read_records(handle: BinaryIO, source: str, fmt: str) -> Trace:
         elif looks != first_looks:
             notes.add("mixed", where, _mixed_note(first_looks, fmt))
         if fmt == "bailian":
-            requests.append(_bailian_request(record, where, chain, len(requests), notes))
+            size = _block_tokens(record, where)
+            if block_tokens is None:
+                block_tokens = size
+            elif size != block_tokens:
+                # Hit ratios and the routing simulation count blocks of one size.
+                raise TraceError(f"{where}: block_tokens {size}, where the lines before give {block_tokens}; a trace "
+                                 "holds one block size (record each engine block size to a file of its own)")
+            requests.append(_bailian_request(record, where, chain, len(requests), notes, size))
         else:
             requests.append(_mooncake_request(record, where, len(requests)))
             if looks == "mooncake":  # a stray Bailian record has had its warning
@@ -152,8 +160,9 @@ def _read_records(handle: BinaryIO, source: str, fmt: str) -> Trace:
             session = str(sessions.setdefault(ctx.chat_id, sessions.get(ctx.parent_chat_id, ctx.chat_id)))
             if ctx.session is None:  # a recording names the engine's own session
                 ctx.session = session
-    block_tokens = BAILIAN_BLOCK_TOKENS if fmt == "bailian" else MOONCAKE_BLOCK_TOKENS
-    return Trace(source, fmt, block_tokens, requests)
+    if fmt != "bailian":
+        block_tokens = MOONCAKE_BLOCK_TOKENS
+    return Trace(source, fmt, block_tokens or BAILIAN_BLOCK_TOKENS, requests)
 
 
 _BAILIAN_FIELDS = ("chat_id", "parent_chat_id", "type", "turn")
@@ -319,8 +328,15 @@ def _chain(ids: list[int], parent_key: int, chain: dict[tuple[int, int], int]) -
     return keys
 
 
+def _block_tokens(record: dict, where: str) -> int:
+    block_tokens = _field(record, "block_tokens", int, where, default=BAILIAN_BLOCK_TOKENS)
+    if block_tokens < 1:
+        raise TraceError(f"{where}: block_tokens must be >= 1, got {block_tokens}")
+    return block_tokens
+
+
 def _bailian_request(
-    record: dict, where: str, chain: dict[tuple[int, int], int], index: int, notes: _Notes
+    record: dict, where: str, chain: dict[tuple[int, int], int], index: int, notes: _Notes, block_tokens: int
 ) -> TraceRequest:
     input_length, output_length = _lengths(record, where)
     ids = _hash_ids(record, where)
@@ -331,6 +347,8 @@ def _bailian_request(
         notes.add("type", where, f"type {json.dumps(request_type)[:60]} is none of {', '.join(REQUEST_TYPES)}; "
                   "the policy gives it categories of its own")
     turn = _field(record, "turn", int, where, default=1)
+    if turn < 1:
+        raise TraceError(f"{where}: turn must be >= 1 (a conversation's first turn is 1), got {turn}")
     chat_id = _field(record, "chat_id", int, where, default=index)
     parent = _field(record, "parent_chat_id", int, where, default=-1)
     # Recordings by `kvgate serve --record-trace` carry the gateway's workload; the
@@ -343,9 +361,6 @@ def _bailian_request(
         workload = workload_of(request_type)
     # Bailian ids name single blocks; chain them so a key names a whole prefix.
     keys = _chain(ids, 0, chain)
-    block_tokens = _field(record, "block_tokens", int, where, default=BAILIAN_BLOCK_TOKENS)
-    if block_tokens < 1:
-        raise TraceError(f"{where}: block_tokens must be >= 1, got {block_tokens}")
     output_keys: list[int] = []
     if "output_hash_ids" in record:
         # They continue the prompt's last *full* block (a trailing partial block
@@ -353,6 +368,8 @@ def _bailian_request(
         full = min(len(keys), input_length // block_tokens)
         output_keys = _chain(_hash_ids(record, where, "output_hash_ids"), keys[full - 1] if full else 0, chain)
     cacheable = _field(record, "cacheable_blocks", int, where, default=-1)
+    if "cacheable_blocks" in record and not 0 <= cacheable <= len(keys):
+        raise TraceError(f"{where}: cacheable_blocks must be from 0 to the line's {len(keys)} hash_ids, got {cacheable}")
     # Recordings name the session the engine's policy keyed on (gateway/recorder.py).
     session = _field(record, "session_id", (int, str), where) if "session_id" in record else None
     ctx = RequestContext(

@@ -523,6 +523,33 @@ def test_bailian_block_tokens_below_one_are_refused_at_their_line(tmp_path):
             load_trace(path)
 
 
+def test_bailian_fields_out_of_their_range_are_refused_at_their_line(tmp_path):
+    """A trace holds one block size (its hit ratios and the routing simulation
+    count blocks of it), a turn counts from 1, and a recording's cacheable_blocks
+    is some of its line's hash_ids: otherwise the figures count the wrong blocks."""
+    from engine.traces import TraceError
+
+    second = dict(BAILIAN_ROW, chat_id=10, timestamp=BAILIAN_ROW["timestamp"] + 1)
+    cases = [
+        (dict(second, block_tokens=32), r"b.jsonl:2: block_tokens 32, where the lines before give 16; a trace holds "
+                                        r"one block size"),
+        (dict(second, turn=0), r"b.jsonl:2: turn must be >= 1 \(a conversation's first turn is 1\), got 0$"),
+        (dict(second, cacheable_blocks=-1), r"b.jsonl:2: cacheable_blocks must be from 0 to the line's 2 hash_ids, "
+                                            r"got -1$"),
+        (dict(second, cacheable_blocks=99), r"b.jsonl:2: cacheable_blocks must be from 0 to the line's 2 hash_ids, "
+                                            r"got 99$"),
+    ]
+    path = tmp_path / "b.jsonl"
+    for row, message in cases:
+        path.write_text("".join(json.dumps(r) + "\n" for r in (BAILIAN_ROW, row)))
+        with pytest.raises(TraceError, match=message):
+            load_trace(path)
+    # A recording of 32-token blocks, every line saying so, is a trace of 32-token blocks.
+    path.write_text("".join(json.dumps(dict(r, block_tokens=32, cacheable_blocks=2)) + "\n"
+                            for r in (BAILIAN_ROW, second)))
+    assert load_trace(path).block_tokens == 32
+
+
 def test_unknown_types_and_workloads_are_warned_about_once_and_kept_or_inferred(tmp_path, caplog):
     rows = [dict(BAILIAN_ROW, chat_id=i, timestamp=float(i)) for i in range(6)]
     rows[1] = dict(rows[1], type="video")
