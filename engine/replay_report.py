@@ -118,6 +118,10 @@ def table_footer(summary: dict, results: Sequence[ReplayResult]) -> str:
     if switched:
         lines += ["", "shadow-LRU fallback (the workload-aware order trailed LRU and was replaced for a while):"]
         lines += [f"  {r.policy:<10} @ {r.capacity_blocks} blocks: {r.fallbacks} switch(es) to LRU" for r in switched]
+    if not summary["ideal_hit_ratio"]:
+        # Every cache "reaches" an ideal of 0: the smallest capacity tested would read as advice.
+        lines += ["", "capacity planning: the trace reuses no block, so no capacity raises its hit ratio"]
+        return "\n".join(lines)
     lines += ["", "capacity planning (smallest tested capacity reaching a share of the ideal hit ratio):"]
     for policy, answer in capacity_answers(results, summary["ideal_hit_ratio"]).items():
         parts = [f"{share}: {blocks if blocks is not None else 'not reached'}" for share, blocks in answer.items()]

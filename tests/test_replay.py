@@ -610,3 +610,14 @@ def test_a_capacity_past_the_traces_blocks_allocates_only_those(tmp_path, capsys
                        for capacity, host in ((unique, 0), (100_000_000, 100_000_000)))
         assert (huge.hits, huge.accesses, huge.evictions) == (exact.hits, exact.accesses, exact.evictions), policy
         assert huge.capacity_blocks == 100_000_000  # reported as asked
+
+
+def test_a_trace_with_no_reuse_plans_no_capacity(tmp_path, capsys):
+    """An ideal hit ratio of 0 is reached by any cache: the plan says there is
+    nothing to buy rather than naming the smallest capacity tested."""
+    path = tmp_path / "once.jsonl"
+    path.write_text(json.dumps(dict(BAILIAN_ROW, hash_ids=[1, 2, 3], input_length=48)) + "\n")
+    assert main(["replay", str(path), "--policies", "lru", "--capacity-blocks", "1,10", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "capacity planning: the trace reuses no block, so no capacity raises its hit ratio" in out
+    assert "90%:" not in out
