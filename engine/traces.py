@@ -187,11 +187,17 @@ class _Notes:
             log.warning("%s%s", text, f" ({count} such lines; this is the first)" if count > 1 else "")
 
 
-def _parse_line(text: bytes, where: str, first: bool) -> dict:
+def _parse_line(raw: bytes, where: str, first: bool) -> dict:
+    try:
+        # Decoded here, not by json.loads, which guesses UTF-16 or -32 from the first
+        # bytes and then calls a line of bad UTF-8 no JSON.  (-sig: a leading BOM is no text.)
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{where}: not UTF-8 text (byte {exc.start + 1} of the line)") from None
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
-        if first and _looks_like_csv(text):
+        if first and _looks_like_csv(raw):
             raise TraceError(f"{where}: this looks like a CSV header; kvgate reads JSONL traces (Bailian or Mooncake "
                              "format), one JSON object per line, not CSV") from None
         # The line was read alone: json's own "line 1" would only muddle FILE:LINE.

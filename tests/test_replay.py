@@ -177,6 +177,18 @@ def test_cli_bad_traces_give_file_line_and_status_2(tmp_path, capsys, content, e
     assert "Traceback" not in err
 
 
+def test_a_line_of_bad_utf8_is_said_to_be_so(tmp_path, capsys):
+    """json.loads would guess UTF-16 from a line's first bytes and call it no JSON."""
+    good = b'{"timestamp": 0, "input_length": 3, "hash_ids": [1]}\n'
+    for line, byte in ((b"\xff\xfe" + good, 1), (b'{"timestamp": 0, "x": "\xe9", "input_length": 3, "hash_ids": [1]}\n', 24)):
+        path = tmp_path / "latin1.jsonl"
+        path.write_bytes(good + line)
+        assert main(["replay", str(path), "--no-progress"]) == 2
+        assert capsys.readouterr().err == f"kvgate: {path}:2: not UTF-8 text (byte {byte} of the line)\n"
+    path.write_bytes(b"\xef\xbb\xbf" + good)  # a BOM is no text
+    assert main(["replay", str(path), "--no-progress"]) == 0
+
+
 def test_cli_missing_trace_and_bad_arguments(tmp_path, capsys):
     assert main(["replay", str(tmp_path / "nope.jsonl")]) == 2
     assert "cannot read" in capsys.readouterr().err
