@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
-        _setup_logging(getattr(args, "log_level", None))
+        _setup_logging(getattr(args, "log_level", None), server=args.command in ("serve", "engine"))
         code = args.run(args) or 0
         # Flush here, not at interpreter exit: a reader that left (`| head`)
         # shows up as BrokenPipeError now, where it can be handled.
@@ -56,12 +56,15 @@ _MEMORY_HINTS = {"serve": _SERVER_MEMORY_HINT, "engine": _SERVER_MEMORY_HINT, "r
                  "tune": _REPLAY_MEMORY_HINT, "synth": "a shorter --duration or a lower --rate needs less"}
 
 
-def _setup_logging(level: str | None) -> None:
+def _setup_logging(level: str | None, server: bool = True) -> None:
     name = (level if level is not None else os.environ.get("KVGATE_LOG_LEVEL") or "info").upper()
     if name not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         source = "--log-level" if level is not None else "KVGATE_LOG_LEVEL"
         raise CliError(f"{source}: log level {name.lower()!r}: choose debug, info, warning or error")
-    logging.basicConfig(level=name, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # A server's log is read later, by time and source; a tool's warnings (a trace's
+    # odd lines) are read now, beside its one-line errors, in the same voice.
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if server else "kvgate: %(message)s"
+    logging.basicConfig(level=name, format=fmt)
     # Libraries' INFO lines are not the user's business: matplotlib announces building
     # its font cache (the first --plot), torch dumps cache statistics at exit.
     for library in ("matplotlib", "torch"):

@@ -633,3 +633,18 @@ def test_a_trace_with_no_reuse_plans_no_capacity(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "capacity planning: the trace reuses no block, so no capacity raises its hit ratio" in out
     assert "90%:" not in out
+
+
+def test_a_tools_warnings_read_as_its_errors_do(tmp_path):
+    """The console script, as a user runs it: a trace's warning is a `kvgate: `
+    line beside the table, not a server log line with a timestamp and a logger."""
+    path = tmp_path / "odd.jsonl"
+    rows = [dict(BAILIAN_ROW, chat_id=i, timestamp=float(i)) for i in range(3)]
+    rows[1] = dict(rows[1], type="video")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kvgate = str(Path(sys.executable).with_name("kvgate"))
+    done = subprocess.run([kvgate, "replay", str(path), "--policies", "lru", "--capacity-blocks", "4", "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (warning,) = [line for line in done.stderr.splitlines() if "video" in line]
+    assert warning.startswith(f"kvgate: {path}:2: type \"video\" is none of "), warning
