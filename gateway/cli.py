@@ -334,17 +334,25 @@ MAX_REPLICAS = 1024
 POOL_BYTES_PER_BLOCK = 80
 
 
-def _check_pool_memory(blocks: int, flag: str, pools: int = 1) -> None:
+def _check_pool_memory(device_blocks: int, host_blocks: int, unique: int, flag: str, pools: int = 1) -> None:
     """Refuse caches whose bookkeeping alone would not fit in this machine's RAM
-    (a MemoryError or the kernel's OOM killer, minutes into a run)."""
+    (a MemoryError or the kernel's OOM killer, minutes into a run).  A replay
+    allocates no tier past the trace's distinct blocks (engine.replay.pool_sizes)."""
     from engine.memory import available_ram
+    from engine.replay import pool_sizes
 
+    blocks = sum(pool_sizes(device_blocks, host_blocks, unique))
     need = blocks * pools * POOL_BYTES_PER_BLOCK
     room = available_ram()
     if need > room:
-        caches = f"{pools} caches of {blocks:,} blocks need" if pools > 1 else f"a cache of {blocks:,} blocks needs"
-        raise CliError(f"{flag}: {caches} ~{need / 2**30:.1f} GiB of bookkeeping up front; "
-                       f"{room / 2**30:.1f} GiB of memory is available")
+        size = f"{blocks:,} blocks" + (" (the trace's distinct ones)" if blocks < device_blocks + host_blocks else "")
+        caches = f"{pools} caches of {size} need" if pools > 1 else f"a cache of {size} needs"
+        raise CliError(f"{flag}: {caches} ~{_memory_text(need)} of bookkeeping up front; "
+                       f"{_memory_text(room)} of memory is available")
+
+
+def _memory_text(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 def _parse_list(text: str, kind: type, name: str) -> list:
@@ -381,7 +389,7 @@ def _percent_as_fraction(text: str) -> str:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from engine.replay import future_accesses, pool_sizes
+    from engine.replay import future_accesses
     from engine.replay_report import (
         collect_until_interrupted, interrupted_note, no_plot_note, print_row, table_footer, table_header, table_row,
         trace_summary, write_json, write_outputs, write_plot,
@@ -395,7 +403,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     capacities = _replay_capacities(args, unique)
     # Pools run one at a time, but a routing run holds one per replica (its pooled
     # reference, one of N times the capacity, is the same size).
-    _check_pool_memory(sum(pool_sizes(max(capacities), args.host_blocks, unique)), _capacity_flag(args), args.replicas)
+    _check_pool_memory(max(capacities), args.host_blocks, unique, _capacity_flag(args), args.replicas)
     _note_capacities_below_the_longest_prompt(trace, capacities, _capacity_flag(args))
     summary = trace_summary(trace, unique, trace.ideal_hit_ratio())
     if args.replicas > 1:
@@ -548,7 +556,6 @@ def _quietly(run):
 
 
 def _run_tune(args: argparse.Namespace) -> int:
-    from engine.replay import pool_sizes
     from engine.tune import NothingFinished, format_report, tune
 
     config = _load_config(args.config)
@@ -557,7 +564,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         trace = _read_trace(args.trace, args.format)
         unique = trace.unique_blocks()
         capacity = _tune_capacity(args, unique)
-        _check_pool_memory(sum(pool_sizes(capacity, args.host_blocks, unique)), _capacity_flag(args))
+        _check_pool_memory(capacity, args.host_blocks, unique, _capacity_flag(args))
         _note_capacities_below_the_longest_prompt(trace, [capacity], _capacity_flag(args))
         result = _tune_with_progress(args, tune, trace, capacity, config)
     except NothingFinished as exc:

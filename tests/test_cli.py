@@ -388,21 +388,24 @@ def test_an_empty_output_path_is_refused_not_ignored(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["replay", "{trace}", "--capacity-blocks", "50000000"],
-     "kvgate: --capacity-blocks: a cache of 50,000,000 blocks needs ~3.7 GiB of bookkeeping up front; "
-     "1.0 GiB of memory is available\n"),
-    (["replay", "{trace}", "--capacity-blocks", "4,5000000", "--replicas", "4"],
-     "kvgate: --capacity-blocks: 4 caches of 5,000,000 blocks need ~1.5 GiB of bookkeeping up front; "
-     "1.0 GiB of memory is available\n"),
+    (["replay", "{trace}", "--capacity-blocks", "20000"],
+     "kvgate: --capacity-blocks: a cache of 20,000 blocks needs ~1.5 MiB of bookkeeping up front; "
+     "1.0 MiB of memory is available\n"),
+    (["replay", "{trace}", "--capacity-blocks", "4,5000", "--replicas", "4"],
+     "kvgate: --capacity-blocks: 4 caches of 5,000 blocks need ~1.5 MiB of bookkeeping up front; "
+     "1.0 MiB of memory is available\n"),
     (["tune", "{trace}", "--capacity-blocks", "20000000"],
-     "kvgate: --capacity-blocks: a cache of 20,000,000 blocks needs ~1.5 GiB of bookkeeping up front; "
-     "1.0 GiB of memory is available\n"),
+     "kvgate: --capacity-blocks: a cache of 30,000 blocks (the trace's distinct ones) needs ~2.3 MiB of "
+     "bookkeeping up front; 1.0 MiB of memory is available\n"),
 ])
 def test_caches_whose_bookkeeping_cannot_fit_are_refused_before_the_run(tmp_path, capsys, monkeypatch, argv, message):
     from engine import memory
 
-    monkeypatch.setattr(memory, "available_ram", lambda: 1 << 30)
-    trace = str(mooncake_trace(tmp_path / "m.jsonl"))
+    monkeypatch.setattr(memory, "available_ram", lambda: 1 << 20)
+    # 30,000 distinct blocks: no cache of this trace allocates more.
+    trace = str(write_jsonl(tmp_path / "m.jsonl", [
+        {"timestamp": t * 1000, "input_length": 512 * 10_000, "output_length": 4,
+         "hash_ids": list(range(t * 10_000, (t + 1) * 10_000))} for t in range(3)]))
     assert main([part.format(trace=trace) for part in argv] + ["--no-progress"]) == 2
     captured = capsys.readouterr()
     assert captured.err == message and captured.out == ""
