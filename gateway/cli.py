@@ -10,12 +10,15 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import Iterator, Sequence
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
 class CliError(Exception):
@@ -25,6 +28,26 @@ class CliError(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
+    # SIGTERM to a replay or a tune (a job scheduler's time limit, `kill`) stops it as
+    # Ctrl-C does, reporting what finished rather than losing it all; the exit status
+    # still says which signal it was.
+    terminated: list[int] = []
+
+    def stop_as_if_interrupted(signum, frame) -> None:
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    terminable = args.command in ("replay", "tune") and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop_as_if_interrupted) if terminable else None
+    try:
+        code = _run(args)
+    finally:
+        if terminable:
+            signal.signal(signal.SIGTERM, previous)
+    return EXIT_TERMINATED if terminated and code == EXIT_INTERRUPTED else code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         _setup_logging(getattr(args, "log_level", None), server=args.command in ("serve", "engine"))
         code = args.run(args) or 0

@@ -304,3 +304,22 @@ def test_a_search_on_too_few_requests_says_so(trace_path, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "the searched requests reuse no block" in out
     assert yaml.safe_load(out) == {"cache": {"policy": "wa", "workload_aware": {}}}
+
+
+def test_sigterm_to_a_running_tune_prints_the_report_and_exits_143(tmp_path):
+    """A job scheduler's time limit or `kill`: the best settings so far are
+    printed, as for Ctrl-C, and the status says SIGTERM (128 + 15)."""
+    path = tmp_path / "slow.jsonl"
+    synth.write_trace(synth.synthesize("mixed", 300.0, 4.0, 5), path)  # about a second per wa replay
+    kvgate = str(Path(sys.executable).with_name("kvgate"))
+    for wait in (4, 8, 16, 32):  # a slow machine may still be on the baselines: wait longer
+        child = subprocess.Popen([kvgate, "tune", str(path), "--no-progress", "--time-limit", "600"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(wait)
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 143, err
+        assert "Traceback" not in err
+        if "nothing to report" not in err:
+            break
+    assert "stopped: interrupted" in out and "wa, tuned" in out
