@@ -113,7 +113,10 @@ def _discard_stdout() -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from gateway.version import kvgate_version
+
     parser = argparse.ArgumentParser(prog="kvgate", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvgate {kvgate_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway")

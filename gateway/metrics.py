@@ -23,7 +23,6 @@ Two kinds of series:
 from __future__ import annotations
 
 from bisect import bisect_left
-from importlib.metadata import PackageNotFoundError, version
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Gauge, generate_latest
@@ -33,6 +32,7 @@ from prometheus_client.utils import floatToGoString
 
 from engine.context import WORKLOADS
 from gateway.protocol import CHAT, COMPLETIONS
+from gateway.version import kvgate_version
 
 # Seconds; TTFT on a CPU engine ranges from milliseconds to tens of seconds, and
 # a long stream may run for minutes (replicas' read_timeout_s is 300 s).  Finer
@@ -66,13 +66,6 @@ class RequestSeries(NamedTuple):
     e2e: "_HistogramChild"
 
 
-def _kvgate_version() -> str:
-    try:
-        return version("kvgate")
-    except PackageNotFoundError:  # run from a source tree without installing
-        return "unknown"
-
-
 class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
@@ -85,7 +78,7 @@ class GatewayMetrics:
         # Which process this is: dashboards tell a gateway from a `kvgate engine` by role.
         info = Gauge("kvgate_build_info", "Always 1: kvgate's version and this process's role (gateway or engine).",
                      ["version", "role"], registry=r)
-        info.labels(_kvgate_version(), role).set(1)
+        info.labels(kvgate_version(), role).set(1)
         # A `kvgate engine` routes to itself alone: its routing and replica series
         # would say nothing; they are the gateways' to export, a series per replica.
         routing = r if role == "gateway" else None

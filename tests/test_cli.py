@@ -661,3 +661,11 @@ def test_empty_flag_values_mean_what_the_same_config_value_means(capsys, monkeyp
     capsys.readouterr()
     assert main(["serve", "--log-level", ""]) == 2  # was info, silently
     assert capsys.readouterr().err == "kvgate: --log-level: log level '': choose debug, info, warning or error\n"
+
+
+def test_version_is_the_installed_packages(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"kvgate {version('kvgate')}\n"
