@@ -318,8 +318,14 @@ def _writable(path: str | None, flag: str) -> None:
         return
     if not path:  # `--json ""`: the run would end and write nothing, silently
         raise CliError(f"{flag}: give a file path")
+    if path == "-":  # the shell's stdout, which kvgate does not take (it would write a file named "-")
+        raise CliError(f"{flag}: give a file path (for standard output, /dev/stdout)")
     if os.path.isdir(path):
         raise CliError(f"{flag}: {path} is a directory")
+    if os.path.exists(path) and not os.path.isfile(path):  # /dev/stdout, a pipe: written in place
+        if not os.access(path, os.W_OK):
+            raise CliError(f"{flag}: cannot write {path}: permission denied")
+        return
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise CliError(f"{flag}: cannot write into {parent}: no such folder")
@@ -474,6 +480,8 @@ def _read_trace(path: str, fmt: str):
     """The trace at ``path``; a file that is not one is a `FILE:LINE: why` error."""
     from engine.traces import TraceError, load_trace
 
+    if path == "-" and not os.path.exists(path):
+        raise CliError("TRACE: give a file path (for standard input, /dev/stdin)")
     try:
         return load_trace(path, fmt)
     except TraceError as exc:

@@ -669,3 +669,22 @@ def test_version_is_the_installed_packages(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out == f"kvgate {version('kvgate')}\n"
+
+
+def test_a_dash_is_no_file_name_and_dev_stdout_is_written_in_place(tmp_path, capsys, monkeypatch):
+    """`-` would have been a file literally named "-": refused with the path to use;
+    /dev/stdout (or any existing non-regular file) is written in place, whatever /dev's mode."""
+    monkeypatch.chdir(tmp_path)
+    path = str(mooncake_trace(tmp_path / "m.jsonl"))
+    for argv, said in ((["replay", path, "--json", "-"], "kvgate: --json: give a file path (for standard output, /dev/stdout)\n"),
+                       (["synth", "-o", "-"], "kvgate: -o: give a file path (for standard output, /dev/stdout)\n"),
+                       (["replay", "-"], "kvgate: TRACE: give a file path (for standard input, /dev/stdin)\n")):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == said
+    assert not (tmp_path / "-").exists()
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    read = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    monkeypatch.setattr(os, "access", lambda p, mode: str(p) == str(fifo))  # as a user who cannot write into tmp_path
+    assert main(["replay", path, "--capacity-blocks", "4", "--json", str(fifo), "--no-progress"]) == 0
+    assert json.loads(read.communicate(timeout=30)[0])["results"][0]["capacity_blocks"] == 4
