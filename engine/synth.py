@@ -35,6 +35,7 @@ a Mooncake trace carries no turns or types, so it reads as single-turn text.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import math
 import os
@@ -485,12 +486,14 @@ def write_trace(records: list[dict], path: str | Path) -> None:
     so that an interrupted write leaves the old file rather than a shorter trace
     that reads as a valid one.  Anything but a regular file (a pipe, /dev/stdout)
     is written as it is: renaming over it would replace it."""
+    # A name ending .gz gets what it says (published traces ship so; replay reads both).
+    zipped = str(path).endswith(".gz")
     if os.path.exists(path) and not os.path.isfile(path):
-        _write_records(records, path)
+        _write_records(records, path, zipped)
         return
     partial = f"{path}.{os.getpid()}.part"
     try:
-        _write_records(records, partial)
+        _write_records(records, partial, zipped)
         os.replace(partial, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -498,8 +501,9 @@ def write_trace(records: list[dict], path: str | Path) -> None:
         raise
 
 
-def _write_records(records: list[dict], path: str | Path) -> None:
-    with open(path, "w", encoding="utf-8", newline="\n") as handle:
+def _write_records(records: list[dict], path: str | Path, zipped: bool = False) -> None:
+    opener = gzip.open if zipped else open
+    with opener(path, "wt", encoding="utf-8", newline="\n") as handle:
         for record in records:
             handle.write(json.dumps(record, separators=(", ", ": ")))
             handle.write("\n")

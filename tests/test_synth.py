@@ -41,6 +41,17 @@ def test_same_seed_same_bytes(tmp_path):
     assert synth.synthesize("mixed", 600, 3, seed=12) != synth.synthesize("mixed", 600, 3, seed=11)
 
 
+def test_a_gz_name_gets_a_gzipped_trace(tmp_path):
+    import gzip
+
+    records = synth.synthesize("mixed", 120, 2, seed=11)
+    plain, zipped = tmp_path / "t.jsonl", tmp_path / "t.jsonl.gz"
+    synth.write_trace(records, plain)
+    synth.write_trace(records, zipped)
+    assert gzip.decompress(zipped.read_bytes()) == plain.read_bytes()
+    assert len(load_trace(zipped).requests) == len(records)
+
+
 @pytest.mark.parametrize("profile", synth.PROFILES)
 def test_records_are_valid_bailian(traces, profile):
     records, trace, _ = traces[profile]
