@@ -165,6 +165,9 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
     if not unsupported.keys().isdisjoint(body) and req.engine_unsupported is None:
         _check_engine_unsupported(req, body, unsupported)
     req.ignored = body.keys() - _READ_FIELDS[endpoint] - unsupported.keys() or None
+    if options and options.keys() - _READ_STREAM_OPTIONS:
+        # vLLM's continuous_usage_stats (usage in every chunk) among them: the final usage chunk only, here.
+        req.ignored = (req.ignored or set()) | {f"stream_options.{name}" for name in options.keys() - _READ_STREAM_OPTIONS}
     # Each prompt's n choices are decoded on their own: cap one request's share.
     n, prompts = req.sampling.n, len(req.prompts) if req.prompts is not None else 1
     if prompts * n > limits.max_choices:
@@ -186,6 +189,7 @@ _READ_BY_BOTH = frozenset({
     # What a gateway sends its `kvgate engine` replicas.
     "kvgate_context", "kvgate_mm_hashes",
 })
+_READ_STREAM_OPTIONS = frozenset({"include_usage"})
 _READ_FIELDS = {
     CHAT: _READ_BY_BOTH | {"messages", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
                            "response_format"},

@@ -46,6 +46,9 @@ def test_fields_nothing_reads_are_named():
     assert chat(store=True, temprature=1).ignored == {"store", "temprature"}
     # Refused fields are no ignored ones, default-valued or not.
     assert chat(guided_json=None, chat_template_kwargs={}).ignored is None
+    # vLLM's per-chunk usage is not done: named too.
+    assert chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}).ignored == {
+        "stream_options.continuous_usage_stats"}
     # The other endpoint's own fields are read by neither: best_of on chat is no best-of.
     assert chat(best_of=3, echo=True, suffix="x", prompt="p").ignored == {"best_of", "echo", "suffix", "prompt"}
     completion = parse_request("completions", {"model": "m", "prompt": "p", "messages": [], "top_logprobs": 2,
