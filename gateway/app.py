@@ -257,14 +257,13 @@ class Gateway:
 
     def stalled_steps(self) -> dict[str, float]:
         """In-process replicas whose model step has run past engine.step_timeout_s
-        (a stuck kernel, a hung GPU): name -> seconds it has run.  The event loop
-        answers while the step's thread hangs, so only this shows it."""
-        limit = self.config.engine.step_timeout_s
+        (a stuck kernel, a hung GPU), name -> seconds: out of routing meanwhile.
+        The event loop answers while the step's thread hangs, so only this shows it."""
         stalled = {}
         for replica in self.replicas:
-            running = getattr(getattr(replica, "engine", None), "step_running_s", None)
-            if limit and replica.kind == "inprocess" and running is not None and running() > limit:
-                stalled[replica.name] = round(running(), 1)
+            seconds = replica.stalled_for() if isinstance(replica, InProcessReplica) else 0.0
+            if seconds:
+                stalled[replica.name] = round(seconds, 1)
         return stalled
 
     async def health(self, request: web.Request) -> web.Response:
@@ -272,12 +271,11 @@ class Gateway:
         # Kubernetes probe) must see: only a restart frees the device.
         stalled = self.stalled_steps()
         if stalled:
-            return web.json_response({"status": "stalled", "step_running_s": stalled}, status=503)
+            return web.json_response({"status": "stalled", "stalled_replicas": stalled}, status=503)
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        stalled = self.stalled_steps()
-        healthy = [r.name for r in self.replicas if r.healthy and r.name not in stalled]
+        healthy = [r.name for r in self.replicas if r.healthy]
         ready = bool(healthy) and not self.draining
         body = {"ready": ready, "healthy_replicas": healthy}
         if self.draining:

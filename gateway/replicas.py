@@ -170,13 +170,33 @@ class InProcessReplica(Replica):
     kind = "inprocess"
 
     def __init__(self, name: str, config: KvgateConfig | None = None, engine: Any = None) -> None:
+        self._up = False
         super().__init__(name)
         self.config = config
         self.engine = engine
+        # A model step running longer is a hung engine (a stuck kernel): out of
+        # routing until it ends, as a `kvgate engine` in that state leaves its gateways'.
+        self.step_timeout_s = config.engine.step_timeout_s if config is not None else 0.0
         self.seq = 0
         self._listeners: list[KvListener] = []
         self._seq_lock = threading.Lock()
         self._owns_engine = engine is None
+
+    @property
+    def healthy(self) -> bool:
+        return self._up and not self.stalled_for()
+
+    @healthy.setter
+    def healthy(self, up: bool) -> None:
+        self._up = up
+
+    def stalled_for(self) -> float:
+        """Seconds the model step under way has run, when past step_timeout_s; else 0."""
+        running = getattr(self.engine, "step_running_s", None)
+        if not self.step_timeout_s or running is None:
+            return 0.0
+        seconds = running()
+        return seconds if seconds > self.step_timeout_s else 0.0
 
     async def start(self) -> None:
         if self.engine is None:

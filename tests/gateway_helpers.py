@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import AsyncIterator, Iterator
 
 import aiohttp
 import openai
@@ -52,13 +52,10 @@ async def metric_by_replica(url: str, name: str) -> dict[str, float]:
     return out
 
 
-@asynccontextmanager
-async def a_request_in_a_hung_step(engine, session: aiohttp.ClientSession, url: str, model: str):
+@contextmanager
+def hung_model_steps(engine) -> Iterator[threading.Event]:
     """``engine``'s model steps wait, as behind a stuck kernel, until the yielded
-    event is set (at most 30 s, and always on leaving); yields (that event, a
-    completions request posted to ``url`` once its step has run over 0.5 s)."""
-    from tests.engine_procs import wait_for
-
+    event is set (at most 30 s, and always on leaving)."""
     release = threading.Event()
     step = engine._step
 
@@ -68,10 +65,20 @@ async def a_request_in_a_hung_step(engine, session: aiohttp.ClientSession, url: 
 
     engine._step = hung_step
     try:
+        yield release
+    finally:
+        release.set()
+        engine._step = step
+
+
+@asynccontextmanager
+async def a_request_in_a_hung_step(engine, session: aiohttp.ClientSession, url: str, model: str):
+    """hung_model_steps(engine): yields (its event, a completions request posted
+    to ``url`` once its step has run over 0.5 s)."""
+    from tests.engine_procs import wait_for
+
+    with hung_model_steps(engine) as release:
         post = asyncio.ensure_future(session.post(url + "/v1/completions", json={
             "model": model, "prompt": "hello", "max_tokens": 2}))
         await wait_for(lambda: engine.step_running_s() > 0.5, what="a step past its limit")
         yield release, post
-    finally:
-        release.set()
-        engine._step = step

@@ -19,7 +19,7 @@ from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, KvgateConfig, ReplicaConfig, RouterConfig, ServerConfig
 from gateway.server import start_server
 from tests.engine_procs import wait_for
-from tests.gateway_helpers import a_request_in_a_hung_step, metric_by_replica, serving
+from tests.gateway_helpers import a_request_in_a_hung_step, hung_model_steps, metric_by_replica, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -423,7 +423,7 @@ async def test_a_hung_in_process_model_step_fails_health_and_readiness(tiny_mode
                 async with session.get(server.url + "/health") as resp:
                     body = await resp.json()
                     assert resp.status == 503 and body["status"] == "stalled", body
-                    assert list(body["step_running_s"].values())[0] > 0.3
+                    assert list(body["stalled_replicas"].values())[0] > 0.3
                 async with session.get(server.url + "/ready") as resp:
                     assert resp.status == 503 and (await resp.json())["healthy_replicas"] == []
                 release.set()
@@ -432,3 +432,27 @@ async def test_a_hung_in_process_model_step_fails_health_and_readiness(tiny_mode
                 for path in ("/health", "/ready"):
                     async with session.get(server.url + path) as resp:
                         assert resp.status == 200, path
+
+
+async def test_a_hung_in_process_replica_leaves_routing_until_its_step_ends(tiny_model_dir):
+    """Two in-process engines, one hung mid-step: requests go to the other (the
+    hung one would hold them for as long as it hangs), and its healthy series
+    says 0, until the step ends."""
+    config = _config(tiny_model_dir, replicas=2)
+    config.engine.step_timeout_s = 0.3
+    config.router = RouterConfig(policy="round-robin")
+    async with serving(create_app(config)) as (app, server, client):
+        hung = app[GATEWAY].replicas[0]
+        with hung_model_steps(hung.engine) as release:
+            first = [asyncio.ensure_future(client.completions.create(model=MODEL, prompt="hello", max_tokens=2))
+                     for _ in range(2)]  # round-robin: one of them to each
+            await wait_for(lambda: hung.engine.step_running_s() > 0.5, what="a step past its limit")
+            assert not hung.healthy
+            for _ in range(3):
+                out = await asyncio.wait_for(client.completions.create(model=MODEL, prompt="hi", max_tokens=2), 30)
+                assert out.choices[0].finish_reason
+            healthy = await metric_by_replica(server.url, "kvgate_replica_healthy")
+            assert healthy[hung.name] == 0 and sum(healthy.values()) == 1
+            release.set()
+            await asyncio.gather(*first)
+        await wait_for(lambda: hung.healthy, what="back in routing")
