@@ -78,6 +78,7 @@ class TuneResult:
     configured_policy: str = "wa"
     configured: float | None = None
     searched_requests: int = 0  # the head of the trace the search replayed (all of it without --holdout)
+    searched_ideal: float | None = None  # that head's ideal hit ratio (an infinite cache's)
 
 
 class NothingFinished(Exception):
@@ -251,7 +252,8 @@ def tune(
         held, held_skipped = _check_holdout(run, check, start, descent)
     return TuneResult(capacity_blocks, host_blocks, lru, start, descent.best, run.done, descent.rounds,
                       time.monotonic() - run.started, descent.stopped, skipped, held, descent.first_round_done,
-                      held_skipped, base.workload_aware, base.policy, configured, len(search.requests))
+                      held_skipped, base.workload_aware, base.policy, configured, len(search.requests),
+                      search.ideal_hit_ratio())
 
 
 def _knobs(wa: WorkloadAwareConfig, space: Space) -> tuple[Space, list[str]]:
@@ -449,8 +451,10 @@ def format_report(result: TuneResult, trace_name: str, requests: int, unique_blo
 
 def _doubt(result: TuneResult) -> str | None:
     """Why the tuned settings should not be pasted as they are, or None."""
+    if result.searched_ideal == 0:
+        return "the searched requests reuse no block, so no setting can make a difference"
     if result.lru == result.start.hit_ratio == result.best.hit_ratio == 0:
-        return "the searched requests reuse no block, so no setting made a difference"
+        return "no setting scored a hit at this capacity (too small to keep a prefix until it is reused)"
     if result.holdout is not None:
         # The held-out tail has the last word, even on a short search.
         if result.holdout["best"] < result.holdout["start"]:

@@ -304,6 +304,14 @@ def test_a_search_on_too_few_requests_says_so(trace_path, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "the searched requests reuse no block" in out
     assert yaml.safe_load(out) == {"cache": {"policy": "wa", "workload_aware": {}}}
+    # Reuse there is, but a cache of one block keeps none of these two-block prefixes.
+    alternating = tmp_path / "alternating.jsonl"
+    alternating.write_text("".join(json.dumps({"timestamp": t * 1000, "input_length": 1024, "output_length": 4,
+                                               "hash_ids": [10 * (t % 2) + 1, 10 * (t % 2) + 2]}) + "\n"
+                                   for t in range(40)))
+    assert main(["tune", str(alternating), "--capacity-blocks", "1", "--time-limit", "30", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "reuse no block" not in out and "no setting scored a hit at this capacity" in out
 
 
 def test_sigterm_to_a_running_tune_prints_the_report_and_exits_143(tmp_path):
