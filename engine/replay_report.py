@@ -141,21 +141,25 @@ def write_errors_as(error: type[Exception], flag: str, path: str | Path) -> Iter
 
 
 def write_outputs(error: type[Exception], outputs: Sequence[tuple[str, str | None, Callable[[], None]]]) -> bool:
-    """Write each (flag, path, writer) whose path is set, with Ctrl-C held until
-    they are written: the runs behind them are finished, and a plot takes a second
-    or so to draw, long enough for a late keypress to lose it.  A second Ctrl-C
-    stops at once and says which file it left unwritten.  Returns whether Ctrl-C
-    was pressed meanwhile."""
-    pressed: list[int] = []
+    """Write each (flag, path, writer) whose path is set, with Ctrl-C and SIGTERM
+    held until they are written: the runs behind them are finished, and a plot
+    takes a second or so to draw, long enough for a late keypress to lose it.  A
+    second signal stops at once and says which file it cut short.  Returns whether
+    Ctrl-C was pressed meanwhile; a held SIGTERM is delivered once the files are
+    written, to whatever handles it."""
+    held: list[int] = []
 
     def hold(signum, frame) -> None:
-        pressed.append(signum)
-        if len(pressed) > 1:
+        held.append(signum)
+        if len(held) > 1:
             raise KeyboardInterrupt
 
-    # Signal handlers belong to the main thread; an ignored SIGINT (a background job) stays ignored.
-    holding = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
-    previous = signal.signal(signal.SIGINT, hold) if holding else None
+    # Handlers belong to the main thread; an ignored signal (SIGINT in a background job) stays ignored.
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                previous[signum] = signal.signal(signum, hold)
     try:
         for flag, path, write in outputs:
             if not path:
@@ -164,12 +168,16 @@ def write_outputs(error: type[Exception], outputs: Sequence[tuple[str, str | Non
                 with write_errors_as(error, flag, path):
                     write()
             except KeyboardInterrupt:
-                print(f"kvgate: {flag} {path} not written (interrupted)", file=sys.stderr)
+                print(f"kvgate: {flag} {path} cut short (interrupted while written)", file=sys.stderr)
                 raise
     finally:
-        if holding:
-            signal.signal(signal.SIGINT, previous)
-    return bool(pressed)
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    if signal.SIGTERM in held:
+        # The CLI's handler notes it (exit status 143) and stops as Ctrl-C does.
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGTERM)
+    return bool(held)
 
 
 def write_json(path: str | Path, summary: dict, results: Sequence[ReplayResult], extra: dict | None = None) -> None:

@@ -324,7 +324,7 @@ def test_cli_ctrl_c_while_the_plot_is_drawn(tmp_path, capsys, monkeypatch, press
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "interrupted after every run had finished; the outputs were written first" in err
     else:
-        assert not out_png.exists() and f"--plot {out_png} not written (interrupted)" in err
+        assert f"--plot {out_png} cut short (interrupted while written)" in err
 
 
 def test_cli_ctrl_c_before_any_run_says_the_plot_is_not_written(tmp_path, capsys, monkeypatch):
@@ -648,3 +648,26 @@ def test_a_tools_warnings_read_as_its_errors_do(tmp_path):
     assert done.returncode == 0, done.stderr
     (warning,) = [line for line in done.stderr.splitlines() if "video" in line]
     assert warning.startswith(f"kvgate: {path}:2: type \"video\" is none of "), warning
+
+
+def test_sigterm_while_the_plot_is_drawn_waits_for_it_then_exits_143(tmp_path, capsys, monkeypatch):
+    """A scheduler's SIGTERM as the last files are written: held as Ctrl-C is,
+    then delivered, so the status still says SIGTERM."""
+    import os
+    import signal
+
+    import engine.replay_report
+
+    draw = engine.replay_report.write_plot
+
+    def terminated_while_drawing(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(engine.replay_report, "write_plot", terminated_while_drawing)
+    trace = write_bailian(tmp_path / "t.jsonl", requests=60)
+    out_png = tmp_path / "r.png"
+    code = main(["replay", str(trace), "--policies", "lru", "--capacity-blocks", "8", "--plot", str(out_png),
+                 "--no-progress"])
+    assert code == 143
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
