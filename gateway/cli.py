@@ -37,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         terminated.append(signum)
         raise KeyboardInterrupt
 
-    terminable = args.command in ("replay", "tune") and threading.current_thread() is threading.main_thread()
+    terminable = (args.command in ("replay", "tune") and threading.current_thread() is threading.main_thread()
+                  and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN)
     previous = signal.signal(signal.SIGTERM, stop_as_if_interrupted) if terminable else None
     try:
         code = _run(args)

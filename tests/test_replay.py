@@ -617,11 +617,18 @@ def test_a_capacity_past_the_traces_blocks_allocates_only_those(tmp_path, capsys
     assert sizes and all(device <= unique and host == 0 for device, host in sizes)
     assert main(["replay", str(trace_path), "--replicas", "5000", "--no-progress"]) == 2
     assert "--replicas: give a number from 1 to 1024" in capsys.readouterr().err
+    # The figures are those of tiers allocated as asked (the cap turned off), device
+    # past the distinct blocks, or host past them behind a small device tier.
+    capped = {}
     for policy in ("lru", "fifo", "s3fifo", "wa", "wa-paper", "belady"):
-        exact, huge = (replay(trace, policy, capacity, host_blocks=host, unique_blocks=unique)
-                       for capacity, host in ((unique, 0), (100_000_000, 100_000_000)))
-        assert (huge.hits, huge.accesses, huge.evictions) == (exact.hits, exact.accesses, exact.evictions), policy
-        assert huge.capacity_blocks == 100_000_000  # reported as asked
+        for device, host in ((2 * unique, 0), (unique // 10, 3 * unique)):
+            result = replay(trace, policy, device, host_blocks=host, unique_blocks=unique)
+            assert result.capacity_blocks == device  # reported as asked
+            capped[policy, device, host] = (result.hits, result.evictions, result.fallbacks)
+    monkeypatch.setattr("engine.replay.pool_sizes", lambda device, host, unique: (device, host))
+    for (policy, device, host), figures in capped.items():
+        result = replay(trace, policy, device, host_blocks=host, unique_blocks=unique)
+        assert (result.hits, result.evictions, result.fallbacks) == figures, (policy, device, host)
 
 
 def test_a_trace_with_no_reuse_plans_no_capacity(tmp_path, capsys):
