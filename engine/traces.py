@@ -7,6 +7,7 @@ count a hit as the leading run of cached keys.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import logging
@@ -123,11 +124,10 @@ def _read_records(handle: BinaryIO, source: str, fmt: str) -> Trace:
     first_looks = ""  # the format the first record looks like
     block_tokens: int | None = None  # a Bailian file's one block size (recordings name it on every line)
     for line_no, raw in enumerate(handle, 1):
-        text = raw.strip()
-        if not text:
+        if not raw.strip():
             continue
         where = f"{source}:{line_no}"
-        record = _parse_line(text, where, first=not requests)
+        record = _parse_line(raw, where, first=not requests)
         looks = _looks_like(record)
         if not requests:
             first_looks, fmt = looks, _check_format(record, fmt, where)
@@ -139,8 +139,9 @@ def _read_records(handle: BinaryIO, source: str, fmt: str) -> Trace:
                 block_tokens = size
             elif size != block_tokens:
                 # Hit ratios and the routing simulation count blocks of one size.
-                raise TraceError(f"{where}: block_tokens {size}, where the lines before give {block_tokens}; a trace "
-                                 "holds one block size (record each engine block size to a file of its own)")
+                given = f"block_tokens {size}" if "block_tokens" in record else f"no block_tokens (so {size})"
+                raise TraceError(f"{where}: {given}, where the lines before give {block_tokens}; a trace holds one "
+                                 "block size (record each engine block size to a file of its own)")
             requests.append(_bailian_request(record, where, chain, len(requests), notes, size))
         else:
             requests.append(_mooncake_request(record, where, len(requests)))
@@ -188,16 +189,17 @@ class _Notes:
 
 
 def _parse_line(raw: bytes, where: str, first: bool) -> dict:
+    # Decoded here, not by json.loads, which guesses UTF-16 or -32 from the first
+    # bytes and then calls a line of bad UTF-8 no JSON.  A leading BOM is no text.
+    bom = 3 if raw.startswith(codecs.BOM_UTF8) else 0
     try:
-        # Decoded here, not by json.loads, which guesses UTF-16 or -32 from the first
-        # bytes and then calls a line of bad UTF-8 no JSON.  (-sig: a leading BOM is no text.)
-        text = raw.decode("utf-8-sig")
+        text = raw[bom:].decode("utf-8").strip()
     except UnicodeDecodeError as exc:
-        raise TraceError(f"{where}: not UTF-8 text (byte {exc.start + 1} of the line)") from None
+        raise TraceError(f"{where}: not UTF-8 text (byte {bom + exc.start + 1} of the line)") from None
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
-        if first and _looks_like_csv(raw):
+        if first and _looks_like_csv(text):
             raise TraceError(f"{where}: this looks like a CSV header; kvgate reads JSONL traces (Bailian or Mooncake "
                              "format), one JSON object per line, not CSV") from None
         # The line was read alone: json's own "line 1" would only muddle FILE:LINE.
@@ -209,10 +211,10 @@ def _parse_line(raw: bytes, where: str, first: bool) -> dict:
     return record
 
 
-def _looks_like_csv(text: bytes) -> bool:
+def _looks_like_csv(text: str) -> bool:
     """A first line of comma-separated names, bare or quoted: no JSON object
     starts with a letter or a quote."""
-    return b"," in text and (text[:1].isalpha() or text[:1] == b'"')
+    return "," in text and (text[:1].isalpha() or text[:1] == '"')
 
 
 def _looks_like(record: dict) -> str:

@@ -185,6 +185,12 @@ def test_a_line_of_bad_utf8_is_said_to_be_so(tmp_path, capsys):
         path.write_bytes(good + line)
         assert main(["replay", str(path), "--no-progress"]) == 2
         assert capsys.readouterr().err == f"kvgate: {path}:2: not UTF-8 text (byte {byte} of the line)\n"
+    path.write_bytes(good + b"  \xe9\n")  # the byte counts from the line's start, its leading blanks too
+    assert main(["replay", str(path), "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"kvgate: {path}:2: not UTF-8 text (byte 3 of the line)\n"
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\xef\xbb\xbf{\xe9\n")
+    assert main(["replay", str(path), "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"kvgate: {path}:2: not UTF-8 text (byte 5 of the line)\n"
     path.write_bytes(b"\xef\xbb\xbf" + good)  # a BOM is no text
     assert main(["replay", str(path), "--no-progress"]) == 0
 
@@ -543,17 +549,19 @@ def test_bailian_fields_out_of_their_range_are_refused_at_their_line(tmp_path):
 
     second = dict(BAILIAN_ROW, chat_id=10, timestamp=BAILIAN_ROW["timestamp"] + 1)
     cases = [
-        (dict(second, block_tokens=32), r"b.jsonl:2: block_tokens 32, where the lines before give 16; a trace holds "
-                                        r"one block size"),
-        (dict(second, turn=0), r"b.jsonl:2: turn must be >= 1 \(a conversation's first turn is 1\), got 0$"),
-        (dict(second, cacheable_blocks=-1), r"b.jsonl:2: cacheable_blocks must be from 0 to the line's 2 hash_ids, "
-                                            r"got -1$"),
-        (dict(second, cacheable_blocks=99), r"b.jsonl:2: cacheable_blocks must be from 0 to the line's 2 hash_ids, "
-                                            r"got 99$"),
+        (BAILIAN_ROW, dict(second, block_tokens=32),
+         r"b.jsonl:2: block_tokens 32, where the lines before give 16; a trace holds one block size"),
+        (dict(BAILIAN_ROW, block_tokens=32), second,
+         r"b.jsonl:2: no block_tokens \(so 16\), where the lines before give 32"),
+        (BAILIAN_ROW, dict(second, turn=0), r"b.jsonl:2: turn must be >= 1 \(a conversation's first turn is 1\), got 0$"),
+        (BAILIAN_ROW, dict(second, cacheable_blocks=-1),
+         r"b.jsonl:2: cacheable_blocks must be from 0 to the line's 2 hash_ids, got -1$"),
+        (BAILIAN_ROW, dict(second, cacheable_blocks=99),
+         r"b.jsonl:2: cacheable_blocks must be from 0 to the line's 2 hash_ids, got 99$"),
     ]
     path = tmp_path / "b.jsonl"
-    for row, message in cases:
-        path.write_text("".join(json.dumps(r) + "\n" for r in (BAILIAN_ROW, row)))
+    for first, row, message in cases:
+        path.write_text("".join(json.dumps(r) + "\n" for r in (first, row)))
         with pytest.raises(TraceError, match=message):
             load_trace(path)
     # A recording of 32-token blocks, every line saying so, is a trace of 32-token blocks.
