@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import io
 import json
 import math
 import os
@@ -502,8 +503,11 @@ def write_trace(records: list[dict], path: str | Path) -> None:
 
 
 def _write_records(records: list[dict], path: str | Path, zipped: bool = False) -> None:
-    opener = gzip.open if zipped else open
-    with opener(path, "wt", encoding="utf-8", newline="\n") as handle:
+    with open(path, "wb") as raw, contextlib.ExitStack() as stack:
+        if zipped:
+            # No name or time in the header: the same seed gives the same bytes, as unzipped.
+            raw = stack.enter_context(gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0))
+        handle = stack.enter_context(io.TextIOWrapper(raw, encoding="utf-8", newline="\n"))
         for record in records:
             handle.write(json.dumps(record, separators=(", ", ": ")))
             handle.write("\n")

@@ -432,10 +432,11 @@ class ClassifierConfig(Section):
     file_min_tokens: int = Field(1024, ge=1)
     # Tokens hashed into the prefix signature of file requests.
     signature_tokens: int = Field(10, ge=1)
-    # The workload of a /v1/completions request (API-style callers) and of a chat
-    # one when the matched rule gives none, or no rule matches: every default rule
-    # but the file rule decides one itself.
+    # When the matched rule gives no workload, or no rule matches (every default rule
+    # but the file rule gives one itself), the workload by endpoint:
+    # of a /v1/completions request (API-style callers) ...
     completions_workload: Literal["to-c", "to-b", "multimodal"] = "to-b"
+    # ... and of a /v1/chat/completions one.
     default_workload: Literal["to-c", "to-b", "multimodal"] = "to-c"
     # Ordered rules, first match wins (see ClassifierRule); the default list is the
     # issue's order: API key, header, image parts, long document, multi-turn, endpoint.

@@ -222,6 +222,8 @@ class KvgateRequestHandler(RequestHandler):
         super().handle_error(request, status, exc, message)
         error = parse_error(exc, status) if isinstance(exc, HttpProcessingError) else _server_error(status)
         response = error.response()
+        if error.status == 415:
+            response.headers["Accept-Encoding"] = "gzip, deflate"  # what to send instead (RFC 9110)
         response.force_close()
         # Said outright: aiohttp leaves it implicit in the HTTP/1.0 it answers a parse error in.
         response.headers["Connection"] = "close"

@@ -426,7 +426,7 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
         mapped = _ROLE_MAP.get(role) if isinstance(role, str) else None
         if mapped is None:
             raise bad_request(
-                f"Invalid value for '{where}.role': {json.dumps(role)}. Supported values are: 'system', 'developer', "
+                f"Invalid value for '{where}.role': {json.dumps(role)[:60]}. Supported values are: 'system', 'developer', "
                 "'user', 'assistant', 'tool' and 'function'.",
                 f"{where}.role",
             )

@@ -685,6 +685,12 @@ def test_a_dash_is_no_file_name_and_dev_stdout_is_written_in_place(tmp_path, cap
     fifo = tmp_path / "out.fifo"
     os.mkfifo(fifo)
     read = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
-    monkeypatch.setattr(os, "access", lambda p, mode: str(p) == str(fifo))  # as a user who cannot write into tmp_path
-    assert main(["replay", path, "--capacity-blocks", "4", "--json", str(fifo), "--no-progress"]) == 0
-    assert json.loads(read.communicate(timeout=30)[0])["results"][0]["capacity_blocks"] == 4
+    try:
+        with monkeypatch.context() as patched:
+            # As a user who cannot write into tmp_path (as /dev for /dev/stdout).
+            patched.setattr(os, "access", lambda p, mode: str(p) == str(fifo))
+            assert main(["replay", path, "--capacity-blocks", "4", "--json", str(fifo), "--no-progress"]) == 0
+        assert json.loads(read.communicate(timeout=30)[0])["results"][0]["capacity_blocks"] == 4
+    finally:
+        read.kill()
+        read.wait()

@@ -292,9 +292,10 @@ def test_an_encoding_with_no_decoder_here_is_a_415_naming_it(gateway, encoding):
             b"Content-Encoding: %s\r\nContent-Length: 4\r\n\r\nabcd" % encoding.encode())
     with _connect(gateway.port) as sock:
         sock.sendall(head)
-        status, _, body = _read_response(sock)
+        status, headers, body = _read_response(sock)
     error = json.loads(body)["error"]
     assert status == 415 and error["code"] == "unsupported_content_encoding", body
+    assert headers["accept-encoding"] == "gzip, deflate"
     assert f"Content-Encoding {encoding} is not supported" in error["message"]
     _assert_serving(gateway.port)
 

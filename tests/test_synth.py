@@ -49,6 +49,9 @@ def test_a_gz_name_gets_a_gzipped_trace(tmp_path):
     synth.write_trace(records, plain)
     synth.write_trace(records, zipped)
     assert gzip.decompress(zipped.read_bytes()) == plain.read_bytes()
+    again = tmp_path / "again.jsonl.gz"
+    synth.write_trace(records, again)
+    assert again.read_bytes() == zipped.read_bytes()  # no name or time in the gzip header
     assert len(load_trace(zipped).requests) == len(records)
 
 
