@@ -240,10 +240,19 @@ class Gateway:
             self.max_model_len = info.max_model_len
             log.info("replica %s answered: hashing blocks as it does (%d tokens, salt %r)", replica.name,
                      info.block_size, info.hash_salt)
-        elif (info.block_size, info.hash_salt) != (self.hasher.block_size, self.hasher.salt):
-            log.error("replica %s hashes blocks of %d tokens salted %r, the gateway %d salted %r: its prefix index "
-                      "cannot match (run every engine on the same model and engine.block_size)", replica.name,
-                      info.block_size, info.hash_salt, self.hasher.block_size, self.hasher.salt)
+        else:
+            if (info.block_size, info.hash_salt) != (self.hasher.block_size, self.hasher.salt):
+                log.error("replica %s hashes blocks of %d tokens salted %r, the gateway %d salted %r: its prefix index "
+                          "cannot match (run every engine on the same model and engine.block_size)", replica.name,
+                          info.block_size, info.hash_salt, self.hasher.block_size, self.hasher.salt)
+            if info.max_model_len != self.max_model_len:
+                # Engines on smaller KV pools serve shorter contexts: a request that fits
+                # one replica only would get a 400 wherever the router sends it otherwise.
+                log.warning("replica %s serves at most %d tokens (its model or KV pool), another %d: requests are "
+                            "held to %d, what every replica serves (give the engines the same model.max_model_len "
+                            "or KV pool)", replica.name, info.max_model_len, self.max_model_len,
+                            min(info.max_model_len, self.max_model_len))
+                self.max_model_len = min(self.max_model_len, info.max_model_len)
         expected = default_model_name(self.config)
         if info.model != expected and self.config.model.served_name is None:
             log.error("replica %s runs model %r but the gateway tokenises prompts for %r (model.path): give the "

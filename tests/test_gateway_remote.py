@@ -1849,3 +1849,32 @@ def test_a_breaker_trip_spares_streams_by_the_run_of_failures_that_tripped_it(mo
     replica._note_failure(probe=True)
     assert replica.breaker_open and not replica.healthy
     assert hung.closed and not served.closed
+
+
+async def test_engines_of_different_context_lengths_hold_requests_to_the_shortest(tiny_model_dir, caplog):
+    """An engine on a smaller KV pool (or model.max_model_len) serves shorter
+    contexts: the gateway holds every request to what all its engines serve, and
+    says so, instead of keeping the first engine's length and routing a request
+    that fits one engine only to the other, which answers 400."""
+    (_, long_server), (_, short_server) = [await _engine_server(tiny_model_dir, max_model_len=length)
+                                           for length in (1024, 256)]
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=s.url) for s in (long_server, short_server)],
+                         router=RouterConfig(policy="round-robin", health_interval_s=0.1))
+    app = create_app(config)
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        gateway = app[GATEWAY]
+        await wait_for(lambda: all(r.healthy for r in gateway.replicas), what="both engines in routing")
+        assert gateway.max_model_len == 256
+        assert (await client.models.list()).data[0].model_extra["max_model_len"] == 256
+        for _ in range(2):  # round-robin: one would have reached each engine
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.completions.create(model=MODEL, prompt=[5] * 300, max_tokens=2)
+            assert "maximum context length is 256 tokens" in info.value.message
+        assert any("requests are held to 256, what every replica serves" in r.getMessage() for r in caplog.records)
+    finally:
+        await client.close()
+        await gw.stop()
+        await long_server.stop()
+        await short_server.stop()
