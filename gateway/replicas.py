@@ -346,6 +346,7 @@ class RemoteReplica(Replica):
         self._probes_failing_since: float | None = None
         self._requests_failing_since: float | None = None
         self._key_refused = False  # /kv_events answered 401/403: said once, not at every retry
+        self._no_events = False  # /kv_events answered 404 (no kvgate engine): said once too
         # When any request last got output from this replica: a request left silent
         # for read_timeout_s while nothing else came either is a hung replica's.
         self._last_output = time.monotonic()
@@ -588,9 +589,17 @@ class RemoteReplica(Replica):
                                         "of routing until its replicas[].api_key (or api_key_env) is one of the engine's keys",
                                         self.name, resp.status)
                         self._key_refused = True
+                    if resp.status == 404:
+                        # vLLM or SGLang given as `kind: engine` (or --replica without openai+).
+                        if not self._no_events:
+                            log.warning("replica %s has no /kv_events (it answered 404): it is no `kvgate engine`; "
+                                        "give an OpenAI-compatible server (vLLM, SGLang) as kind: openai, or "
+                                        "--replica openai+%s. It stays out of routing", self.name,
+                                        without_userinfo(self.base))
+                        self._no_events = True
                     if resp.status != 200:
                         raise ReplicaUnavailable(f"/kv_events answered {resp.status}")
-                    self._key_refused = False
+                    self._key_refused = self._no_events = False
                     self._events_resp = resp
                     last = None
                     async for event, data in _sse_events(resp.content):
@@ -637,7 +646,7 @@ class RemoteReplica(Replica):
                 if self.healthy:
                     self._trip(f"unreachable ({exc})")
             except Exception as exc:  # noqa: BLE001 - any other failure means: resync
-                if not self.draining and not self._key_refused:  # a stopping engine ends it on purpose
+                if not (self.draining or self._key_refused or self._no_events):  # each said already, or on purpose
                     log.info("replica %s: kv event stream lost (%s); resyncing", self.name,
                              exc if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc))
             finally:

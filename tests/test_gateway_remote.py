@@ -1739,6 +1739,27 @@ async def test_an_engine_that_refuses_the_gateways_key_is_named_once(tiny_model_
         await server.stop()
 
 
+async def test_an_openai_server_given_as_an_engine_is_named_once(tiny_model_dir, caplog):
+    """vLLM behind `--replica http://...` (no openai+): it has no /kv_events, so
+    it never joins; a warning says what it is and what to write instead, once,
+    not an INFO resync line every two seconds."""
+    caplog.set_level(logging.INFO, logger="gateway.replicas")
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), _answer_fine)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=upstream.url, connect_timeout_s=0.5)]))
+    gw = await start_server(app)
+    try:
+        await wait_for(lambda: any("no /kv_events" in r.message for r in caplog.records), what="the warning")
+        await asyncio.sleep(2.5)  # a retry or two later
+        named = [r for r in caplog.records if "no /kv_events" in r.message]
+        assert len(named) == 1 and named[0].levelname == "WARNING", named
+        assert "kind: openai" in named[0].message and "--replica openai+http://127.0.0.1:" in named[0].message
+        assert not [r for r in caplog.records if "resyncing" in r.message]
+        assert not app[GATEWAY].replicas[0].healthy
+    finally:
+        await gw.stop()
+        await upstream.stop()
+
+
 async def test_an_engine_key_from_the_environment_is_sent_to_the_engine(tiny_model_dir, monkeypatch):
     """replicas[].api_key_env: the gateway reads the engine's key from the
     variable (as the Kubernetes manifests give it from a Secret) and sends it
