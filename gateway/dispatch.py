@@ -206,7 +206,7 @@ class Dispatcher:
                         self.metrics.replica_failures.labels(
                             replica.name, "mid_stream" if produced else "before_first_token").inc()
                     if produced and parsed.stream:
-                        log.warning("%s failed mid-response: %s", request.request_id, exc)
+                        log.warning("%s failed mid-response: %s", parsed.id, exc)
                         if stopping:  # its code tells the client that a retry will be served
                             raise errors.shutting_down("The model server is shutting down; the output is "
                                                        "incomplete.") from None
@@ -216,7 +216,7 @@ class Dispatcher:
                         raise errors.upstream_error(f"{reason[:1].upper()}{reason[1:]}; the output is incomplete.") from None
                     # Before its first output, or mid-answer for a non-streaming
                     # request (its client has had nothing yet): another replica.
-                    log.warning("replica %s %s, trying another: %s", replica.name,
+                    log.warning("%s: replica %s %s, trying another: %s", parsed.id, replica.name,
                                 "stopping" if stopping else "failed mid-response" if produced else "unavailable", exc)
                     restart = produced
                     tried.append(decision.replica)

@@ -44,6 +44,8 @@ class ParsedRequest:
     endpoint: str
     model: str
     body: dict
+    # The completion's id, also its x-request-id: what a client quotes, so the log says it too.
+    id: str = ""
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
@@ -131,7 +133,7 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
         raise bad_request("you must provide a model parameter", "model")
     if not isinstance(model, str) or not model:
         raise bad_request(_type_msg("model", "a string", model), "model")
-    req = ParsedRequest(endpoint=endpoint, model=model, body=body)
+    req = ParsedRequest(endpoint=endpoint, model=model, body=body, id=new_id("chatcmpl-" if endpoint == CHAT else "cmpl-"))
     req.stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None:

@@ -30,7 +30,6 @@ from gateway.protocol import (
     StreamFormatter,
     chat_completion,
     merge_delta_extra,
-    new_id,
     now_s,
     sse_error,
     text_completion,
@@ -104,9 +103,9 @@ class Responder:
             for i, choice in enumerate(choices):
                 choice.text.insert(0, parsed.echo_texts[i // n])
         if parsed.endpoint == CHAT:
-            obj = chat_completion(new_id("chatcmpl-"), created, self.model_name, choices, usage.as_dict(subs))
+            obj = chat_completion(parsed.id, created, self.model_name, choices, usage.as_dict(subs))
         else:
-            obj = text_completion(new_id("cmpl-"), created, self.model_name, choices, usage.as_dict(subs),
+            obj = text_completion(parsed.id, created, self.model_name, choices, usage.as_dict(subs),
                                   parsed.top_with_sampled)
         # OpenAI's SDKs expose x-request-id (response._request_id) for logs and support;
         # here it is the completion's own id, so one string finds both.
@@ -119,7 +118,7 @@ class Responder:
         """Server-sent events: a chunk per choice as its tokens arrive, then usage (if asked) and [DONE]."""
         n = parsed.sampling.n
         chat = parsed.endpoint == CHAT
-        rid = new_id("chatcmpl-" if chat else "cmpl-")
+        rid = parsed.id
         fmt = StreamFormatter(parsed.endpoint, rid, now_s(), self.model_name, parsed.include_usage, parsed.top_with_sampled)
         echo = parsed.echo_texts
         states = [ChoiceState() for _ in range(n * len(subs))]

@@ -1508,7 +1508,7 @@ async def test_a_replica_that_answers_probes_but_fails_every_request_leaves_rout
         assert gateway.replicas[0].trips == 1 and not gateway.replicas[0].healthy
 
 
-async def test_a_non_streaming_request_whose_replica_dies_mid_answer_starts_over_on_another(tiny_model_dir):
+async def test_a_non_streaming_request_whose_replica_dies_mid_answer_starts_over_on_another(tiny_model_dir, caplog):
     """Nothing of a non-streaming answer has reached the client when its replica
     dies after some tokens: it is asked again of another replica, and the client
     gets that one's whole answer (and usage), not a 502.  A stream cannot start
@@ -1527,10 +1527,15 @@ async def test_a_non_streaming_request_whose_replica_dies_mid_answer_starts_over
     messages = [{"role": "user", "content": "hi"}]
     async with _gateway_over_pair(tiny_model_dir, dying, _answer_fine, ("dying", "good"), router) as (
             gateway, url, client, _):
+        ids = []
         for _ in range(2):  # round-robin: one of the two meets the dying replica first
             out = await client.chat.completions.create(model=MODEL, messages=messages)
             assert out.choices[0].message.content == "Fine" and out.choices[0].finish_reason == "stop"
             assert out.usage.prompt_tokens != 99  # a dead attempt's usage is dropped
+            ids.append(out.id)
+        # The log line names the id the client has (its x-request-id), not an internal one.
+        (retried,) = [r.getMessage() for r in caplog.records if "trying another" in r.getMessage()]
+        assert retried.split(":")[0] in ids, retried
         assert gateway.replicas[0].trips == 1
         assert await metric_by_replica(url, "kvgate_replica_failures_total") == {"dying": 1.0, "good": 0.0}
         # A stream cannot start over once its first bytes are out.
@@ -1543,6 +1548,9 @@ async def test_a_non_streaming_request_whose_replica_dies_mid_answer_starts_over
                     events = await sse_events(resp)
                 assert events[-1] == "[DONE]"
                 endings.append(events[-2].get("error", {}).get("code"))
+                if endings[-1] is not None:
+                    assert any(r.getMessage().startswith(f"{events[0]['id']} failed mid-response")
+                               for r in caplog.records)
         assert sorted(endings, key=str) == [None, "upstream_error"]
 
 
