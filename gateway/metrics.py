@@ -170,8 +170,9 @@ class GatewayMetrics:
         return series
 
     def errors_total(self) -> int:
-        """Responses other than 200 since start (the status line's error count)."""
-        return int(sum(child.value for values, child in self.requests._exported() if values[2] != "200"))
+        """Responses other than 200 since start (the status line's error count), but
+        for 499s: a client that left before its answer is no error of the server's."""
+        return int(sum(child.value for values, child in self.requests._exported() if values[2] not in ("200", "499")))
 
     def generated_total(self) -> int:
         """Tokens generated since start, all replicas (the status line's generation rate)."""

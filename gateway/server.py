@@ -245,8 +245,10 @@ async def _serve(app: web.Application, sockets: list[socket.socket], cfg: Server
                  port, type(asyncio.get_running_loop()).__module__.split(".")[0])
         await signals.first.wait()
         gw = app[GATEWAY]
-        log.info("%s: stopping; /ready answers 503; %d requests in flight (drain up to %g s, a second signal "
-                 "ends them now)", signals.name, len(gw.live), cfg.shutdown_delay_s + cfg.drain_timeout_s)
+        live = len(gw.live)
+        log.info("%s: stopping; /ready answers 503; %d %s in flight (drain up to %g s, a second signal "
+                 "ends them now)", signals.name, live, "request" if live == 1 else "requests",
+                 cfg.shutdown_delay_s + cfg.drain_timeout_s)
         gw.begin_drain()
         await _wait(signals.second, cfg.shutdown_delay_s)
         for site in sites:

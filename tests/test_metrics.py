@@ -788,3 +788,15 @@ async def test_a_long_streams_tokens_count_while_it_runs(tiny_model_dir, caplog)
                 scrape = await resp.text()
             assert counted <= _tokens(scrape) < 1000  # cut short: what it made, once
             assert _tokens(scrape, "kvgate_prompt_tokens_total") == prompt
+
+
+def test_the_status_lines_errors_leave_out_clients_that_left():
+    """A 499 is a client that hung up (a closed stream, a Ctrl-C): the status
+    line's error count is the server's failures, 4xx refusals and 5xx."""
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    for status, times in (("200", 5), ("499", 3), ("400", 1), ("502", 2)):
+        for _ in range(times):
+            metrics.requests.labels("chat", "to-c", status).inc()
+    assert metrics.errors_total() == 3
