@@ -177,6 +177,7 @@ class InProcessReplica(Replica):
         # A model step running longer is a hung engine (a stuck kernel): out of
         # routing until it ends, as a `kvgate engine` in that state leaves its gateways'.
         self.step_timeout_s = config.engine.step_timeout_s if config is not None else 0.0
+        self._step_running: Callable[[], float] | None = None  # the engine's step clock, once it runs
         self.seq = 0
         self._listeners: list[KvListener] = []
         self._seq_lock = threading.Lock()
@@ -184,7 +185,9 @@ class InProcessReplica(Replica):
 
     @property
     def healthy(self) -> bool:
-        return self._up and not self.stalled_for()
+        # Read by the router for every request: the step clock is looked up once, at start.
+        running = self._step_running
+        return self._up and (running is None or running() <= self.step_timeout_s)
 
     @healthy.setter
     def healthy(self, up: bool) -> None:
@@ -192,10 +195,8 @@ class InProcessReplica(Replica):
 
     def stalled_for(self) -> float:
         """Seconds the model step under way has run, when past step_timeout_s; else 0."""
-        running = getattr(self.engine, "step_running_s", None)
-        if not self.step_timeout_s or running is None:
-            return 0.0
-        seconds = running()
+        running = self._step_running
+        seconds = running() if running is not None else 0.0
         return seconds if seconds > self.step_timeout_s else 0.0
 
     async def start(self) -> None:
@@ -219,6 +220,8 @@ class InProcessReplica(Replica):
         if inspect.isawaitable(started):
             await started
         eng = self.engine
+        if self.step_timeout_s:
+            self._step_running = getattr(eng, "step_running_s", None)
         self.info = ReplicaInfo(eng.model_name, eng.block_size, eng.hash_salt, eng.max_model_len)
         eng.subscribe_kv_events(self._on_event)
         self.index.reset(self.held_keys())
