@@ -126,8 +126,10 @@ def test_ctrl_c_before_the_baselines_finish_says_so_in_one_line(trace_path, caps
                             "finished: nothing to report\n")
 
 
-def test_sigint_to_a_running_tune_prints_the_report(tmp_path):
-    """The real signal, to the console script: what Ctrl-C in a terminal does."""
+def _signal_a_running_tune(tmp_path, signum: int) -> str:
+    """Send ``signum`` to the console script mid-search (what a terminal's Ctrl-C or a
+    scheduler's kill does): its exit status is 128 + signum and it prints the report,
+    returned."""
     path = tmp_path / "slow.jsonl"
     synth.write_trace(synth.synthesize("mixed", 300.0, 4.0, 5), path)  # about a second per wa replay
     kvgate = str(Path(sys.executable).with_name("kvgate"))
@@ -139,12 +141,17 @@ def test_sigint_to_a_running_tune_prints_the_report(tmp_path):
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         time.sleep(wait)
-        child.send_signal(signal.SIGINT)
+        child.send_signal(signum)
         out, err = child.communicate(timeout=120)
-        assert child.returncode == 130, err
+        assert child.returncode == 128 + signum, err
         assert "Traceback" not in err
         if "nothing to report" not in err:
-            break
+            return out
+    raise AssertionError(f"tune was still on its baselines after {wait} s")
+
+
+def test_sigint_to_a_running_tune_prints_the_report(tmp_path):
+    out = _signal_a_running_tune(tmp_path, signal.SIGINT)
     assert "stopped: interrupted" in out and "wa, tuned" in out
 
 
@@ -317,17 +324,5 @@ def test_a_search_on_too_few_requests_says_so(trace_path, tmp_path, capsys):
 def test_sigterm_to_a_running_tune_prints_the_report_and_exits_143(tmp_path):
     """A job scheduler's time limit or `kill`: the best settings so far are
     printed, as for Ctrl-C, and the status says SIGTERM (128 + 15)."""
-    path = tmp_path / "slow.jsonl"
-    synth.write_trace(synth.synthesize("mixed", 300.0, 4.0, 5), path)  # about a second per wa replay
-    kvgate = str(Path(sys.executable).with_name("kvgate"))
-    for wait in (4, 8, 16, 32):  # a slow machine may still be on the baselines: wait longer
-        child = subprocess.Popen([kvgate, "tune", str(path), "--no-progress", "--time-limit", "600"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(wait)
-        child.send_signal(signal.SIGTERM)
-        out, err = child.communicate(timeout=120)
-        assert child.returncode == 143, err
-        assert "Traceback" not in err
-        if "nothing to report" not in err:
-            break
+    out = _signal_a_running_tune(tmp_path, signal.SIGTERM)
     assert "stopped: interrupted" in out and "wa, tuned" in out
