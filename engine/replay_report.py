@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 from engine.replay import ReplayResult
 from engine.traces import Trace
+from engine.whole_file import written_whole
 
 T = TypeVar("T")
 # The shares of the ideal hit ratio that capacity planning asks about, in percent.
@@ -140,11 +141,13 @@ def write_errors_as(error: type[Exception], flag: str, path: str | Path) -> Iter
         raise error(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
 
 
-def write_outputs(error: type[Exception], outputs: Sequence[tuple[str, str | None, Callable[[], None]]]) -> bool:
+def write_outputs(error: type[Exception], outputs: Sequence[tuple[str, str | None, Callable[[str], None]]]) -> bool:
     """Write each (flag, path, writer) whose path is set, with Ctrl-C and SIGTERM
     held until they are written: the runs behind them are finished, and a plot
-    takes a second or so to draw, long enough for a late keypress to lose it.  A
-    second signal stops at once and says which file it cut short.  Returns whether
+    takes a second or so to draw, long enough for a late keypress to lose it.
+    Each writer is given the path to write to, a file renamed over ``path`` once
+    it is whole (``engine.whole_file``).  A second signal stops at once, leaves
+    the file at ``path`` as it was, and says which was not written.  Returns whether
     Ctrl-C was pressed meanwhile; a held SIGTERM is delivered once the files are
     written, to whatever handles it."""
     held: list[int] = []
@@ -165,10 +168,11 @@ def write_outputs(error: type[Exception], outputs: Sequence[tuple[str, str | Non
             if not path:
                 continue
             try:
-                with write_errors_as(error, flag, path):
-                    write()
+                with write_errors_as(error, flag, path), written_whole(path) as target:
+                    write(target)
             except KeyboardInterrupt:
-                print(f"kvgate: {flag} {path} cut short (interrupted while written)", file=sys.stderr)
+                print(f"kvgate: {flag} {path} not written (interrupted while written; "
+                      f"any earlier file there is unchanged)", file=sys.stderr)
                 raise
     finally:
         for signum, handler in previous.items():

@@ -39,13 +39,13 @@ import gzip
 import io
 import json
 import math
-import os
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from engine.traces import Trace
+from engine.whole_file import written_whole
 
 PROFILES = ("to-c", "to-b", "mixed")
 BLOCK_TOKENS = 16
@@ -483,23 +483,12 @@ def _positive(value: object) -> bool:
 
 def write_trace(records: list[dict], path: str | Path) -> None:
     """Write ``records`` as JSONL (one request per line, fields in a fixed order),
-    whole or not at all: into a file beside ``path``, renamed over it at the end,
-    so that an interrupted write leaves the old file rather than a shorter trace
-    that reads as a valid one.  Anything but a regular file (a pipe, /dev/stdout)
-    is written as it is: renaming over it would replace it."""
+    whole or not at all (see ``engine.whole_file``): an interrupted write leaves
+    the old file rather than a shorter trace that reads as a valid one."""
     # A name ending .gz gets what it says (published traces ship so; replay reads both).
     zipped = str(path).endswith(".gz")
-    if os.path.exists(path) and not os.path.isfile(path):
-        _write_records(records, path, zipped)
-        return
-    partial = f"{path}.{os.getpid()}.part"
-    try:
-        _write_records(records, partial, zipped)
-        os.replace(partial, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(partial)
-        raise
+    with written_whole(path) as target:
+        _write_records(records, target, zipped)
 
 
 def _write_records(records: list[dict], path: str | Path, zipped: bool = False) -> None:

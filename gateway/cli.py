@@ -327,7 +327,7 @@ def _writable(path: str | None, flag: str) -> None:
         if not os.access(path, os.W_OK):
             raise CliError(f"{flag}: cannot write {path}: permission denied")
         return
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(os.path.realpath(path))  # where the file is renamed into (a link: its target's)
     if not os.path.isdir(parent):
         raise CliError(f"{flag}: cannot write into {parent}: no such folder")
     if not os.access(parent, os.W_OK):
@@ -457,8 +457,8 @@ def _run_replay(args: argparse.Namespace) -> int:
     if args.plot and not results:
         print(no_plot_note(args.plot), file=sys.stderr)
     interrupted |= write_outputs(CliError, [
-        ("--json", args.json, lambda: write_json(args.json, summary, results, {"interrupted": True} if interrupted else None)),
-        ("--plot", args.plot if results else None, lambda: write_plot(args.plot, summary, results, partial=interrupted)),
+        ("--json", args.json, lambda out: write_json(out, summary, results, {"interrupted": True} if interrupted else None)),
+        ("--plot", args.plot if results else None, lambda out: write_plot(out, summary, results, partial=interrupted)),
     ])
     if interrupted:
         print(interrupted_note(len(results), len(policies) * len(capacities)), file=sys.stderr)

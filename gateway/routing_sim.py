@@ -401,10 +401,10 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
         print(no_plot_note(args.plot), file=sys.stderr)
     load_model = {"prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN}
     interrupted |= write_outputs(ValueError, [
-        ("--json", args.json, lambda: write_routing_json(args.json, summary, results, load_model,
-                                                         {"interrupted": True} if interrupted else None)),
+        ("--json", args.json, lambda out: write_routing_json(out, summary, results, load_model,
+                                                             {"interrupted": True} if interrupted else None)),
         ("--plot", args.plot if results else None,
-         lambda: write_routing_plot(args.plot, summary, results, partial=interrupted, host_blocks=args.host_blocks,
+         lambda out: write_routing_plot(out, summary, results, partial=interrupted, host_blocks=args.host_blocks,
                                     index=index_note(args.index, args.index_lag))),
     ])
     if interrupted:

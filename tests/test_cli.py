@@ -644,6 +644,25 @@ def test_an_interrupted_synth_leaves_the_old_file(tmp_path, monkeypatch):
     assert path.read_text().count("\n") == 10 and os.listdir(tmp_path) == ["t.jsonl"]
 
 
+def test_outputs_replace_a_link_s_target_and_keep_its_mode(tmp_path, capsys):
+    """A --json path that is a link (results/latest.json -> run-7.json) still
+    points where it did, at the new results; a file's permissions stay as set;
+    a plot path without an extension is still a PNG (the partial file keeps
+    the extension matplotlib picks a format by)."""
+    trace = str(mooncake_trace(tmp_path / "m.jsonl"))
+    target, link, plot = tmp_path / "run-7.json", tmp_path / "latest.json", tmp_path / "curve"
+    target.write_text("{}")
+    target.chmod(0o640)
+    link.symlink_to(target.name)
+    assert main(["replay", trace, "--policies", "lru", "--capacity-blocks", "2", "--json", str(link),
+                 "--plot", str(plot), "--no-progress"]) == 0
+    assert link.is_symlink() and os.readlink(link) == target.name
+    assert json.loads(target.read_text())["results"][0]["policy"] == "lru"
+    assert target.stat().st_mode & 0o777 == 0o640
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curve", "latest.json", "m.jsonl", "run-7.json"]
+
+
 def test_empty_flag_values_mean_what_the_same_config_value_means(capsys, monkeypatch):
     import gateway.server
 

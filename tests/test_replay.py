@@ -308,14 +308,16 @@ def test_cli_ctrl_c_while_the_plot_is_drawn(tmp_path, capsys, monkeypatch, press
 
     draw = engine.replay_report.write_plot
 
-    def pressed_while_drawing(*args, **kwargs):
+    def pressed_while_drawing(path, *args, **kwargs):
+        Path(path).write_bytes(b"\x89PNG, the first rows")  # matplotlib writes as it goes
         for _ in range(presses):
             os.kill(os.getpid(), signal.SIGINT)  # what the terminal sends on Ctrl-C
-        return draw(*args, **kwargs)
+        return draw(path, *args, **kwargs)
 
     monkeypatch.setattr(engine.replay_report, "write_plot", pressed_while_drawing)
     trace = write_bailian(tmp_path / "t.jsonl", requests=60)
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    out_png.write_bytes(b"an earlier run's plot")
     # A shell's background job (CI may run this way) starts with SIGINT ignored; a terminal's does not.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -329,8 +331,10 @@ def test_cli_ctrl_c_while_the_plot_is_drawn(tmp_path, capsys, monkeypatch, press
     if presses == 1:
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "interrupted after every run had finished; the outputs were written first" in err
-    else:
-        assert f"--plot {out_png} cut short (interrupted while written)" in err
+    else:  # the earlier plot stays whole rather than half replaced, and nothing is left beside it
+        assert f"--plot {out_png} not written (interrupted while written; any earlier file there is unchanged)" in err
+        assert out_png.read_bytes() == b"an earlier run's plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.png", "t.jsonl"]
 
 
 def test_cli_ctrl_c_before_any_run_says_the_plot_is_not_written(tmp_path, capsys, monkeypatch):
