@@ -319,7 +319,7 @@ class AsyncEngine:
             raise ValueError(f"stop_token_ids must lie in [0, {vocab})")
         if not 0 <= s.min_p <= 1 or s.repetition_penalty <= 0 or not 0 <= s.min_tokens <= s.max_tokens:
             raise ValueError("need 0 <= min_p <= 1, repetition_penalty > 0 and 0 <= min_tokens <= max_tokens")
-        # Choice i is seeded with seed + i; torch takes 64 bits (a negative seed wraps).
+        # Choice i is seeded with seed + i, in 64 bits (a negative seed wraps; sampling.generator_seed).
         if s.seed is not None and not -(2**63) <= s.seed <= 2**64 - s.n:
             raise ValueError(f"seed must lie in [-2**63, 2**64 - n] so that seed + choice index fits in 64 bits "
                              f"(got seed={s.seed}, n={s.n})")

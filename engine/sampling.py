@@ -17,6 +17,25 @@ GREEDY_BELOW_TEMPERATURE = 1e-5  # temperatures under this sample greedily
 _DETOK_CONTEXT = 6
 
 
+_MASK_64 = 2**64 - 1
+
+
+def generator_seed(seed: int) -> int:
+    """The seed to give torch's CPU generator for a request's 64-bit ``seed``.
+
+    That generator's Mersenne Twister starts from the seed's low 32 bits alone, so
+    1 and 1 + 2**32 (or -1 and 2**63 - 1) would sample alike.  A seed that fits in
+    32 bits is used as it is (its samples stay what they were); a wider one is
+    mixed (splitmix64's finaliser) so that every bit changes the result.  32 bits
+    of state remain: two random seeds collide with probability 2**-32."""
+    seed &= _MASK_64  # a negative seed wraps, as torch wraps it
+    if seed < 2**32:
+        return seed
+    seed = ((seed ^ (seed >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    seed = ((seed ^ (seed >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return (seed ^ (seed >> 31)) & 0xFFFFFFFF
+
+
 class IncrementalDetokenizer:
     """Text deltas for one token at a time; holds bytes back until they form whole characters."""
 
@@ -72,7 +91,7 @@ class SequenceSampler:
         self._seen: torch.Tensor | None = None
         self._end_ids: torch.Tensor | None = None  # min_tokens: EOS and stop ids, masked while short
         seed = params.seed + index if params.seed is not None else random.getrandbits(63)
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.generator = torch.Generator(device="cpu").manual_seed(generator_seed(seed))
         self.counts: Counter[int] = Counter()
         self.text = ""
         self.emitted = 0

@@ -214,6 +214,10 @@ async def test_seed_gives_same_sample(engines):
     c = tokens((await collect(engine, sampled("s3", 7)))[0])
     assert a == b
     assert a != c
+    # Every bit of a 64-bit seed counts: torch's CPU generator alone keeps the low 32.
+    for high in (123 + 2**32, 123 - 2**63, 123 + 2**63):
+        assert tokens((await collect(engine, sampled(f"s{high}", high)))[0]) != a, high
+    assert tokens((await collect(engine, sampled("m1", -1)))[0]) != tokens((await collect(engine, sampled("m2", 2**63 - 1)))[0])
 
 
 async def test_a_vanishing_temperature_is_greedy_and_harms_no_neighbour(engines, reference):
