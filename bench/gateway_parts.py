@@ -90,7 +90,7 @@ def _parts(gw) -> dict[str, float]:
     def request_objects():
         request = GenerationRequest(new_id("req-"), prompt.token_ids, sampling, ctx, prompt.mm_hashes)
         Job(request, parsed, prompt.keys, None, 8)
-        Sub(prompt, None, ctx, 0)
+        Sub(prompt, None, ctx, 0, 8)
         UsageSum(1)
         UsageSum(1)
         ChoiceState()

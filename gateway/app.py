@@ -452,9 +452,9 @@ class Gateway:
                 raise bad_request(*parsed.engine_unsupported)
             if parsed.ignored is not None and not self.has_external:  # an external server may read them
                 self.note_ignored(parsed.ignored)
-            subs, max_tokens = await self.prepare(request, parsed, principal)
+            subs = await self.prepare(request, parsed, principal)
             workload = subs[0].context.workload
-            gen, single = self.dispatcher.run(subs, parsed, max_tokens)
+            gen, single = self.dispatcher.run(subs, parsed)
             if parsed.stream:
                 resp = await self.responder.stream(request, gen, single, parsed, subs, start)
             else:
@@ -504,7 +504,7 @@ class Gateway:
         log.warning("requests carry fields the kvgate engine does not read, ignored: %s%s",
                     ", ".join(repr(name[:64]) for name in names), full)
 
-    async def prepare(self, request: web.Request, parsed: ParsedRequest, principal: Principal) -> tuple[list[Sub], int]:
+    async def prepare(self, request: web.Request, parsed: ParsedRequest, principal: Principal) -> list[Sub]:
         """Tokenise, check lengths, classify: everything before routing."""
         if self.isolate_tenants and principal.tenant is not None:
             # The tenant joins the request's own salt: its blocks are its own.
@@ -512,14 +512,12 @@ class Gateway:
             tenant, own = principal.tenant, parsed.cache_salt or ""
             parsed.cache_salt = f"tenant:{len(tenant)}:{tenant}:{own}"
         prompts, sources = await self.tokenize(parsed)
-        longest = 0
         for prompt in prompts:
             if not prompt.token_ids:
                 raise bad_request("The prompt is empty after tokenisation.", "messages" if parsed.endpoint == CHAT else "prompt")
             # Client-supplied token ids only; template output is valid by construction.
             if parsed.endpoint != CHAT and max(prompt.token_ids) >= self.hasher.vocab_size:
                 raise bad_request(f"Token ids must be below the vocabulary size {self.hasher.vocab_size}.", "prompt")
-            longest = max(longest, len(prompt.token_ids))
         bias = parsed.sampling.logit_bias
         if bias and max(bias) >= self.hasher.vocab_size:
             raise bad_request(f"Invalid key in 'logit_bias': {max(bias)}. Token ids must be below the vocabulary size "
@@ -528,11 +526,13 @@ class Gateway:
         if stop_ids and max(stop_ids) >= self.hasher.vocab_size:
             raise bad_request(f"Invalid 'stop_token_ids': {max(stop_ids)}. Token ids must be below the vocabulary size "
                               f"{self.hasher.vocab_size}.", "stop_token_ids")
-        max_tokens = self.resolve_max_tokens(parsed, longest)
-        parsed.sampling.max_tokens = max_tokens
-        if parsed.sampling.min_tokens > max_tokens:
-            raise bad_request(f"min_tokens ({parsed.sampling.min_tokens}) must be at most max_tokens ({max_tokens}).",
-                              "min_tokens")
+        # Each prompt its own (vLLM's rule): a default fills what its own length leaves,
+        # not what the longest prompt leaves.
+        max_tokens = [self.resolve_max_tokens(parsed, len(prompt.token_ids)) for prompt in prompts]
+        parsed.sampling.max_tokens = max(max_tokens)
+        if parsed.sampling.min_tokens > min(max_tokens):
+            raise bad_request(f"min_tokens ({parsed.sampling.min_tokens}) must be at most max_tokens "
+                              f"({min(max_tokens)}).", "min_tokens")
         if parsed.echo and not self.passthrough and parsed.engine_unsupported is None:
             decode = self.hasher.tokenizer.decode
             parsed.echo_texts = [p if isinstance(p, str) else decode(p) for p in sources]
@@ -548,8 +548,8 @@ class Gateway:
                 ctx = self.classifier.classify(
                     parsed, principal, request.headers, len(prompt.token_ids), len(prompt.keys), prompt.token_ids
                 )
-            subs.append(Sub(prompt, source, ctx, p * n))
-        return subs, max_tokens
+            subs.append(Sub(prompt, source, ctx, p * n, max_tokens[p]))
+        return subs
 
     async def tokenize(self, parsed: ParsedRequest) -> tuple[list[Prompt], list]:
         hasher = self.hasher

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class Sub:
     source: object  # the prompt as the client sent it (for external replicas)
     context: RequestContext
     shift: int  # choice index offset of this prompt's choices
+    max_tokens: int  # resolved for this prompt: a default fills the room its own length leaves
     replica: str = ""  # the replica serving it now (set by the dispatcher), for latency series
 
 
@@ -69,17 +71,17 @@ class Dispatcher:
         # Each replica keeps one index object for its life (reset in place).
         self._indexes = [r.index for r in replicas]
 
-    def run(self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int) -> tuple[AsyncIterator, bool]:
+    def run(self, subs: list[Sub], parsed: ParsedRequest) -> tuple[AsyncIterator, bool]:
         """The outputs of all ``subs`` and whether there is a single one.
 
         One sub-request (the common case) yields its batches directly; several
         yield (choice shift, batch) groups (``merged``).  The caller closes it.
         """
         if len(subs) == 1:
-            return self.outputs(subs[0], parsed, max_tokens), True
-        return self.merged(subs, parsed, max_tokens), False
+            return self.outputs(subs[0], parsed), True
+        return self.merged(subs, parsed), False
 
-    async def outputs(self, sub: Sub, parsed: ParsedRequest, max_tokens: int) -> AsyncIterator[list[GenerationOutput]]:
+    async def outputs(self, sub: Sub, parsed: ParsedRequest) -> AsyncIterator[list[GenerationOutput]]:
         """One sub-request's outputs from the replica the router picks, in the
         batches the replica delivers them (what was ready together).
 
@@ -92,9 +94,12 @@ class Dispatcher:
         what came so far.
         """
         router = self.router
-        # Engines only read the sampling parameters, so every sub-request shares
-        # the parsed ones (prepare() resolved their max_tokens).
+        # Engines only read the sampling parameters, so sub-requests share the
+        # parsed ones, but for a max_tokens of their own (a default, several prompts).
+        max_tokens = sub.max_tokens
         s = parsed.sampling
+        if s.max_tokens != max_tokens:
+            s = dataclasses.replace(s, max_tokens=max_tokens)
         request = GenerationRequest(new_id("req-"), sub.prompt.token_ids, s, sub.context, sub.prompt.mm_hashes,
                                     parsed.cache_salt)
         job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens)
@@ -265,7 +270,7 @@ class Dispatcher:
                 self.observer.finished(unrecorded)
 
     async def merged(
-        self, subs: list[Sub], parsed: ParsedRequest, max_tokens: int
+        self, subs: list[Sub], parsed: ParsedRequest
     ) -> AsyncIterator[list[tuple[int, list[GenerationOutput]]]]:
         """(choice shift, batch of outputs) of several sub-requests (completions
         with a list of prompts), grouped by what is ready together.
@@ -278,7 +283,7 @@ class Dispatcher:
         end = object()
 
         async def pump(sub: Sub) -> None:
-            gen = self.outputs(sub, parsed, max_tokens)
+            gen = self.outputs(sub, parsed)
             try:
                 async for batch in gen:
                     queue.put_nowait((sub.shift, batch))

@@ -640,7 +640,7 @@ async def test_in_flight_load_is_released_when_a_second_cancel_lands_during_clos
     metrics = GatewayMetrics()
     dispatcher = Dispatcher(router, [SlowToCloseReplicaFixture()], metrics, Observer(KvgateConfig(), metrics))
     parsed = parse_request(COMPLETIONS, {"model": "m", "prompt": "hi"}, LimitsConfig())
-    gen, _ = dispatcher.run([Sub(Prompt(list(range(40)), [], [1, 2]), "hi", RequestContext(), 0)], parsed, 16)
+    gen, _ = dispatcher.run([Sub(Prompt(list(range(40)), [], [1, 2]), "hi", RequestContext(), 0, 16)], parsed)
 
     async def writer() -> None:
         try:

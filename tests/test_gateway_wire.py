@@ -597,3 +597,23 @@ async def test_fields_nothing_reads_are_logged_once_each(gw, caplog):
         await client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"temprature": 1})
     logged = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
     assert logged == ["requests carry fields the kvgate engine does not read, ignored: 'store', 'temprature'"]
+
+
+async def test_several_prompts_each_get_the_default_max_tokens_their_own_length_leaves(gw):
+    """Completions without max_tokens: each prompt gets the default (16), or the
+    room its own length leaves in the context, as vLLM resolves them per prompt;
+    a long neighbour does not shorten a short prompt's answer."""
+    app, server, client, engines, seen = gw
+    context = app[GATEWAY].max_model_len
+    long_prompt = [7] * (context - 5)  # room for 5
+    resp = await client.completions.create(model=MODEL, prompt=[[7, 8], long_prompt], temperature=0, extra_body=FIXED)
+    by_index = {c.index: c for c in resp.choices}
+    assert resp.usage.completion_tokens == 16 + 5
+    assert by_index[0].finish_reason == by_index[1].finish_reason == "length"
+    alone = await client.completions.create(model=MODEL, prompt=[[7, 8]], temperature=0, extra_body=FIXED)
+    assert by_index[0].text == alone.choices[0].text and alone.usage.completion_tokens == 16
+    # min_tokens must fit every prompt's answer.
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model=MODEL, prompt=[[7, 8], long_prompt], extra_body={"min_tokens": 6})
+    assert info.value.param == "min_tokens" and "at most max_tokens (5)" in info.value.message
+    await _settled(app)
