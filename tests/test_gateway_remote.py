@@ -1907,3 +1907,38 @@ async def test_engines_of_different_context_lengths_hold_requests_to_the_shortes
         await gw.stop()
         await long_server.stop()
         await short_server.stop()
+
+
+@pytest.mark.parametrize("lengths", [(1800, 1024), (1024, 1800)])
+async def test_external_servers_of_different_context_lengths_hold_requests_to_the_shortest(tiny_model_dir, caplog,
+                                                                                           lengths):
+    """An all-external fleet (vLLM servers of different --max-model-len) serves
+    what every server serves, whichever answered first, and says so: the
+    gateway used to take one server's length, and a request longer than the
+    other's went there and got its 400."""
+    def upstream(length):
+        async def models(request):
+            return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model",
+                                                                  "max_model_len": length}]})
+        return _scripted_upstream(models, _answer_fine)
+
+    servers = [await upstream(length) for length in lengths]
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=s.url) for s in servers],
+                         router=RouterConfig(health_interval_s=0.1))
+    app = create_app(config)
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        gateway = app[GATEWAY]
+        await wait_for(lambda: all(r.healthy for r in gateway.replicas), what="both servers in routing")
+        assert gateway.max_model_len == 1024
+        assert (await client.models.list()).data[0].model_extra["max_model_len"] == 1024
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model=MODEL, prompt=[5] * 100, max_tokens=1000)
+        assert "maximum context length is 1024 tokens" in info.value.message
+        assert any("requests are held to 1024, what every replica serves" in r.getMessage() for r in caplog.records)
+    finally:
+        await client.close()
+        await gw.stop()
+        for server in servers:
+            await server.stop()
