@@ -233,7 +233,8 @@ class Dispatcher:
                         # The replica's own error event after output (vLLM's way when
                         # generation fails): its failure, though it still talks HTTP.
                         self.metrics.replica_failures.labels(replica.name, "mid_stream").inc()
-                    raise errors.relayed(status, exc.body, str(exc), "api_error") from None
+                    raise errors.relayed(status, exc.body, str(exc),
+                                         "invalid_request_error" if status < 500 else "api_error") from None
                 finally:
                     if produced:  # the replica did the prefill (and generated what came)
                         _count_work(series, usage, len(sub.prompt.token_ids), prefilled, received, cached, predicted)

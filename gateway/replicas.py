@@ -801,10 +801,15 @@ class RemoteReplica(Replica):
                     err = await resp.json(content_type=None)
                 except Exception:  # noqa: BLE001
                     err = {}
+                err = openai_error_body(err)
                 if resp.status == 429:
-                    raise ReplicaBusy(f"replica {self.name} is at capacity", err if isinstance(err, dict) else {})
-                if not isinstance(err, dict) or "error" not in err:
-                    raise ReplicaUnavailable(f"replica {self.name} answered {resp.status}")  # counted below
+                    raise ReplicaBusy(f"replica {self.name} is at capacity", err or {})
+                if err is None:
+                    if resp.status >= 500:  # a proxy's page, a crashed server: not an answer
+                        raise ReplicaUnavailable(f"replica {self.name} answered {resp.status}")  # counted below
+                    # A refusal all the same (a proxy's 413 page): the request's, passed on.
+                    err = {"error": {"message": f"The model server refused the request: {resp.status} "
+                                                f"{resp.reason or 'Client Error'}.", "type": "invalid_request_error"}}
                 if _is_stopping(err):
                     raise ReplicaStopping(f"replica {self.name} is shutting down")  # refusing new work: no failure
                 if resp.status >= 500:
@@ -823,7 +828,8 @@ class RemoteReplica(Replica):
                 if chunk is DONE_EVENT:
                     ended = True
                     break
-                if isinstance(chunk, dict) and "error" in chunk:
+                if isinstance(chunk, dict) and ("error" in chunk or chunk.get("object") == "error"):
+                    chunk = openai_error_body(chunk) or {"error": {}}
                     if _is_stopping(chunk):
                         # Past its drain time: nothing of this replica's failing, and a
                         # non-streaming answer may start over elsewhere.
@@ -991,6 +997,32 @@ def _completion_logprobs(lp: dict | None) -> list[TokenLogprob] | None:
 
 class _EndedEarly(ReplicaUnavailable):
     """A stream that ended cleanly (no broken connection) before [DONE]."""
+
+
+def openai_error_body(body: object) -> dict | None:
+    """An upstream server's error as OpenAI's ``{"error": {...}}``, from the shapes
+    servers answer in: OpenAI's own; vLLM's before 0.10 and SGLang's, flat
+    (``{"object": "error", "message": ..., "code": 400}``); ``{"error": "text"}``;
+    FastAPI's validation errors (``{"detail": [...]}``).  None for anything else
+    (a proxy's HTML page)."""
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error")
+    if isinstance(error, dict):
+        return body
+    if isinstance(error, str):
+        return {"error": {"message": error}}
+    if isinstance(body.get("message"), str):
+        return {"error": {key: body.get(key) for key in ("message", "type", "param", "code")}}
+    detail = body.get("detail")
+    if isinstance(detail, str):
+        return {"error": {"message": detail}}
+    if isinstance(detail, list) and detail and all(isinstance(d, dict) for d in detail):
+        # [{"loc": ["body", "max_tokens"], "msg": "...", "type": "..."}, ...]
+        parts = [".".join(str(p) for p in d.get("loc") or () if p != "body") + ": " + str(d.get("msg", "invalid"))
+                 for d in detail]
+        return {"error": {"message": "; ".join(parts)}}
+    return None
 
 
 def _error_code(chunk: dict) -> object:

@@ -1942,3 +1942,68 @@ async def test_external_servers_of_different_context_lengths_hold_requests_to_th
         await gw.stop()
         for server in servers:
             await server.stop()
+
+
+_REFUSALS = {
+    # vLLM before 0.10 and SGLang: the error's fields at the top level.
+    "flat": (400, {"object": "error", "message": "This model's maximum context length is 2048 tokens.",
+                   "type": "BadRequestError", "param": None, "code": 400},
+             "This model's maximum context length is 2048 tokens."),
+    # FastAPI's own validation error, before the server's handler runs.
+    "fastapi": (422, {"detail": [{"loc": ["body", "top_logprobs"], "msg": "less than or equal to 20",
+                                  "type": "value_error"}]}, "top_logprobs: less than or equal to 20"),
+    # An ingress in front of the server, with its HTML page.
+    "html": (413, "<html><body><h1>413 Request Entity Too Large</h1></body></html>",
+             "The model server refused the request: 413 Request Entity Too Large."),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_REFUSALS))
+async def test_a_refusal_in_another_shape_is_the_requests_not_the_replicas(tiny_model_dir, shape):
+    """A 4xx whose body is not OpenAI's {"error": {...}} (older vLLM, SGLang,
+    FastAPI, a proxy) is still the request's fault: the client gets it, in
+    OpenAI's shape, at once, and no replica is blamed.  It used to count as the
+    replica failing: a few such requests took every replica out of routing and
+    every client got 503s."""
+    status, body, message = _REFUSALS[shape]
+    calls = []
+
+    async def refuse(request):
+        await request.read()
+        calls.append(request.url.port)
+        if isinstance(body, str):
+            return web.Response(text=body, status=status, content_type="text/html")
+        return web.json_response(body, status=status)
+
+    router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=2)
+    messages = [{"role": "user", "content": "hi"}]
+    async with _gateway_over_pair(tiny_model_dir, refuse, refuse, ("a", "b"), router) as (gateway, _, client, _):
+        for _ in range(5):
+            with pytest.raises(openai.APIStatusError) as info:
+                await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+            assert info.value.status_code == status and info.value.body["message"] == message
+            assert info.value.type in ("BadRequestError", "invalid_request_error")
+        assert len(calls) == 5  # none retried on the other replica
+        assert all(r.healthy for r in gateway.replicas) and not any(r.trips for r in gateway.replicas)
+
+
+async def test_a_flat_error_event_mid_stream_reaches_the_client(tiny_model_dir):
+    """An error event in the flat shape (older vLLM) after some output: the
+    client's stream ends with it, rather than as a short answer that looks whole."""
+    async def fail_mid_stream(request):
+        await request.read()
+        first = {"choices": [{"index": 0, "delta": {"content": "Par"}, "finish_reason": None}]}
+        error = {"object": "error", "message": "generation failed", "type": "BadRequestError", "param": None,
+                 "code": 400}
+        return web.Response(body=_sse(first, error, b"[DONE]"), content_type="text/event-stream")
+
+    router = RouterConfig(policy="round-robin", health_interval_s=0.1)
+    messages = [{"role": "user", "content": "hi"}]
+    async with _gateway_over_pair(tiny_model_dir, fail_mid_stream, fail_mid_stream, ("a", "b"), router) as (
+            gateway, _, client, _):
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True)
+        text = ""
+        with pytest.raises(openai.APIError) as info:
+            async for chunk in stream:
+                text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+        assert text == "Par" and "generation failed" in info.value.message
