@@ -876,10 +876,13 @@ class RemoteReplica(Replica):
                 # not "the connection failed", is what went wrong.
                 reason = f"it was taken out of routing ({self._trip_reason})"
             if produced and not isinstance(exc, (ValueError, _EndedEarly)):
-                # The connection broke mid-answer: the replica is likely gone, and
-                # its other streams with it.  (Unless the breaker is what broke it.)
+                # The connection broke mid-answer: the replica is likely gone (its
+                # other connections break too), so it leaves routing at once.  Its
+                # streams with output since this one's last are spared: the replica
+                # is serving them, and one dropped connection (a proxy's timeout)
+                # must not cut a hundred.  (Unless the breaker is what broke it.)
                 if not self.breaker_open:
-                    self._trip(f"failed mid-request: {reason}")
+                    self._trip(f"failed mid-request: {reason}", failing_since=self._live.get(resp))
             else:
                 # One malformed or cut-short answer from a replica that still talks
                 # HTTP: counted, but not worth cutting every stream it serves.

@@ -2007,3 +2007,54 @@ async def test_a_flat_error_event_mid_stream_reaches_the_client(tiny_model_dir):
             async for chunk in stream:
                 text += chunk.choices[0].delta.content or "" if chunk.choices else ""
         assert text == "Par" and "generation failed" in info.value.message
+
+
+async def test_one_dropped_connection_cuts_only_its_own_stream(tiny_model_dir):
+    """A replica's connection for one stream breaks mid-answer (a proxy's timeout,
+    a reset) while its other streams keep producing: that stream ends with an
+    error event and the replica leaves routing, but the streams it is visibly
+    serving run to their end.  They used to be cut with it."""
+    async def chat(request):
+        body = await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        failing = b"FAIL" in body
+        for i in range(2 if failing else 20):
+            await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": f"{i} "}, "finish_reason": None}]}))
+            await asyncio.sleep(0.05)
+        if failing:
+            request.transport.close()  # this connection only
+            return resp
+        await resp.write(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, b"[DONE]"))
+        return resp
+
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), chat)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                                 router=RouterConfig(health_interval_s=0.1)))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        gateway = app[GATEWAY]
+        await wait_for(lambda: gateway.replicas[0].healthy, what="healthy")
+
+        async def read(content):
+            stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                          max_tokens=30, stream=True)
+            text, finish = "", None
+            async for chunk in stream:
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                    finish = chunk.choices[0].finish_reason or finish
+            return text, finish
+
+        served = asyncio.create_task(read("a long answer"))
+        await asyncio.sleep(0.2)  # it is producing
+        with pytest.raises(openai.APIError) as info:
+            await read("FAIL")
+        assert "failed mid-request" in info.value.message
+        assert gateway.replicas[0].trips == 1  # out of routing at once
+        assert await served == ("".join(f"{i} " for i in range(20)), "stop")
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
