@@ -262,6 +262,34 @@ def test_reuse_model_learns_from_history_not_cache_residency():
     assert policy.model.stats[cat].p == pytest.approx(0.5, abs=0.1)  # half the episodes are second visits
 
 
+@pytest.mark.parametrize("mean_gap", [10.0, 100.0, 300.0])
+def test_reuse_model_recovers_p_and_lambda_of_a_steady_stream(mean_gap):
+    """Keys arrive steadily; half are reused once, 0.3 s + Exp(1/mean_gap) later,
+    and an episode opened by a reuse never is: a third of all episodes end in a
+    reuse.  With the window equal to the history horizon, the fit recovers both
+    (p came out about 40% low when episodes were windowed by when they ended:
+    the never-reused ones of a window earlier counted, the reused ones not)."""
+    rng = random.Random(1)
+    model = ReuseModel(gap_floor_s=0.3, window_s=600.0, min_samples=50, refit_interval_s=10.0,
+                       history_horizon_s=600.0, history_max_blocks=10**7)
+    cat = model.add_category(0.15, 0.5)
+    events, now, key = [], 0.0, 0
+    while now < 3000.0:
+        now += rng.expovariate(10.0)
+        key += 1
+        events.append((now, key))
+        if rng.random() < 0.5:
+            events.append((now + 0.3 + rng.expovariate(1 / mean_gap), key))
+    for now, key in sorted(e for e in events if e[0] < 3000.0):
+        model.open(key, model.observe(key, now), cat, None, False, now)
+        model.maybe_refit(now)
+    model.refit(3000.0)
+    stats = model.stats[cat]
+    assert stats.fitted
+    assert stats.p == pytest.approx(1 / 3, abs=0.03)
+    assert stats.lam == pytest.approx(1 / mean_gap, rel=0.2)
+
+
 def test_sparse_member_takes_its_groups_pooled_fit_not_the_prior():
     # Two sub-classes of one group (signature slots): the busy one has reuses 100 s
     # apart, the sparse one too few episodes of its own.  The sparse one must take

@@ -17,7 +17,11 @@ reused gaps and censored ages by EM (a few warm-started iterations per
 refit).  Gaps under ``gap_floor_s`` are left out of the rate fit, as the
 authors did with 0.3 s: they are requests of the same burst, not reuse
 timing.  Everything is windowed in trace/wall time, so the model only ever
-learns from the past.
+learns from the past, and by one clock, the time each episode *opened*: a fit
+sees every episode opened in its window once, as a reuse or censored.  (By
+their ends instead, the episodes that opened a window earlier and were never
+reused would count, censored at the horizon, without those of the same age
+that were reused before the window: p came out about 40% low.)
 
 Categories may belong to a group (the sub-classes of one (workload, type,
 turn): signature slots, position classes).  A member short of evidence takes
@@ -29,7 +33,7 @@ gaps are minutes.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 # Censored ages are binned by last-access time; this many bins span the horizon.
 _AGE_BINS = 64
@@ -96,13 +100,15 @@ def fit_mixture(
 
 
 class CategoryStats:
-    """Windowed evidence (binned in time) and the current fit for one category."""
+    """Windowed evidence, binned by the time each episode opened, and the current
+    fit for one category."""
 
     __slots__ = ("reuses", "expired", "pending", "lam", "p", "fitted", "prior_lam", "prior_p")
 
     def __init__(self, prior_lam: float, prior_p: float, ring: int) -> None:
-        self.reuses: deque[list] = deque()  # [bin, fast reuses, slow reuses, sum of slow gaps - floor]
-        self.expired: deque[list] = deque()  # [bin, count, sum of ages]
+        # Ended episodes, by their opening bin (reuses end out of that order).
+        self.reuses: dict[int, list] = {}  # bin -> [fast reuses, slow reuses, sum of slow gaps - floor]
+        self.expired: dict[int, list] = {}  # bin -> [count, sum of ages at expiry]
         self.pending: list[int] = [0] * ring  # open episodes by last-access bin (mod ring)
         self.prior_lam = prior_lam
         self.prior_p = prior_p
@@ -113,7 +119,7 @@ class CategoryStats:
     def counts(self) -> tuple[int, int, float]:
         fast = slow = 0
         total = 0.0
-        for _, f, s, g in self.reuses:
+        for f, s, g in self.reuses.values():
             fast += f
             slow += s
             total += g
@@ -178,18 +184,17 @@ class ReuseModel:
         last = entry[0]
         stats = self.stats[entry[1]]
         bin_s = self.bin_s
-        stats.pending[int(last / bin_s) % self.ring] -= 1
-        b = int(now / bin_s)
-        reuses = stats.reuses
-        if not reuses or reuses[-1][0] != b:
-            reuses.append([b, 0, 0, 0.0])
-        row = reuses[-1]
+        b = int(last / bin_s)  # the episode's, not the reuse's
+        stats.pending[b % self.ring] -= 1
+        row = stats.reuses.get(b)
+        if row is None:
+            row = stats.reuses[b] = [0, 0, 0.0]
         gap = now - last
         if gap < self.floor:
-            row[1] += 1
+            row[0] += 1
         else:
-            row[2] += 1
-            row[3] += gap - self.floor
+            row[1] += 1
+            row[2] += gap - self.floor
         self.history.move_to_end(key)
         return entry
 
@@ -208,7 +213,6 @@ class ReuseModel:
         """Censor for good the episodes older than the horizon (or beyond the size cap)."""
         history = self.history
         limit = now - self.horizon
-        b_now = int(now / self.bin_s)
         while history:
             key = next(iter(history))
             entry = history[key]
@@ -216,13 +220,13 @@ class ReuseModel:
                 break
             del history[key]
             stats = self.stats[entry[1]]
-            stats.pending[int(entry[0] / self.bin_s) % self.ring] -= 1
-            expired = stats.expired
-            if not expired or expired[-1][0] != b_now:
-                expired.append([b_now, 0, 0.0])
-            row = expired[-1]
-            row[1] += 1
-            row[2] += now - entry[0]
+            b = int(entry[0] / self.bin_s)
+            stats.pending[b % self.ring] -= 1
+            row = stats.expired.get(b)
+            if row is None:
+                row = stats.expired[b] = [0, 0.0]
+            row[0] += 1
+            row[1] += now - entry[0]
 
     def maybe_refit(self, now: float) -> bool:
         if now < self.next_refit:
@@ -237,17 +241,17 @@ class ReuseModel:
         first_bin = int((now - self.window) / self.bin_s)
         ring = self.ring
         now_bin = int(now / self.bin_s)
-        bins = range(now_bin - ring + 1, now_bin + 1)
+        # Episodes that opened in the window: ended ones and the still open.
+        bins = range(max(now_bin - ring + 1, first_bin), now_bin + 1)
         evidence = []
         for stats in self.stats:
             pending = stats.pending
-            while stats.reuses and stats.reuses[0][0] < first_bin:
-                stats.reuses.popleft()
-            while stats.expired and stats.expired[0][0] < first_bin:
-                stats.expired.popleft()
+            for ended in (stats.reuses, stats.expired):
+                for b in [b for b in ended if b < first_bin]:
+                    del ended[b]
             fast, slow, sum_slow = stats.counts()
             censored = [(now - (b + 0.5) * self.bin_s, pending[b % ring]) for b in bins if pending[b % ring]]
-            censored.extend((age / n, n) for _, n, age in stats.expired if n)
+            censored.extend((age / n, n) for n, age in stats.expired.values() if n)
             episodes = fast + slow + sum(n for _, n in censored)
             evidence.append((fast, slow, sum_slow, censored, episodes))
         groups = self._fit_groups(evidence) if self.group_fit else None
