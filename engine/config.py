@@ -251,8 +251,9 @@ class WorkloadAwareConfig(Section):
     """
 
     # weighted: reuse/spatial/lifetime score; paper: (p * ReuseProb(t, life_s), -offset)
-    # as the score, with the other settings (classes, leaf protection, fallback,
-    # rhythm) as configured.  ``policy: wa-paper`` is the paper's whole algorithm.
+    # as the score, on the paper's (workload, type, turn) categories (no shared,
+    # position, signature or topic-switch classes), with leaf protection, fallback
+    # and rhythm as configured.  ``policy: wa-paper`` is the paper's whole algorithm.
     mode: Literal["weighted", "paper"] = "weighted"
     # Seconds ahead the reuse probability looks, in either mode (5 s measured
     # better than following the residency, see the ablation).  None: in weighted

@@ -544,6 +544,16 @@ def test_topic_switch_after_three_quick_turns():
     assert policy.table.penalty[policy.table.index[names[2]]] == 0.5
     assert policy.state()["topic_switches"] == 1
 
+    # Paper mode scores the paper's (workload, type, turn) categories: no switch
+    # class, so no switch is counted as if it had been acted on.
+    paper = WorkloadAwarePolicy(100, WorkloadAwareConfig(mode="paper", fallback={"enabled": False}))
+    for turn, now in enumerate([0.0, 5.0, 12.0], 1):
+        c = ctx(session="quick", turn=turn, ts=now, blocks=1)
+        paper.insert(100 + turn, c, 0, now)
+        paper.release(100 + turn, c, now)
+    assert paper.table.names == [("to-c", "text", 1), ("to-c", "text", 2), ("to-c", "text", 3)]
+    assert paper.state()["topic_switches"] == 0
+
 
 def test_shared_class_takes_no_topic_switch_penalty():
     # The shared class is created by whichever request first reuses another

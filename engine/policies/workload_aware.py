@@ -633,7 +633,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
         )
         self.topics = (
             TopicSwitchDetector(cfg.topic_switch.turns, cfg.topic_switch.max_gap_s)
-            if cfg.topic_switch.enabled
+            if cfg.topic_switch.enabled and not self.paper  # the paper's categories have no switch class
             else None
         )
         self.spiking = False
