@@ -238,7 +238,8 @@ class WAFallbackConfig(Section):
 
 class WAAlarmConfig(Section):
     # Raise the reuse alarm when the cache's hit ratio (prefix blocks reused /
-    # prompt blocks) stays under `threshold` over `window_s` (blog: 40%, 5 min).
+    # prompt blocks, a hit on the host tier counting) stays under `threshold`
+    # over `window_s` (blog: 40%, 5 min).
     threshold: float = Field(0.40, ge=0, le=1)
     window_s: float = Field(300.0, gt=0, le=WEEK_S)
 

@@ -262,6 +262,41 @@ def test_reuse_model_learns_from_history_not_cache_residency():
     assert policy.model.stats[cat].p == pytest.approx(0.5, abs=0.1)  # half the episodes are second visits
 
 
+def test_the_reuse_alarm_counts_prompt_blocks_and_host_tier_hits():
+    """The alarm is the engine's prefix hit ratio (prefix blocks reused / prompt
+    blocks): the blocks an answer fills (published as they fill) are no prompt
+    blocks, and a block brought back from the host tier is a hit.  Both used to
+    count as misses and raise the alarm over a cache hitting 99%."""
+    alarmed = {"fallback": {"check_interval_s": 10.0}, "alarm": {"window_s": 30.0}}
+    # An answer 8 blocks long behind a 4-block prompt that always hits.
+    pool = BlockPool(10_000, 0, "wa", CacheConfig(workload_aware=alarmed))
+    answer_key = 10**6
+    for i in range(200):
+        now = i * 0.5
+        c = ctx(session=f"s{i}", blocks=4, tokens=64, ts=now)
+        blocks, _ = pool.touch_or_insert([1, 2, 3, 4], c, now)
+        for j in range(8):
+            answer_key += 1
+            block = pool.allocate(1, now)[0]
+            pool.cache_block(block, answer_key, c, 4 + j, now)
+            blocks.append(block)
+        pool.release(blocks[::-1], c, now)
+    assert pool.device_policy.state(now)["reuse_alarm"] is False
+    # Five prompts cycling through a 4-block device tier and a 40-block host tier.
+    pool = BlockPool(4, 40, "wa", CacheConfig(workload_aware=alarmed))
+    hits = 0
+    for i in range(400):
+        keys = [100 * (i % 5) + j for j in range(4)]
+        hits += request(pool, keys, ctx(session=f"s{i}", blocks=4, tokens=64, ts=float(i)), float(i))[1]
+    assert hits / 1600 > 0.95 and pool.stats.promotions > 1000
+    assert pool.device_policy.state(399.0)["reuse_alarm"] is False
+    # Prompts that never hit still raise it.
+    pool = BlockPool(4, 40, "wa", CacheConfig(workload_aware=alarmed))
+    for i in range(400):
+        request(pool, [4 * i + j for j in range(4)], ctx(session=f"s{i}", blocks=4, tokens=64, ts=float(i)), float(i))
+    assert pool.device_policy.state(399.0)["reuse_alarm"] is True
+
+
 @pytest.mark.parametrize("mean_gap", [10.0, 100.0, 300.0])
 def test_reuse_model_recovers_p_and_lambda_of_a_steady_stream(mean_gap):
     """Keys arrive steadily; half are reused once, 0.3 s + Exp(1/mean_gap) later,

@@ -59,6 +59,7 @@ _TIE = 1e-9
 # far below any score that did not underflow.
 _FLOOR = 1e-290
 _exp = math.exp
+_COUNTS = 6  # the windowed hit counts per bucket (see WorkloadAwarePolicy._cur)
 
 
 def paper_priority(lam: float, p: float, t: float, life: float) -> float:
@@ -658,9 +659,15 @@ class WorkloadAwarePolicy(EvictionPolicy):
         # classification of recent requests and where each one's calls stopped.
         self._recent: OrderedDict[int, list] = OrderedDict()
         self._lead = self._lead_lru = self._lead_wa = False
+        # The alarm's own prefix: prompt blocks only, and a block promoted from the
+        # host tier is a hit (the device-only lead above calls it a miss).
+        self._alarm_lead = False
+        self._missed: int | None = None  # the key whose miss a promotion may turn into a hit
         self._requests = 0
-        # Windowed hit accounting: [accesses, hits, shadow LRU hits, shadow wa hits].
-        self._cur = [0, 0, 0, 0]
+        # Windowed hit accounting: [accesses, hits, shadow LRU hits, shadow wa hits] of
+        # the device tier (the fallback compares these), then [prompt blocks, of them
+        # prefix hits on either tier] (the alarm: prefix blocks reused / prompt blocks).
+        self._cur = [0] * _COUNTS
         self._buckets: deque[list] = deque()
         self._bucket_end = -INF
         self._since_switch = 0  # evaluations since the last switch (or the start)
@@ -725,7 +732,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
         alarm, spiking = self.reuse_alarm, self.spiking
         if now is not None:
             if now >= self._bucket_end + self.cfg.fallback.window_s:
-                window = [0, 0, 0, 0]
+                window = [0] * _COUNTS
             if now >= self._bucket_end + self.cfg.alarm.window_s:
                 alarm = False
             if self.rhythm is not None and now >= self._bucket_end + self.rhythm.rate_window:
@@ -758,7 +765,12 @@ class WorkloadAwarePolicy(EvictionPolicy):
         # The hot path: the model's and the shadow's bookkeeping are inlined.
         if ctx is not self._ctx or offset <= self._offset:
             if ctx is self._ctx and offset == self._offset and key == self._key:
-                # The pool's promotion calls insert then hit for the same block.
+                # The pool's promotion calls insert then hit for the same block:
+                # a miss on the device tier, a hit for the engine (no prefill).
+                if self._missed == key:
+                    self._missed = None
+                    self._alarm_lead = True
+                    self._cur[5] += 1
                 return
             self._begin(ctx, key, offset, now)
         parent = self._key if offset == self._offset + 1 else None
@@ -794,6 +806,14 @@ class WorkloadAwarePolicy(EvictionPolicy):
             self.lru.pop(key, None)
         cur = self._cur
         cur[0] += 1
+        if offset < self._blocks:  # decode blocks of a live request are no prompt blocks
+            cur[4] += 1
+            if self._alarm_lead:
+                if cached:
+                    cur[5] += 1
+                else:
+                    self._alarm_lead = False
+                    self._missed = key
         if self._lead:
             if cached:
                 cur[1] += 1
@@ -860,7 +880,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
             _, self._session, self._switch, self._base, last_offset, last_key = known
             if last_offset == offset - 1:
                 self._key = last_key
-            self._lead = self._lead_lru = self._lead_wa = False
+            self._lead = self._lead_lru = self._lead_wa = self._alarm_lead = False
         else:
             self._arrival(ctx, first_key, now)
         self._workload, self._type = ctx.workload, ctx.type
@@ -871,7 +891,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
     def _arrival(self, ctx: RequestContext, first_key: int, now: float) -> None:
         cfg = self.cfg
         self._requests += 1
-        self._lead = self._lead_lru = self._lead_wa = True
+        self._lead = self._lead_lru = self._lead_wa = self._alarm_lead = True
         if ctx.session is not None:
             session: object = ctx.session
         elif ctx.chat_id >= 0:
@@ -926,10 +946,10 @@ class WorkloadAwarePolicy(EvictionPolicy):
     # ---- shadow comparison, fallback and alarm ------------------------------
 
     def _window_sums(self, n: int) -> list[int]:
-        sums = [0, 0, 0, 0]
+        sums = [0] * _COUNTS
         buckets = list(self._buckets)[-n:]
         for bucket in buckets:
-            for i in range(4):
+            for i in range(_COUNTS):
                 sums[i] += bucket[i]
         return sums
 
@@ -942,7 +962,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
             idle = min(int((now - self._bucket_end) // interval), keep + self._patience)
             for _ in range(1 + idle):
                 self._buckets.append(self._cur)
-                self._cur = [0, 0, 0, 0]
+                self._cur = [0] * _COUNTS
                 while len(self._buckets) > keep:
                     self._buckets.popleft()
                 self._evaluate(now)
@@ -951,7 +971,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
     def _evaluate(self, now: float) -> None:
         cfg = self.cfg
         if len(self._buckets) >= self._alarm_buckets:
-            acc, hits, _, _ = self._window_sums(self._alarm_buckets)
+            *_, acc, hits = self._window_sums(self._alarm_buckets)
             alarm = acc > 0 and hits / acc < cfg.alarm.threshold
             if alarm != self.reuse_alarm:
                 self.reuse_alarm = alarm
@@ -964,7 +984,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
             return
         self._since_switch += 1
         n = min(self._nbuckets, self._since_switch)
-        acc, hits, lru_hits, wa_hits = self._window_sums(n)
+        acc, hits, lru_hits, wa_hits, _, _ = self._window_sums(n)
         if acc < fb.min_accesses:
             self._strikes = 0
             return
