@@ -801,7 +801,7 @@ class RemoteReplica(Replica):
                     err = await resp.json(content_type=None)
                 except Exception:  # noqa: BLE001
                     err = {}
-                err = openai_error_body(err)
+                err = _openai_error_body(err)
                 if resp.status == 429:
                     raise ReplicaBusy(f"replica {self.name} is at capacity", err or {})
                 if err is None:
@@ -829,7 +829,7 @@ class RemoteReplica(Replica):
                     ended = True
                     break
                 if isinstance(chunk, dict) and ("error" in chunk or chunk.get("object") == "error"):
-                    chunk = openai_error_body(chunk) or {"error": {}}
+                    chunk = _openai_error_body(chunk) or {"error": {}}
                     if _is_stopping(chunk):
                         # Past its drain time: nothing of this replica's failing, and a
                         # non-streaming answer may start over elsewhere.
@@ -1002,7 +1002,7 @@ class _EndedEarly(ReplicaUnavailable):
     """A stream that ended cleanly (no broken connection) before [DONE]."""
 
 
-def openai_error_body(body: object) -> dict | None:
+def _openai_error_body(body: object) -> dict | None:
     """An upstream server's error as OpenAI's ``{"error": {...}}``, from the shapes
     servers answer in: OpenAI's own; vLLM's before 0.10 and SGLang's, flat
     (``{"object": "error", "message": ..., "code": 400}``); ``{"error": "text"}``;
