@@ -601,7 +601,9 @@ class Gateway:
                     param=param,
                     code="context_length_exceeded",
                 )
-            default = self.limits.max_tokens if parsed.endpoint == CHAT else _COMPLETIONS_DEFAULT_MAX_TOKENS
+            default = self.limits.max_tokens
+            if parsed.endpoint != CHAT:  # OpenAI's 16, within the server's bound
+                default = min(_COMPLETIONS_DEFAULT_MAX_TOKENS, default)
             return min(default, room)
         if parsed.max_tokens > room:
             raise ApiError(

@@ -26,12 +26,20 @@ from engine.config import (
 
 
 class ApiKeyConfig(Section):
-    # The bearer token clients send (Authorization: Bearer KEY).
+    # The bearer token clients send (Authorization: Bearer KEY).  Spaces around
+    # it are dropped (HTTP drops them from the header, so no client could send them).
     key: str = Field(min_length=1)
     # Tenant the key's requests are accounted to (classification, traces).
-    tenant: str = "default"
+    tenant: str = Field("default", min_length=1)
     # None lets the classifier decide; otherwise the key fixes the workload.
     workload: Literal["to-c", "to-b", "multimodal"] | None = None
+
+    @field_validator("key")
+    @classmethod
+    def _key_as_sent(cls, key: str) -> str:
+        if not key.strip():
+            raise ValueError("the key is blank: give the token clients send")
+        return key.strip()
 
 
 class LimitsConfig(Section):
@@ -143,13 +151,28 @@ class ServerConfig(Section):
     @field_validator("cors_allow_origins")
     @classmethod
     def _origins(cls, origins: list[str]) -> list[str]:
+        """Each origin as a browser serialises it (RFC 6454): lower-case scheme and
+        host, no default port.  "https://App.Example.com:443" would otherwise
+        match no Origin header ever sent."""
+        normal = []
         for origin in origins:
+            if origin == "*":
+                normal.append(origin)
+                continue
             parts = urlsplit(origin)
-            if origin != "*" and not (parts.scheme in ("http", "https") and parts.hostname and not parts.path
-                                      and not parts.query and not parts.fragment and "@" not in parts.netloc):
+            try:
+                port = parts.port
+            except ValueError:
+                port = -1
+            if not (parts.scheme.lower() in ("http", "https") and parts.hostname and not parts.path and port != -1
+                    and not parts.query and not parts.fragment and "@" not in parts.netloc):
                 raise ValueError(f"{origin!r} is no origin: give scheme://host[:port] as a browser sends it "
                                  "(e.g. https://app.example.com), or \"*\" for any")
-        return origins
+            scheme, host = parts.scheme.lower(), parts.hostname  # urlsplit lower-cases the host
+            host = f"[{host}]" if ":" in host else host
+            default_port = 443 if scheme == "https" else 80
+            normal.append(f"{scheme}://{host}" + (f":{port}" if port is not None and port != default_port else ""))
+        return normal
 
     @field_validator("record_trace")
     @classmethod

@@ -25,8 +25,11 @@ class Cors:
         if allowed is not None:
             resp.headers["Access-Control-Allow-Origin"] = allowed
             resp.headers["Access-Control-Expose-Headers"] = "x-request-id, retry-after"
-            if not self.any:
-                resp.headers["Vary"] = "Origin"
+        if not self.any:
+            # The answer depends on the Origin, allowed or not: a shared cache must not
+            # hand one origin's copy (without the allow header) to another (Fetch, "CORS
+            # protocol and HTTP caches").
+            resp.headers["Vary"] = "Origin"
 
     async def preflight(self, request: web.Request, methods: set[str]) -> web.Response:
         if self._allowed(request.headers.get("Origin")) is None:

@@ -724,6 +724,30 @@ def test_cors_origins_are_origins(tmp_path, origin):
     assert "c.yaml:2: server.cors_allow_origins" in message and "is no origin" in message
 
 
+def test_cors_origins_are_read_as_browsers_send_them(tmp_path):
+    """Browsers send an origin lower-case and without its scheme's default port:
+    written otherwise, it used to match no page ever."""
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  cors_allow_origins: ['HTTPS://App.Example.com:443', 'http://LOCALHOST:80',\n"
+                    "    'http://localhost:8080', 'http://[::1]:3000', '*']\n")
+    assert load_config(path).server.cors_allow_origins == [
+        "https://app.example.com", "http://localhost", "http://localhost:8080", "http://[::1]:3000", "*"]
+    message = _config_error(tmp_path, "server:\n  cors_allow_origins: ['https://a.example:99999']\n")
+    assert "c.yaml:2: server.cors_allow_origins" in message and "is no origin" in message
+
+
+def test_api_keys_are_read_as_clients_can_send_them(tmp_path):
+    """HTTP drops the spaces around a header's value: a key written with them
+    could never match.  A blank key or tenant is refused where it is written."""
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  api_keys:\n    - {key: ' sk-space ', tenant: team-s}\n")
+    assert load_config(path).server.api_keys[0].key == "sk-space"
+    message = _config_error(tmp_path, "server:\n  api_keys:\n    - {key: '   ', tenant: t}\n")
+    assert "c.yaml:3: server.api_keys.0.key" in message and "blank" in message
+    message = _config_error(tmp_path, "server:\n  api_keys:\n    - {key: sk-1, tenant: ''}\n")
+    assert "c.yaml:3: server.api_keys.0.tenant" in message
+
+
 def test_a_key_listed_twice_with_different_tenants_is_refused(tmp_path, monkeypatch):
     """The last entry used to win silently, so a caller's tenant hung on list order."""
     from gateway.app import _load_keys

@@ -456,3 +456,17 @@ async def test_a_hung_in_process_replica_leaves_routing_until_its_step_ends(tiny
             release.set()
             await asyncio.gather(*first)
         await wait_for(lambda: hung.healthy, what="back in routing")
+
+
+async def test_defaults_stay_within_the_servers_max_tokens(tiny_model_dir):
+    """limits.max_tokens bounds every answer: a completion without max_tokens
+    takes OpenAI's default of 16 only where the bound allows it, as a chat one
+    takes the bound itself (16 used to pass a bound of 8)."""
+    config = _config(tiny_model_dir, replicas=1, limits={"max_tokens": 8})
+    async with serving(create_app(config)) as (app, server, client):
+        fixed = {"ignore_eos": True}
+        done = await client.completions.create(model=MODEL, prompt="hi", extra_body=fixed)
+        assert done.usage.completion_tokens == 8 and done.choices[0].finish_reason == "length"
+        chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    extra_body=fixed)
+        assert chat.usage.completion_tokens == 8

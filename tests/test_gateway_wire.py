@@ -524,12 +524,15 @@ async def test_image_parts_are_hashed_by_content(gw):
 async def test_browser_pages_from_allowed_origins_may_call_the_api(tiny_model_dir):
     """server.cors_allow_origins: a browser's preflight is answered for the
     origins named, the responses carry Access-Control-Allow-Origin (and expose
-    x-request-id), and other origins get neither; unset, a preflight is a 405."""
+    x-request-id), and other origins get neither; unset, a preflight is a 405.
+    Every answer varies by Origin, also those without the allow header, so a
+    shared cache never hands one origin's copy to another.  An origin written
+    as no browser sends it (upper case, the default port) is still the page's."""
     page, other = "https://app.example.com", "https://evil.example"
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     preflight = {"Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"}
-    for origins in ([page], []):
+    for origins in (["HTTPS://App.Example.com:443"], []):
         server = await start_server(create_app(tiny_config(tiny_model_dir, cors_allow_origins=origins)))
         url = server.url + "/v1/chat/completions"
         try:
@@ -549,6 +552,9 @@ async def test_browser_pages_from_allowed_origins_may_call_the_api(tiny_model_di
                     assert "Access-Control-Allow-Origin" not in r.headers
                 async with s.post(url, json=body, headers={"Origin": other}) as r:
                     assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+                    assert r.headers["Vary"] == "Origin"
+                async with s.get(server.url + "/v1/models") as r:  # no Origin at all
+                    assert r.status == 200 and r.headers["Vary"] == "Origin"
                 async with s.options(server.url + "/v1/models", headers={"Origin": page, **preflight}) as r:
                     assert r.status == 204 and r.headers["Access-Control-Allow-Methods"] == "GET, HEAD"
         finally:
