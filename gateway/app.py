@@ -54,6 +54,9 @@ _MAX_IGNORED_LOGGED = 64
 
 # Completions default (OpenAI's); chat defaults to what the context leaves, capped by limits.
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Content-Encodings aiohttp decodes as it reads a body (br and zstd only with their
+# optional package: without it aiohttp refuses them, gateway/http_protocol.py).
+_READ_ENCODINGS = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
 # Status label for requests whose client went away (nginx's convention).
 CLIENT_GONE = "499"
 _STATIC = Path(__file__).parent / "static"
@@ -377,6 +380,11 @@ class Gateway:
         return principal
 
     async def read_body(self, request: web.Request) -> dict:
+        coding = request.headers.get("Content-Encoding")
+        if coding is not None and coding.strip().lower() not in _READ_ENCODINGS:
+            # aiohttp would hand such a body over as it came, to fail as JSON if
+            # compressed ("compress", a chain of two) and be read if not.
+            raise errors.unsupported_encoding(coding.strip()[:40])
         limit = self.limits.max_body_bytes
         content = request.content
         try:

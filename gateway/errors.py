@@ -45,6 +45,8 @@ class ApiError(Exception):
             # A hint for any client (OpenAI's SDKs wait this long before their retry):
             # at capacity, no healthy replica yet, or this instance stopping.
             resp.headers["Retry-After"] = "1"
+        elif self.status == 415:
+            resp.headers["Accept-Encoding"] = "gzip, deflate"  # what to send instead (RFC 9110)
         # As on every OpenAI response (the SDK's error.request_id); a completion's is its own id.
         resp.headers["x-request-id"] = f"req-{getrandbits(96):024x}"
         return resp
@@ -52,6 +54,11 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def unsupported_encoding(coding: str) -> ApiError:
+    return ApiError(415, f"Content-Encoding {coding} is not supported here: send the body as it is, or "
+                    "compressed with gzip or deflate.", "invalid_request_error", None, "unsupported_content_encoding")
 
 
 def unauthorized(message: str = "Incorrect API key provided.") -> ApiError:

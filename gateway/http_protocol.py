@@ -83,9 +83,7 @@ def parse_error(exc: HttpProcessingError, status: int = 400) -> ApiError:
     if unsupported:
         # br or zstd without its decoder installed: the client's choice of encoding,
         # not a malformed request (RFC 9110's 415 names what to send instead).
-        return ApiError(415, f"Content-Encoding {unsupported.group(1)} is not supported here: send the body as it "
-                        "is, or compressed with gzip or deflate.", "invalid_request_error", None,
-                        "unsupported_content_encoding")
+        return errors.unsupported_encoding(unsupported.group(1))
     summary, code = next((s, c) for kind, s, c in _PARSE_ERRORS if isinstance(exc, kind))
     detail = ""
     if isinstance(exc, LineTooLong):
@@ -222,8 +220,6 @@ class KvgateRequestHandler(RequestHandler):
         super().handle_error(request, status, exc, message)
         error = parse_error(exc, status) if isinstance(exc, HttpProcessingError) else _server_error(status)
         response = error.response()
-        if error.status == 415:
-            response.headers["Accept-Encoding"] = "gzip, deflate"  # what to send instead (RFC 9110)
         response.force_close()
         # Said outright: aiohttp leaves it implicit in the HTTP/1.0 it answers a parse error in.
         response.headers["Connection"] = "close"

@@ -300,6 +300,24 @@ def test_an_encoding_with_no_decoder_here_is_a_415_naming_it(gateway, encoding):
     _assert_serving(gateway.port)
 
 
+@pytest.mark.parametrize("coding", ["compress", "gzip, gzip", "x-unknown"])
+def test_an_encoding_nothing_here_decodes_is_a_415(gateway, coding):
+    """A body in a coding aiohttp does not decode used to be read as it came:
+    a compressed one failed as bad JSON, a mislabelled one went through.  RFC
+    9110: 415, naming what to send instead."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Encoding: %s\r\nContent-Length: %d\r\n\r\n" % (coding.encode(), len(body)))
+    with _connect(gateway.port) as sock:
+        sock.sendall(head + body)
+        status, headers, answer = _read_response(sock)
+    error = json.loads(answer)["error"]
+    assert status == 415 and error["code"] == "unsupported_content_encoding", answer
+    assert headers["accept-encoding"] == "gzip, deflate"
+    assert f"Content-Encoding {coding} is not supported" in error["message"]
+    _assert_serving(gateway.port)
+
+
 def test_expect_100_continue_is_met_and_other_expectations_get_an_openai_417(gateway):
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
