@@ -4,8 +4,15 @@ A *category* is (workload, type, turn bucket) plus, where it pays, a few
 classes: position in the prompt, blocks shared across sessions, a predicted
 topic switch, a file signature slot.  K stays in the tens.  Each category
 keeps its evictable keys in last-release order (vLLM's tail-first release);
-inside a category the score falls with the time since last access, so an
+inside a category the reuse term falls with the time since last access, so an
 eviction scores only the K queue heads: O(K), whatever the number of blocks.
+That is exact for the paper's score.  The weighted score also carries each
+key's own spatial factor, so the head is the oldest key of its category but
+not always its lowest score: 56-66% of weighted evictions were not the exact
+minimum on 400 s synth traces (to-C, mixed; 2026-12-06), and evicting the exact
+minimum instead (a scan of every key) moved the hit ratio by -0.15%, -0.05%
+and +2.4% in three runs.  Mixed, so the O(K) approximation stays; a radix of
+spatial classes (``position_classes``) narrows it where it matters.
 
 Scores (lowest evicted first, ties to the deeper offset):
 - ``paper``: p_w * (e^{-l t} - e^{-l (t+life)}), the authors' priority.
