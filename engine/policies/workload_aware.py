@@ -11,8 +11,8 @@ key's own spatial factor, so the head is the oldest key of its category but
 not always its lowest score: 56-66% of weighted evictions were not the exact
 minimum on 400 s synth traces (to-C, mixed; 2026-12-06), and evicting the exact
 minimum instead (a scan of every key) moved the hit ratio by -0.15%, -0.05%
-and +2.4% in three runs.  Mixed, so the O(K) approximation stays; a radix of
-spatial classes (``position_classes``) narrows it where it matters.
+and +2.4% in three runs.  Mixed, so the O(K) approximation stays; position
+classes (``position_classes``) narrow the spread of spatial factors in a queue.
 
 Scores (lowest evicted first, ties to the deeper offset):
 - ``paper``: p_w * (e^{-l t} - e^{-l (t+life)}), the authors' priority.
