@@ -220,8 +220,7 @@ class Observer:
         await asyncio.gather(*(self._fetch(r, now) for r in due))
 
     async def _fetch(self, replica, now: float) -> None:
-        api_key = getattr(getattr(replica, "cfg", None), "api_key", None)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = replica.auth_headers()  # api_key or api_key_env, as every other call to it
         stats = None
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             async with self._session.get(replica.base + "/kvgate/stats", headers=headers) as resp:

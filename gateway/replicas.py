@@ -421,12 +421,13 @@ class RemoteReplica(Replica):
         if self._session is not None:
             await self._session.close()
 
-    def _auth(self) -> dict:
+    def auth_headers(self) -> dict:
+        """The Authorization header the replica expects (its api_key, or api_key_env's value)."""
         return {"Authorization": f"Bearer {self._key}"} if self._key else {}
 
     async def _fetch_info(self) -> None:
         async with self._session.get(
-            self.base + "/kvgate/info", headers=self._auth(), timeout=aiohttp.ClientTimeout(total=5)
+            self.base + "/kvgate/info", headers=self.auth_headers(), timeout=aiohttp.ClientTimeout(total=5)
         ) as resp:
             resp.raise_for_status()
             data = await resp.json()
@@ -442,7 +443,7 @@ class RemoteReplica(Replica):
     async def _fetch_models(self) -> None:
         """An external server's model name (the gateway serves it under that name
         unless model.served_name says otherwise) and context length."""
-        async with self._session.get(self.base + "/v1/models", headers=self._auth(), timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        async with self._session.get(self.base + "/v1/models", headers=self.auth_headers(), timeout=aiohttp.ClientTimeout(total=5)) as resp:
             resp.raise_for_status()
             data = await resp.json()
         cards = {m["id"]: m for m in data.get("data", ())}
@@ -460,7 +461,7 @@ class RemoteReplica(Replica):
         path = "/health" if self.kind == "engine" else "/v1/models"
         try:
             timeout = aiohttp.ClientTimeout(total=self.router_cfg.health_timeout_s)
-            async with self._session.get(self.base + path, headers=self._auth(), timeout=timeout) as resp:
+            async with self._session.get(self.base + path, headers=self.auth_headers(), timeout=timeout) as resp:
                 if resp.status != 200:
                     return False
                 if self.kind == "engine":
@@ -581,7 +582,7 @@ class RemoteReplica(Replica):
         while True:
             try:
                 async with self._session.get(
-                    self.base + "/kv_events", headers=self._auth(),
+                    self.base + "/kv_events", headers=self.auth_headers(),
                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
                                                   sock_read=_KV_EVENTS_SILENT_S),
                 ) as resp:
@@ -665,7 +666,7 @@ class RemoteReplica(Replica):
         failures = 0
         while True:
             try:
-                async with self._session.get(self.cfg.metrics_url, headers=self._auth(),
+                async with self._session.get(self.cfg.metrics_url, headers=self.auth_headers(),
                                              timeout=aiohttp.ClientTimeout(total=5)) as resp:
                     resp.raise_for_status()
                     text = await resp.text()
@@ -762,7 +763,7 @@ class RemoteReplica(Replica):
             raise ReplicaUnavailable(f"replica {self.name} is not taking requests")
         path, body = self._payload(job)
         chat = self.kind != "engine" and job.parsed.endpoint == CHAT
-        headers = self._auth()
+        headers = self.auth_headers()
         rid = job.request.request_id
         started = time.monotonic()
         # A replica that accepts the connection but never answers (stopped, hung

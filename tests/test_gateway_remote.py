@@ -1777,12 +1777,18 @@ async def test_an_engine_key_from_the_environment_is_sent_to_the_engine(tiny_mod
     engine, server = await _engine_server(tiny_model_dir, api_keys=[ApiKeyConfig(key="sk-engine")])
     replicas = [ReplicaConfig(kind="engine", url=server.url, api_key_env="KVGATE_TEST_ENGINE_KEY")]
     try:
-        async with serving(create_app(tiny_config(tiny_model_dir, replicas))) as (app, _, client):
+        async with serving(create_app(tiny_config(tiny_model_dir, replicas))) as (app, gw, client):
             replica = app[GATEWAY].replicas[0]
             await wait_for(lambda: replica.healthy, what="the keyed engine in routing")
             out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                        max_tokens=3)
             assert out.usage.completion_tokens >= 1 and replica.healthy
+            # Its figures, polled from /kvgate/stats with the key (the dashboards' KV panels, the alarms).
+            async with aiohttp.ClientSession() as session:
+                async with session.get(gw.url + "/metrics") as resp:
+                    scrape = await resp.text()
+            assert f'kvgate_kv_cache_blocks{{replica="{replica.name}",state="cached",tier="device"}}' in scrape
+            assert f'kvgate_reuse_alarm{{replica="{replica.name}"}}' in scrape
     finally:
         await server.stop()
 
