@@ -534,17 +534,11 @@ class Gateway:
         for prompt in prompts:
             if not prompt.token_ids:
                 raise bad_request("The prompt is empty after tokenisation.", "messages" if parsed.endpoint == CHAT else "prompt")
-            # Client-supplied token ids only; template output is valid by construction.
-            if parsed.endpoint != CHAT and max(prompt.token_ids) >= self.hasher.vocab_size:
-                raise bad_request(f"Token ids must be below the vocabulary size {self.hasher.vocab_size}.", "prompt")
-        bias = parsed.sampling.logit_bias
-        if bias and max(bias) >= self.hasher.vocab_size:
-            raise bad_request(f"Invalid key in 'logit_bias': {max(bias)}. Token ids must be below the vocabulary size "
-                              f"{self.hasher.vocab_size}.", "logit_bias")
-        stop_ids = parsed.sampling.stop_token_ids
-        if stop_ids and max(stop_ids) >= self.hasher.vocab_size:
-            raise bad_request(f"Invalid 'stop_token_ids': {max(stop_ids)}. Token ids must be below the vocabulary size "
-                              f"{self.hasher.vocab_size}.", "stop_token_ids")
+        if not self.passthrough:
+            # Token ids are checked against the engines' vocabulary, the gateway's own.
+            # External servers judge theirs: a file-less gateway's tokenizer (the
+            # bundled model's) is not the served model's.
+            self._check_token_ids(parsed, prompts)
         # Each prompt its own (vLLM's rule): a default fills what its own length leaves,
         # not what the longest prompt leaves.
         max_tokens = [self.resolve_max_tokens(parsed, len(prompt.token_ids)) for prompt in prompts]
@@ -569,6 +563,20 @@ class Gateway:
                 )
             subs.append(Sub(prompt, source, ctx, p * n, max_tokens[p]))
         return subs
+
+    def _check_token_ids(self, parsed: ParsedRequest, prompts: list[Prompt]) -> None:
+        vocab = self.hasher.vocab_size
+        # Client-supplied token ids only; template output is valid by construction.
+        if parsed.endpoint != CHAT and any(max(prompt.token_ids) >= vocab for prompt in prompts):
+            raise bad_request(f"Token ids must be below the vocabulary size {vocab}.", "prompt")
+        bias = parsed.sampling.logit_bias
+        if bias and max(bias) >= vocab:
+            raise bad_request(f"Invalid key in 'logit_bias': {max(bias)}. Token ids must be below the vocabulary size "
+                              f"{vocab}.", "logit_bias")
+        stop_ids = parsed.sampling.stop_token_ids
+        if stop_ids and max(stop_ids) >= vocab:
+            raise bad_request(f"Invalid 'stop_token_ids': {max(stop_ids)}. Token ids must be below the vocabulary size "
+                              f"{vocab}.", "stop_token_ids")
 
     async def tokenize(self, parsed: ParsedRequest) -> tuple[list[Prompt], list]:
         hasher = self.hasher

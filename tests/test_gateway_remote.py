@@ -2064,3 +2064,24 @@ async def test_one_dropped_connection_cuts_only_its_own_stream(tiny_model_dir):
         await client.close()
         await gw.stop()
         await upstream.stop()
+
+
+async def test_an_external_servers_token_ids_are_its_own_to_judge(tiny_model_dir):
+    """An all-external fleet serves a model whose vocabulary the gateway does not
+    know (a file-less gateway tokenises with the bundled model's, 49,152 ids):
+    token ids past it (Qwen's <|im_end|>, 151645) go to the server as sent.
+    They used to be refused with a 400 no vLLM would give."""
+    received = []
+
+    async def chat(request):
+        received.append(await request.json())
+        return await _answer_fine(request)
+
+    router = RouterConfig(health_interval_s=0.1)
+    async with _gateway_over_pair(tiny_model_dir, chat, chat, ("a", "b"), router) as (gateway, _, client, _):
+        assert gateway.hasher.vocab_size < 151645
+        out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                   logit_bias={"151643": -100},
+                                                   extra_body={"stop_token_ids": [151645]})
+        assert out.choices[0].message.content == "Fine"
+        assert received[0]["logit_bias"] == {"151643": -100} and received[0]["stop_token_ids"] == [151645]
