@@ -66,7 +66,7 @@ class GenerationRequest:
 class TokenLogprob:
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None  # None: none exists (an external server's echoed first prompt token)
     top: list[tuple[int, str, float]] = field(default_factory=list)
 
 

@@ -680,7 +680,7 @@ def completion_logprobs(items: list[TokenLogprob] | None, offsets: TokenOffsets,
         tokens.append(lp.token)
         values.append(lp.logprob)
         top = {t: v for _, t, v in lp.top}
-        if with_sampled:
+        if with_sampled and lp.logprob is not None:  # None: an echoed prompt's first token
             top.setdefault(lp.token, lp.logprob)
         tops.append(top or None)
         starts.append(offsets.advance(lp.token))

@@ -993,8 +993,10 @@ def _completion_logprobs(lp: dict | None) -> list[TokenLogprob] | None:
     if not lp or lp.get("tokens") is None:
         return None
     tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
+    # An echoed prompt's first token has no logprob (null, as vLLM and OpenAI send
+    # it): kept so, not made a certainty (0.0).
     return [
-        TokenLogprob(-1, tok, val if val is not None else 0.0, [(-1, t, v) for t, v in (top or {}).items()])
+        TokenLogprob(-1, tok, val, [(-1, t, v) for t, v in (top or {}).items()])
         for tok, val, top in zip(lp["tokens"], lp.get("token_logprobs") or [], tops)
     ]
 

@@ -2085,3 +2085,32 @@ async def test_an_external_servers_token_ids_are_its_own_to_judge(tiny_model_dir
                                                    extra_body={"stop_token_ids": [151645]})
         assert out.choices[0].message.content == "Fine"
         assert received[0]["logit_bias"] == {"151643": -100} and received[0]["stop_token_ids"] == [151645]
+
+
+async def test_an_echoed_prompts_first_token_keeps_its_null_logprob(tiny_model_dir):
+    """echo with logprobs on an external server: the prompt's first token has no
+    logprob (null, as vLLM and OpenAI send it); it used to reach the client as
+    0.0, a certainty, with itself as its one top alternative."""
+    async def completions(request):
+        await request.read()
+        logprobs = {"tokens": ["hell", "o", " there"], "token_logprobs": [None, -0.5, -1.25],
+                    "top_logprobs": [None, {"o": -0.5}, {" there": -1.25}], "text_offset": [0, 4, 5]}
+        chunk = {"choices": [{"index": 0, "text": "hello there", "logprobs": logprobs, "finish_reason": "length"}]}
+        return web.Response(body=_sse(chunk, b"[DONE]"), content_type="text/event-stream")
+
+    stub = web.Application()
+    stub.router.add_get("/v1/models", _models_while({"healthy": True}))
+    stub.router.add_post("/v1/completions", completions)
+    upstream = await start_server(stub)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                                 router=RouterConfig(health_interval_s=0.1)))
+    try:
+        async with serving(app) as (app, _, client):
+            await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+            out = await client.completions.create(model=MODEL, prompt="hell", max_tokens=1, echo=True, logprobs=1)
+            lp = out.choices[0].logprobs
+            assert lp.tokens == ["hell", "o", " there"]
+            assert lp.token_logprobs == [None, -0.5, -1.25]
+            assert lp.top_logprobs == [None, {"o": -0.5}, {" there": -1.25}]
+    finally:
+        await upstream.stop()
