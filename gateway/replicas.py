@@ -806,11 +806,14 @@ class RemoteReplica(Replica):
                 if resp.status == 429:
                     raise ReplicaBusy(f"replica {self.name} is at capacity", err or {})
                 if err is None:
-                    if resp.status >= 500:  # a proxy's page, a crashed server: not an answer
+                    if resp.status in (502, 503, 504):  # a proxy's page: the server behind it is not there
                         raise ReplicaUnavailable(f"replica {self.name} answered {resp.status}")  # counted below
-                    # A refusal all the same (a proxy's 413 page): the request's, passed on.
-                    err = {"error": {"message": f"The model server refused the request: {resp.status} "
-                                                f"{resp.reason or 'Client Error'}.", "type": "invalid_request_error"}}
+                    # An answer all the same, in plain text: a refusal (a proxy's 413 page) is
+                    # the request's, passed on; a failure (a bare 500) is judged as OpenAI-shaped ones are.
+                    reason = resp.reason or ("Client Error" if resp.status < 500 else "Server Error")
+                    err = {"error": {"message": f"The model server {'refused' if resp.status < 500 else 'failed'} "
+                                                f"the request: {resp.status} {reason}.",
+                                     "type": "invalid_request_error" if resp.status < 500 else "api_error"}}
                 if _is_stopping(err):
                     raise ReplicaStopping(f"replica {self.name} is shutting down")  # refusing new work: no failure
                 if resp.status >= 500:

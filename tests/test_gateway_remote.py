@@ -2114,3 +2114,23 @@ async def test_an_echoed_prompts_first_token_keeps_its_null_logprob(tiny_model_d
             assert lp.top_logprobs == [None, {"o": -0.5}, {" there": -1.25}]
     finally:
         await upstream.stop()
+
+
+async def test_a_plain_text_500_is_a_failed_answer_not_a_missing_replica(tiny_model_dir):
+    """A server that answers a bare "Internal Server Error" (no JSON) for one
+    request: it is tried on the other replica, and, failed everywhere, the
+    client gets that 500, not a 503 saying no replica is healthy; no replica
+    leaves routing over a request that fails everywhere."""
+    async def fail(request):
+        await request.read()
+        return web.Response(status=500, text="Internal Server Error")
+
+    router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=2)
+    messages = [{"role": "user", "content": "hi"}]
+    async with _gateway_over_pair(tiny_model_dir, fail, fail, ("a", "b"), router) as (gateway, _, client, _):
+        for _ in range(3):
+            with pytest.raises(openai.InternalServerError) as info:
+                await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+            assert info.value.status_code == 500
+            assert info.value.body["message"] == "The model server failed the request: 500 Internal Server Error."
+        assert all(r.healthy for r in gateway.replicas) and not any(r.trips for r in gateway.replicas)
