@@ -694,7 +694,7 @@ async def test_engine_figures_outlive_one_failed_fetch_but_not_an_outage(monkeyp
     stub.router.add_get("/kvgate/stats", stats)
     server = await start_server(stub)
     observer = observe.Observer(KvgateConfig(), GatewayMetrics())
-    replica = types.SimpleNamespace(name="e0", kind="engine", base=server.url, healthy=True, cfg=None)
+    replica = types.SimpleNamespace(name="e0", kind="engine", base=server.url, healthy=True, auth_headers=dict)
     observer.start([replica], lambda i: 0, 16)
     monkeypatch.setattr(observe, "_REMOTE_MIN_AGE_S", 0.0)  # every refresh fetches
     try:
