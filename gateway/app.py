@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import json
 import logging
 import os
 import time
@@ -541,7 +542,8 @@ class Gateway:
             self._check_token_ids(parsed, prompts)
         # Each prompt its own (vLLM's rule): a default fills what its own length leaves,
         # not what the longest prompt leaves.
-        max_tokens = [self.resolve_max_tokens(parsed, len(prompt.token_ids)) for prompt in prompts]
+        uncounted = self._uncounted_tokens(parsed) if parsed.max_tokens is None else 0
+        max_tokens = [self.resolve_max_tokens(parsed, len(prompt.token_ids), uncounted) for prompt in prompts]
         parsed.sampling.max_tokens = max(max_tokens)
         if parsed.sampling.min_tokens > min(max_tokens):
             raise bad_request(f"min_tokens ({parsed.sampling.min_tokens}) must be at most max_tokens "
@@ -605,7 +607,24 @@ class Gateway:
             prompts = [prompts[0]._replace(mm_hashes=_mm_hashes(parsed.body["kvgate_mm_hashes"]))]
         return prompts, sources
 
-    def resolve_max_tokens(self, parsed: ParsedRequest, prompt_len: int) -> int:
+    def _uncounted_tokens(self, parsed: ParsedRequest) -> int:
+        """About how many tokens an external server's prompt holds beyond the
+        messages the gateway counts: tool definitions and earlier tool calls, which
+        its chat template renders into the prompt (counted as their JSON)."""
+        if parsed.endpoint != CHAT or parsed.engine_unsupported is None:
+            return 0
+        body = parsed.body
+        parts = [body.get("tools"), body.get("functions")]
+        parts += [m.get("tool_calls") for m in parsed.messages or () if isinstance(m, dict)]
+        parts = [p for p in parts if p]
+        if not parts:
+            return 0
+        return len(self.hasher.tokenizer.encode(json.dumps(parts), add_special_tokens=False))
+
+    def resolve_max_tokens(self, parsed: ParsedRequest, prompt_len: int, uncounted: int = 0) -> int:
+        """The request's max_tokens, or the default that fits the context.
+        ``uncounted``: tokens the server's prompt holds beyond ``prompt_len`` by
+        estimate (tools): a default leaves room for them when it can."""
         room = self.max_model_len - prompt_len
         param = "messages" if parsed.endpoint == CHAT else "prompt"
         if parsed.max_tokens is None:
@@ -620,7 +639,8 @@ class Gateway:
             default = self.limits.max_tokens
             if parsed.endpoint != CHAT:  # OpenAI's 16, within the server's bound
                 default = min(_COMPLETIONS_DEFAULT_MAX_TOKENS, default)
-            return min(default, room)
+            # Past the context by the estimate: the server, which counts exactly, judges.
+            return min(default, room - uncounted if room - uncounted >= 1 else room)
         if parsed.max_tokens > room:
             raise ApiError(
                 400,

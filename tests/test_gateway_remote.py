@@ -2134,3 +2134,36 @@ async def test_a_plain_text_500_is_a_failed_answer_not_a_missing_replica(tiny_mo
             assert info.value.status_code == 500
             assert info.value.body["message"] == "The model server failed the request: 500 Internal Server Error."
         assert all(r.healthy for r in gateway.replicas) and not any(r.trips for r in gateway.replicas)
+
+
+async def test_a_default_max_tokens_leaves_room_for_the_tools(tiny_model_dir):
+    """Tools are rendered into the server's prompt, but the gateway counts the
+    messages only: a default max_tokens that filled the rest of the context by
+    that count overflowed it, and vLLM answered 400 to a request it would have
+    served without kvgate.  The default now leaves room for the tools' tokens."""
+    received = []
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 2048}]})
+
+    async def chat(request):
+        received.append(await request.json())
+        return await _answer_fine(request)
+
+    upstream = await _scripted_upstream(models, chat)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                                 router=RouterConfig(health_interval_s=0.1)))
+    tool = {"type": "function", "function": {"name": "lookup", "description": "a long manual " * 150,
+                                             "parameters": {"type": "object", "properties": {}}}}
+    try:
+        async with serving(app) as (app, _, client):
+            gateway = app[GATEWAY]
+            await wait_for(lambda: gateway.replicas[0].healthy and gateway.max_model_len == 2048, what="learnt")
+            messages = [{"role": "user", "content": "hi"}]
+            await client.chat.completions.create(model=MODEL, messages=messages, tools=[tool])
+            tool_tokens = len(gateway.hasher.tokenizer.encode(str(tool)))
+            assert 0 < received[0]["max_tokens"] <= 2048 - tool_tokens
+            await client.chat.completions.create(model=MODEL, messages=messages)  # no tools: the whole rest
+            assert received[1]["max_tokens"] > 2048 - 50
+    finally:
+        await upstream.stop()
