@@ -485,6 +485,8 @@ class AsyncEngine:
 
     def _final(self, seq: Sequence, out: GenerationOutput, reason: str) -> GenerationOutput:
         out.finish_reason = reason
+        if reason == "stop" and seq.sampler is not None:
+            out.stop_reason = seq.sampler.stop_reason
         out.usage = Usage(seq.num_prompt_tokens, len(seq.output_ids), seq.cached_tokens or 0)
         return out
 

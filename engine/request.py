@@ -86,6 +86,9 @@ class GenerationOutput:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     usage: Usage | None = None
+    # vLLM's: what ended a "stop" choice other than EOS, the stop string or the
+    # stop token id (None for EOS, a length, an abort).
+    stop_reason: int | str | None = None
     # Seconds the request waited before its first scheduled step.
     queue_time_s: float | None = None
     # An external server's delta fields besides its text (tool_calls,

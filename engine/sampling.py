@@ -96,6 +96,7 @@ class SequenceSampler:
         self.text = ""
         self.emitted = 0
         self.num_generated = 0
+        self.stop_reason: int | str | None = None  # the stop string or stop token id that ended it
         # A stop string may start this many characters before new text ...
         self.stop_reach = max((len(s) for s in params.stop), default=1) - 1
         # ... so that much is held back, unless the stop string is to be kept anyway.
@@ -205,6 +206,8 @@ class SequenceSampler:
         start = len(self.text)
         if self.is_end_token(token):
             finish = "stop"
+            if token not in self.eos_ids:  # a stop token id (EOS wins where it is both, as in vLLM)
+                self.stop_reason = token
             # As vLLM: the ending token's own text is kept only on request.
             self.text += (self.detok.add(token) if p.include_stop_str_in_output else "") + self.detok.flush()
         else:
@@ -216,8 +219,9 @@ class SequenceSampler:
             # Stop strings only count in text that comes after the first min_tokens tokens.
             self.stop_floor = len(self.text)
         # Text that came with this token, flushed at the end included, may complete a stop string.
-        elif p.stop and len(self.text) > start and self._cut_stop(start):
+        elif p.stop and len(self.text) > start and (matched := self._cut_stop(start)) is not None:
             finish = "stop"
+            self.stop_reason = matched
         return self._emit(finish is not None), finish
 
     def is_end_token(self, token: int) -> bool:
@@ -229,12 +233,13 @@ class SequenceSampler:
         # end past the text of the first min_tokens tokens (as vLLM's check).
         search_from = max(0, new_from - self.stop_reach)
         floor = self.stop_floor + 1
-        hits = [(i, -len(s)) for s in self.params.stop if (i := self.text.find(s, max(search_from, floor - len(s)))) >= 0]
+        hits = [(i, -len(s), s) for s in self.params.stop
+                if (i := self.text.find(s, max(search_from, floor - len(s)))) >= 0]
         if not hits:
             return None
-        at, minus_len = min(hits)  # the earliest, the longest of those starting there
+        at, minus_len, matched = min(hits)  # the earliest, the longest of those starting there
         self.text = self.text[: at - minus_len if self.params.include_stop_str_in_output else at]
-        return "stop"
+        return matched
 
     def _emit(self, finished: bool) -> str:
         # Hold back what could still turn out to be the start of a stop string.

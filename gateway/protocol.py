@@ -694,6 +694,7 @@ class ChoiceState:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
     offsets: TokenOffsets | None = None  # streamed completions with logprobs
     started: bool = False
     # An external server's other message fields (tool_calls, reasoning_content).
@@ -745,6 +746,7 @@ def chat_completion(rid: str, created: int, model: str, choices: list[ChoiceStat
                 "message": _message(c),
                 "logprobs": chat_logprobs(c.logprobs),
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
             }
             for i, c in enumerate(choices)
         ],
@@ -776,6 +778,7 @@ def text_completion(
                 "text": "".join(c.text),
                 "logprobs": completion_logprobs(c.logprobs, TokenOffsets(), with_sampled),
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
             }
             for i, c in enumerate(choices)
         ],
@@ -825,13 +828,21 @@ class StreamFormatter:
         state: ChoiceState,
         finish: str | None = None,
         extra: dict | None = None,
+        stop_reason: int | str | None = None,
     ) -> bytes:
+        """A choice's chunk; the one that finishes it (``finish``) also carries
+        vLLM's ``stop_reason``, the others stay as OpenAI sends them."""
+        ended = {} if finish is None else {"stop_reason": stop_reason}
         if extra and self._chat:
             delta = {"content": text} if text else {}
             delta.update(extra)
-            return self._frame({"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish})
+            return self._frame({"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
+                                "finish_reason": finish, **ended})
         if logprobs is None:
-            finish_json = "null" if finish is None else _json_str(finish)
+            if finish is None:
+                finish_json = "null"
+            else:
+                finish_json = f'{_json_str(finish)}, "stop_reason": {json.dumps(stop_reason)}'
             if self._chat:
                 delta = f'{{"content": {_json_str(text)}}}' if text or finish is None else "{}"
                 choice = f'{{"index": {index}, "delta": {delta}, "logprobs": null, "finish_reason": {finish_json}}}'
@@ -840,11 +851,12 @@ class StreamFormatter:
             return self._head + choice.encode() + self._tail
         if self._chat:
             delta = {"content": text} if text or finish is None else {}
-            return self._frame({"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs), "finish_reason": finish})
+            return self._frame({"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
+                                "finish_reason": finish, **ended})
         if state.offsets is None:
             state.offsets = TokenOffsets()
         lp = completion_logprobs(logprobs, state.offsets, self.with_sampled)
-        return self._frame({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
+        return self._frame({"index": index, "text": text, "logprobs": lp, "finish_reason": finish, **ended})
 
     def usage(self, usage: dict) -> bytes:
         return self._head + b'], "usage": ' + json.dumps(usage).encode() + b"}\n\n"

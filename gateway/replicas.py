@@ -1072,7 +1072,10 @@ def _outputs_of(chunk: Any, rid: str, chat: bool) -> list[GenerationOutput]:
                 continue  # the role chunk
             if not isinstance(index, int) or not isinstance(text, str):
                 raise TypeError("index or text of the wrong type")
-            batch.append(GenerationOutput(rid, index, [], text, lps, finish, extra=extra))
+            stop_reason = choice.get("stop_reason") if finish is not None else None
+            if isinstance(stop_reason, bool) or not isinstance(stop_reason, (int, str)):
+                stop_reason = None  # vLLM's field, absent from other servers' chunks
+            batch.append(GenerationOutput(rid, index, [], text, lps, finish, extra=extra, stop_reason=stop_reason))
         usage = chunk.get("usage")
         if usage:
             details = usage.get("prompt_tokens_details") or {}

@@ -167,7 +167,8 @@ class Responder:
                             frames.append(fmt.delta(index, text, out.logprobs, state, None, out.extra))
                         if out.finish_reason is not None:
                             # As OpenAI ends a choice: a chunk of its own, an empty delta and the reason.
-                            frames.append(fmt.delta(index, "", None, state, out.finish_reason))
+                            frames.append(fmt.delta(index, "", None, state, out.finish_reason,
+                                                    stop_reason=out.stop_reason))
                 except ApiError:
                     if frames:
                         await resp.write(b"".join(frames))  # what came before the failure
@@ -242,6 +243,7 @@ def _collect(choices: list[ChoiceState], usage: UsageSum, sub: int, shift: int, 
     if out.finish_reason is not None:
         _check_finish(out.finish_reason)
         choice.finish_reason = out.finish_reason
+        choice.stop_reason = out.stop_reason
 
 
 def _each_output(group, n: int):

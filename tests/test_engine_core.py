@@ -253,7 +253,7 @@ async def test_stop_string_cuts_text(engines):
     assert len(stop) == 3 and stop.strip()
     out = (await collect(engine, greedy("stopped", prompt, 40, stop=[stop])))[0]
     assert text(out) == full[: full.find(stop)]
-    assert out[-1].finish_reason == "stop"
+    assert out[-1].finish_reason == "stop" and out[-1].stop_reason == stop  # vLLM's stop_reason
 
 
 async def test_stop_token_ids_and_eos(engines):
@@ -261,12 +261,12 @@ async def test_stop_token_ids_and_eos(engines):
     prompt = prompt_of(12, seed=8)
     first_two = tokens((await collect(engine, greedy("probe", prompt, 2)))[0])
     out = (await collect(engine, greedy("stop-id", prompt, 10, stop_token_ids=[first_two[1]])))[0]
-    assert tokens(out) == first_two and out[-1].finish_reason == "stop"
+    assert tokens(out) == first_two and out[-1].finish_reason == "stop" and out[-1].stop_reason == first_two[1]
     # The same token as the model's EOS stops unless ignore_eos.
     engine.eos_ids = {first_two[0]}
     params = SamplingParams(max_tokens=10, temperature=0.0)
     out = (await collect(engine, GenerationRequest("eos", prompt, params)))[0]
-    assert tokens(out) == first_two[:1] and out[-1].finish_reason == "stop"
+    assert tokens(out) == first_two[:1] and out[-1].finish_reason == "stop" and out[-1].stop_reason is None
 
 
 async def test_n_choices_share_the_prompt_blocks(engines):

@@ -2167,3 +2167,23 @@ async def test_a_default_max_tokens_leaves_room_for_the_tools(tiny_model_dir):
             assert received[1]["max_tokens"] > 2048 - 50
     finally:
         await upstream.stop()
+
+
+async def test_an_external_servers_stop_reason_reaches_the_client(tiny_model_dir):
+    """vLLM's stop_reason (the stop string or token id that ended a choice) passes
+    through, streamed and not; it used to be dropped."""
+    async def chat(request):
+        await request.read()
+        first = {"choices": [{"index": 0, "delta": {"content": "Thought: done"}, "finish_reason": None}]}
+        end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": "Observation:"}]}
+        return web.Response(body=_sse(first, end, b"[DONE]"), content_type="text/event-stream")
+
+    router = RouterConfig(health_interval_s=0.1)
+    messages = [{"role": "user", "content": "hi"}]
+    async with _gateway_over_pair(tiny_model_dir, chat, chat, ("a", "b"), router) as (gateway, _, client, _):
+        whole = await client.chat.completions.create(model=MODEL, messages=messages, stop=["Observation:"])
+        assert whole.choices[0].model_extra["stop_reason"] == "Observation:"
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, stop=["Observation:"],
+                                                      stream=True)
+        last = [c async for c in stream][-1].choices[0]
+        assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == "Observation:"

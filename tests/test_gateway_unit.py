@@ -206,14 +206,17 @@ def test_stream_formatter_frames():
 @given(
     text=st.text(max_size=40),
     finish=st.sampled_from([None, "stop", "length"]),
+    stop_reason=st.one_of(st.none(), st.text(max_size=8), st.integers(0, 200_000)),
     index=st.integers(0, 300),
     rid=st.text(max_size=12),
     model=st.text(max_size=12),
     include_usage=st.booleans(),
 )
 @settings(max_examples=300, deadline=None)
-def test_stream_formatter_fast_frames_are_json_dumps_bytes(text, finish, index, rid, model, include_usage):
-    """The string-built text frames must be byte for byte what json.dumps of the chunk gives."""
+def test_stream_formatter_fast_frames_are_json_dumps_bytes(text, finish, stop_reason, index, rid, model,
+                                                           include_usage):
+    """The string-built text frames must be byte for byte what json.dumps of the
+    chunk gives; a choice's last chunk carries vLLM's stop_reason."""
     import json
 
     from gateway.protocol import ChoiceState
@@ -227,10 +230,13 @@ def test_stream_formatter_fast_frames_are_json_dumps_bytes(text, finish, index, 
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
         chunk["choices"] = [choice]
         if include_usage:
             chunk["usage"] = None
-        assert fmt.delta(index, text, None, ChoiceState(), finish) == b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        frame = fmt.delta(index, text, None, ChoiceState(), finish, stop_reason=stop_reason)
+        assert frame == b"data: " + json.dumps(chunk).encode() + b"\n\n"
         if endpoint == CHAT:
             chunk["choices"] = [{"index": index, "delta": {"role": "assistant", "content": "", "refusal": None},
                                  "logprobs": None, "finish_reason": None}]

@@ -139,6 +139,7 @@ async def test_vllm_sampling_extensions(gw):
     # The forced token is a stop token: the choice ends on it, without its text unless asked.
     stopped = await client.completions.create(**base, logit_bias={str(a): 100}, extra_body={"stop_token_ids": [a]})
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("", "stop", 1)
+    assert stopped.choices[0].model_extra["stop_reason"] == a  # vLLM's: what stopped it
     kept = await client.completions.create(**base, logit_bias={str(a): 100}, logprobs=0,
                                            extra_body={"stop_token_ids": [a], "include_stop_str_in_output": True})
     assert kept.choices[0].text == "a"
@@ -150,10 +151,17 @@ async def test_vllm_sampling_extensions(gw):
     # EOS forced, but not before min_tokens tokens.
     short = await client.completions.create(**base, logit_bias={str(eos): 100}, extra_body={"min_tokens": 4})
     assert (short.usage.completion_tokens, short.choices[0].finish_reason) == (5, "stop")
+    assert short.choices[0].model_extra["stop_reason"] is None  # EOS
     # A stop string kept in the text.
     forced = await client.completions.create(**base, logit_bias={str(a): 100}, stop=["aa"],
                                              extra_body={"include_stop_str_in_output": True})
     assert (forced.choices[0].text, forced.choices[0].finish_reason) == ("aa", "stop")
+    assert forced.choices[0].model_extra["stop_reason"] == "aa"
+    streamed = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=6, temperature=0, logit_bias={str(a): 100},
+                                                    stop=["aa"], stream=True)
+    last = [c async for c in streamed][-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == "aa"
     # repetition_penalty: a bias of +5 makes "a" the greedy choice every time; once
     # "a" has been generated, a penalty of 100 divides its (positive) logit below the rest.
     nudged = dict(base, logit_bias={str(a): 5}, logprobs=0)
