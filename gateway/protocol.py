@@ -236,6 +236,12 @@ _ENGINE_UNSUPPORTED_COMPLETIONS = {
 def _check_engine_unsupported(req: ParsedRequest, body: dict, unsupported: dict) -> None:
     for field, asks in unsupported.items():
         if field in body and asks(body[field]):
+            if field == "prompt_logprobs":
+                # An external server would refuse it too: the gateway streams from its
+                # replicas, and vLLM gives prompt logprobs to non-streaming requests only.
+                raise bad_request("'prompt_logprobs' is not supported by the kvgate engine, nor through a kvgate "
+                                  "gateway (it streams every request from its replicas, and vLLM returns prompt "
+                                  "logprobs to non-streaming requests only): ask the server directly.", field)
             req.engine_unsupported = (f"'{field}' is not supported by the kvgate engine; send it to a gateway in front "
                                       "of a server that supports it (e.g. vLLM).", field)
             return
@@ -759,8 +765,8 @@ def _message(choice: ChoiceState) -> dict:
     message = {"role": "assistant", "content": "".join(choice.text), "refusal": None}
     if choice.extra:
         message.update(choice.extra)
-        if message.get("tool_calls") and not message["content"]:
-            message["content"] = None  # OpenAI's shape for a turn that only calls tools
+        if (message.get("tool_calls") or message.get("refusal")) and not message["content"]:
+            message["content"] = None  # OpenAI's shape for a turn that only calls tools, or refuses
     return message
 
 

@@ -2187,3 +2187,27 @@ async def test_an_external_servers_stop_reason_reaches_the_client(tiny_model_dir
                                                       stream=True)
         last = [c async for c in stream][-1].choices[0]
         assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == "Observation:"
+
+
+async def test_prompt_logprobs_are_refused_with_the_reason_and_a_refusal_has_null_content(tiny_model_dir):
+    """prompt_logprobs: the gateway streams every request from its replicas, and
+    vLLM refuses them to streams, so the client got vLLM's 400 about a stream it
+    never asked for; now the gateway's own 400 says why.  And a turn that only
+    refuses has null content, as OpenAI's."""
+    calls = []
+
+    async def chat(request):
+        calls.append(await request.json())
+        chunk = {"choices": [{"index": 0, "delta": {"refusal": "I can't help with that."}, "finish_reason": "stop"}]}
+        return web.Response(body=_sse(chunk, b"[DONE]"), content_type="text/event-stream")
+
+    router = RouterConfig(health_interval_s=0.1)
+    messages = [{"role": "user", "content": "hi"}]
+    async with _gateway_over_pair(tiny_model_dir, chat, chat, ("a", "b"), router) as (gateway, _, client, _):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, messages=messages, extra_body={"prompt_logprobs": 1})
+        assert info.value.param == "prompt_logprobs" and "non-streaming requests only" in info.value.message
+        assert not calls
+        out = await client.chat.completions.create(model=MODEL, messages=messages)
+        assert out.choices[0].message.refusal == "I can't help with that."
+        assert out.choices[0].message.content is None
