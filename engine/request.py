@@ -86,9 +86,6 @@ class GenerationOutput:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     usage: Usage | None = None
-    # vLLM's: what ended a "stop" choice other than EOS, the stop string or the
-    # stop token id (None for EOS, a length, an abort).
-    stop_reason: int | str | None = None
     # Seconds the request waited before its first scheduled step.
     queue_time_s: float | None = None
     # An external server's delta fields besides its text (tool_calls,
@@ -98,6 +95,9 @@ class GenerationOutput:
     # (its prefill is done then; vLLM's outputs carry num_cached_tokens too): what
     # a request cut short before its usage (client gone) hit.
     cached_tokens: int | None = None
+    # vLLM's: what ended a "stop" choice other than EOS, the stop string or the
+    # stop token id (None for EOS, a length, an abort).
+    stop_reason: int | str | None = None
 
 
 def coalesce(outputs: list[GenerationOutput]) -> list[GenerationOutput]:
@@ -136,14 +136,14 @@ def _join(group: list[GenerationOutput]) -> GenerationOutput:
     """One choice's deltas as one."""
     token_ids: list[int] = []
     texts = []
-    logprobs = finish = usage = queue_time = cached = None
+    logprobs = finish = stop_reason = usage = queue_time = cached = None
     for out in group:
         token_ids += out.token_ids
         texts.append(out.text)
         if out.logprobs is not None:
             logprobs = out.logprobs if logprobs is None else logprobs + out.logprobs
         if out.finish_reason is not None:
-            finish = out.finish_reason
+            finish, stop_reason = out.finish_reason, out.stop_reason
         if out.usage is not None:
             usage = out.usage
         if queue_time is None:
@@ -152,7 +152,7 @@ def _join(group: list[GenerationOutput]) -> GenerationOutput:
             cached = out.cached_tokens
     first = group[0]
     return GenerationOutput(first.request_id, first.index, token_ids, "".join(texts), logprobs, finish, usage,
-                            queue_time, cached_tokens=cached)
+                            queue_time, cached_tokens=cached, stop_reason=stop_reason)
 
 
 async def one_at_a_time(batches: AsyncIterator[list[GenerationOutput]]) -> AsyncIterator[GenerationOutput]:

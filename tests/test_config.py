@@ -188,7 +188,7 @@ def test_a_replica_key_from_the_environment(tmp_path, monkeypatch):
                                "is not set or is empty")
     monkeypatch.setenv("KVGATE_TEST_ENGINE_KEY", "sk-engine\n")  # as a Secret made --from-file holds it
     config = load_config(path, gateway=True)
-    assert [r._auth() for r in build_replicas(config)] == [{}, {"Authorization": "Bearer sk-engine"}]
+    assert [r.auth_headers() for r in build_replicas(config)] == [{}, {"Authorization": "Bearer sk-engine"}]
     monkeypatch.delenv("KVGATE_TEST_ENGINE_KEY")
     with pytest.raises(ConfigError, match="replica e:8002: api_key_env: the environment variable"):
         build_replicas(config)  # the variable gone since (the gateway built from code, not the CLI)
@@ -218,7 +218,7 @@ def test_a_replica_key_from_the_environment(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=f"{path}:2: replicas.0: api_key_env: KVGATE_TEST_ENGINE_KEY holds ','"):
             load_config(path, gateway=True)
     monkeypatch.setenv("KVGATE_TEST_ENGINE_KEY", "sk-a")
-    assert [r._auth() for r in build_replicas(load_config(path, gateway=True))] == [
+    assert [r.auth_headers() for r in build_replicas(load_config(path, gateway=True))] == [
         {"Authorization": "Bearer sk-a"}, {"Authorization": "Bearer sk:any:text"}]
 
 

@@ -329,7 +329,7 @@ def test_coalesce_joins_each_choices_deltas_in_order():
         GenerationOutput("r", 1, [7], "x", lp(7)),
         GenerationOutput("r", 0, [2], "b", lp(2)),
         GenerationOutput("r", 0, [3], "c", lp(3), "length", usage),
-        GenerationOutput("r", 1, [8], "y", lp(8), "stop", Usage(10, 2, 0)),
+        GenerationOutput("r", 1, [8], "y", lp(8), "stop", Usage(10, 2, 0), stop_reason="###"),
     ]
     merged = coalesce(batch)
     assert [o.index for o in merged] == [0, 1]
@@ -338,6 +338,7 @@ def test_coalesce_joins_each_choices_deltas_in_order():
         [1, 2, 3], "abc", "length", usage, 0.25)
     assert [x.token_id for x in first.logprobs] == [1, 2, 3]
     assert (second.token_ids, second.text, second.finish_reason, second.usage.completion_tokens) == ([7, 8], "xy", "stop", 2)
+    assert second.stop_reason == "###" and first.stop_reason is None
     # Nothing to join: the very same list comes back; no logprobs stay None.
     alone = [GenerationOutput("r", 0, [1], "a"), GenerationOutput("r", 1, [2], "b")]
     assert coalesce(alone) is alone
