@@ -1895,24 +1895,34 @@ async def test_engines_of_different_context_lengths_hold_requests_to_the_shortes
                                            for length in (1024, 256)]
     config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=s.url) for s in (long_server, short_server)],
                          router=RouterConfig(policy="round-robin", health_interval_s=0.1))
+    try:
+        await _requests_held_to(config, 256, prompt=[5] * 300, max_tokens=2, caplog=caplog)
+    finally:
+        await long_server.stop()
+        await short_server.stop()
+
+
+async def _requests_held_to(config, shortest: int, prompt: list[int], max_tokens: int, caplog) -> None:
+    """A gateway over replicas of different context lengths says it serves
+    ``shortest``, refuses a request past it (twice: round-robin would have
+    reached each replica) and has logged why."""
     app = create_app(config)
     gw = await start_server(app)
     client = _client(gw.url)
     try:
         gateway = app[GATEWAY]
-        await wait_for(lambda: all(r.healthy for r in gateway.replicas), what="both engines in routing")
-        assert gateway.max_model_len == 256
-        assert (await client.models.list()).data[0].model_extra["max_model_len"] == 256
-        for _ in range(2):  # round-robin: one would have reached each engine
+        await wait_for(lambda: all(r.healthy for r in gateway.replicas), what="every replica in routing")
+        assert gateway.max_model_len == shortest
+        assert (await client.models.list()).data[0].model_extra["max_model_len"] == shortest
+        for _ in range(2):
             with pytest.raises(openai.BadRequestError) as info:
-                await client.completions.create(model=MODEL, prompt=[5] * 300, max_tokens=2)
-            assert "maximum context length is 256 tokens" in info.value.message
-        assert any("requests are held to 256, what every replica serves" in r.getMessage() for r in caplog.records)
+                await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens)
+            assert f"maximum context length is {shortest} tokens" in info.value.message
+        assert any(f"requests are held to {shortest}, what every replica serves" in r.getMessage()
+                   for r in caplog.records)
     finally:
         await client.close()
         await gw.stop()
-        await long_server.stop()
-        await short_server.stop()
 
 
 @pytest.mark.parametrize("lengths", [(1800, 1024), (1024, 1800)])
@@ -1930,22 +1940,10 @@ async def test_external_servers_of_different_context_lengths_hold_requests_to_th
 
     servers = [await upstream(length) for length in lengths]
     config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=s.url) for s in servers],
-                         router=RouterConfig(health_interval_s=0.1))
-    app = create_app(config)
-    gw = await start_server(app)
-    client = _client(gw.url)
+                         router=RouterConfig(policy="round-robin", health_interval_s=0.1))
     try:
-        gateway = app[GATEWAY]
-        await wait_for(lambda: all(r.healthy for r in gateway.replicas), what="both servers in routing")
-        assert gateway.max_model_len == 1024
-        assert (await client.models.list()).data[0].model_extra["max_model_len"] == 1024
-        with pytest.raises(openai.BadRequestError) as info:
-            await client.completions.create(model=MODEL, prompt=[5] * 100, max_tokens=1000)
-        assert "maximum context length is 1024 tokens" in info.value.message
-        assert any("requests are held to 1024, what every replica serves" in r.getMessage() for r in caplog.records)
+        await _requests_held_to(config, 1024, prompt=[5] * 100, max_tokens=1000, caplog=caplog)
     finally:
-        await client.close()
-        await gw.stop()
         for server in servers:
             await server.stop()
 
