@@ -154,6 +154,12 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
                               "cache_salt")
         req.cache_salt = salt
     _parse_sampling(req, body, limits, _MAX_TOP_LOGPROBS_CHAT if engine_mode else _MAX_LOGPROBS_COMPLETIONS)
+    if body.get("prompt_logprobs") is not None:
+        # No replica honours it through a gateway, external ones included: the gateway
+        # streams from its replicas, and vLLM gives prompt logprobs to non-streaming requests only.
+        raise bad_request("'prompt_logprobs' is not supported by the kvgate engine, nor through a kvgate gateway (it "
+                          "streams every request from its replicas, and vLLM returns prompt logprobs to non-streaming "
+                          "requests only): ask the server directly.", "prompt_logprobs")
     if endpoint == CHAT:
         _parse_messages(req, body, limits)
         if "tools" in body or "tool_choice" in body or "response_format" in body or "functions" in body:
@@ -188,6 +194,7 @@ _READ_BY_BOTH = frozenset({
     "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "logit_bias", "logprobs",
     # vLLM's sampling extensions, which the engine does.
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+    "prompt_logprobs",  # refused, with the reason
     # What a gateway sends its `kvgate engine` replicas.
     "kvgate_context", "kvgate_mm_hashes",
 })
@@ -211,7 +218,6 @@ _ENGINE_UNSUPPORTED = {
     "allowed_token_ids": lambda v: v is not None,
     "bad_words": lambda v: bool(v),
     "logits_processors": lambda v: bool(v),
-    "prompt_logprobs": lambda v: v is not None,
     "truncate_prompt_tokens": lambda v: v is not None,
     "use_beam_search": lambda v: bool(v),
     "skip_special_tokens": lambda v: v is False,
@@ -236,12 +242,6 @@ _ENGINE_UNSUPPORTED_COMPLETIONS = {
 def _check_engine_unsupported(req: ParsedRequest, body: dict, unsupported: dict) -> None:
     for field, asks in unsupported.items():
         if field in body and asks(body[field]):
-            if field == "prompt_logprobs":
-                # An external server would refuse it too: the gateway streams from its
-                # replicas, and vLLM gives prompt logprobs to non-streaming requests only.
-                raise bad_request("'prompt_logprobs' is not supported by the kvgate engine, nor through a kvgate "
-                                  "gateway (it streams every request from its replicas, and vLLM returns prompt "
-                                  "logprobs to non-streaming requests only): ask the server directly.", field)
             req.engine_unsupported = (f"'{field}' is not supported by the kvgate engine; send it to a gateway in front "
                                       "of a server that supports it (e.g. vLLM).", field)
             return
@@ -838,12 +838,11 @@ class StreamFormatter:
     ) -> bytes:
         """A choice's chunk; the one that finishes it (``finish``) also carries
         vLLM's ``stop_reason``, the others stay as OpenAI sends them."""
-        ended = {} if finish is None else {"stop_reason": stop_reason}
         if extra and self._chat:
             delta = {"content": text} if text else {}
             delta.update(extra)
             return self._frame({"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
-                                "finish_reason": finish, **ended})
+                                "finish_reason": finish, **_ended(finish, stop_reason)})
         if logprobs is None:
             if finish is None:
                 finish_json = "null"
@@ -858,14 +857,20 @@ class StreamFormatter:
         if self._chat:
             delta = {"content": text} if text or finish is None else {}
             return self._frame({"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
-                                "finish_reason": finish, **ended})
+                                "finish_reason": finish, **_ended(finish, stop_reason)})
         if state.offsets is None:
             state.offsets = TokenOffsets()
         lp = completion_logprobs(logprobs, state.offsets, self.with_sampled)
-        return self._frame({"index": index, "text": text, "logprobs": lp, "finish_reason": finish, **ended})
+        return self._frame({"index": index, "text": text, "logprobs": lp, "finish_reason": finish,
+                            **_ended(finish, stop_reason)})
 
     def usage(self, usage: dict) -> bytes:
         return self._head + b'], "usage": ' + json.dumps(usage).encode() + b"}\n\n"
+
+
+def _ended(finish: str | None, stop_reason: int | str | None) -> dict:
+    """vLLM's stop_reason, on the chunk that finishes a choice only."""
+    return {} if finish is None else {"stop_reason": stop_reason}
 
 
 _ROLE_CHOICES: dict[int, bytes] = {}
