@@ -74,7 +74,7 @@ class TokenLogprob:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int
+    cached_tokens: int | None  # None: not reported (an external server that does not say)
 
 
 @dataclass(slots=True)

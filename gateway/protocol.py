@@ -636,7 +636,8 @@ def usage_dict(usage: Usage | None) -> dict:
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        # null where a replica did not say (as vLLM without prompt token details)
+        "prompt_tokens_details": None if usage.cached_tokens is None else {"cached_tokens": usage.cached_tokens},
     }
 
 

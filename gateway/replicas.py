@@ -1078,14 +1078,23 @@ def _outputs_of(chunk: Any, rid: str, chat: bool) -> list[GenerationOutput]:
             batch.append(GenerationOutput(rid, index, [], text, lps, finish, extra=extra, stop_reason=stop_reason))
         usage = chunk.get("usage")
         if usage:
-            details = usage.get("prompt_tokens_details") or {}
             batch.append(GenerationOutput(
                 rid, USAGE_ALL, [], "", None, None,
-                Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), details.get("cached_tokens") or 0),
+                Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), _cached_tokens(usage)),
             ))
     except (AttributeError, TypeError, KeyError) as exc:  # `data: null`, a choice that is a string, ...
         raise ValueError(f"not an OpenAI stream chunk: {exc}") from None
     return batch
+
+
+def _cached_tokens(usage: dict) -> int | None:
+    """The prompt tokens an upstream's usage says its cache served; None when it
+    does not say (vLLM without --enable-prompt-tokens-details sends null details):
+    unknown, which the client is told as it came and the hit ratio leaves out,
+    not a whole-prompt miss."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
 
 
 # What _sse_events yields for ``data: [DONE]`` (then it stops).

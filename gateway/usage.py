@@ -19,7 +19,8 @@ class UsageSum:
 
     def __init__(self, subs: int) -> None:
         self.prompt = [0] * subs
-        self.cached = [0] * subs
+        # None until a replica says (an external server may never).
+        self.cached: list[int | None] = [None] * subs
         self.completion = [0] * subs
         self.all = [False] * subs
 
@@ -41,9 +42,12 @@ class UsageSum:
 
     def forget(self, sub: int) -> None:
         """Drop what sub-request ``sub`` reported: it starts over on another replica."""
-        self.prompt[sub] = self.cached[sub] = self.completion[sub] = 0
+        self.prompt[sub] = self.completion[sub] = 0
+        self.cached[sub] = None
         self.all[sub] = False
 
     def as_dict(self, subs: list[Sub]) -> dict:
         prompt = sum(p or len(s.prompt.token_ids) for p, s in zip(self.prompt, subs))
-        return usage_dict(Usage(prompt, sum(self.completion), sum(self.cached)))
+        # One sub-request that did not say its hits leaves the total unknown.
+        cached = None if None in self.cached else sum(self.cached)
+        return usage_dict(Usage(prompt, sum(self.completion), cached))

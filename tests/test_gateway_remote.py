@@ -2209,3 +2209,31 @@ async def test_prompt_logprobs_are_refused_with_the_reason_and_a_refusal_has_nul
         out = await client.chat.completions.create(model=MODEL, messages=messages)
         assert out.choices[0].message.refusal == "I can't help with that."
         assert out.choices[0].message.content is None
+
+
+async def test_an_external_server_that_does_not_say_its_cache_hits_leaves_them_unknown(tiny_model_dir):
+    """vLLM reports cached prompt tokens only with --enable-prompt-tokens-details
+    (its usage otherwise has null details): the client gets null details as vLLM
+    sends them, and the hit-ratio series count no lookup, where both used to read
+    a whole-prompt miss (cached_tokens 0)."""
+    async def chat(request):
+        await request.read()
+        answer = {"choices": [{"index": 0, "delta": {"content": "Fine"}, "finish_reason": "stop"}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10,
+                                          "prompt_tokens_details": None}}
+        return web.Response(body=_sse(answer, usage, b"[DONE]"), content_type="text/event-stream")
+
+    router = RouterConfig(health_interval_s=0.1)
+    messages = [{"role": "user", "content": "hi"}]
+    async with _gateway_over_pair(tiny_model_dir, chat, chat, ("a", "b"), router) as (gateway, url, client, _):
+        whole = await client.chat.completions.create(model=MODEL, messages=messages)
+        assert whole.usage.prompt_tokens == 9 and whole.usage.prompt_tokens_details is None
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                      stream_options={"include_usage": True})
+        last = [c async for c in stream][-1]
+        assert last.usage.prompt_tokens == 9 and last.usage.prompt_tokens_details is None
+        queries = await metric_by_replica(url, "kvgate_prefix_cache_queries_tokens_total")
+        assert sum(queries.values()) == 0
+        assert sum((await metric_by_replica(url, "kvgate_prompt_tokens_total")).values()) == 18
+        async with aiohttp.ClientSession() as session, session.get(url + "/stats") as r:
+            assert (await r.json())["totals"]["requests"] == 0
