@@ -226,8 +226,12 @@ def interrupted_note(done: int, planned: int) -> str:
     return f"kvgate: interrupted after {done} of {planned} runs; the results above are partial"
 
 
-def no_plot_note(path: str) -> str:
-    return f"kvgate: --plot {path} not written: no run finished"
+def unfinished_outputs(outputs: Sequence[tuple[str, str | None]]) -> str | None:
+    """The note for a run stopped before any result: which of the (flag, path)
+    outputs given were left as they were (None when none was asked for).  An
+    empty result is not written over an earlier run's."""
+    named = [f"{flag} {path}" for flag, path in outputs if path]
+    return f"kvgate: {', '.join(named)} not written: no run finished" if named else None
 
 
 def plot_title(summary: dict, partial: bool, host_blocks: int = 0) -> str:

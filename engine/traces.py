@@ -143,6 +143,8 @@ def _read_records(handle: BinaryIO, source: str, fmt: str) -> Trace:
                 raise TraceError(f"{where}: {given}, where the lines before give {block_tokens}; a trace holds one "
                                  "block size (record each engine block size to a file of its own)")
             requests.append(_bailian_request(record, where, chain, len(requests), notes, size))
+            if looks == first_looks:  # a stray record of the other format has had its warning
+                _check_bailian_blocks(record["hash_ids"], requests[-1].input_length, size, where, notes)
         else:
             requests.append(_mooncake_request(record, where, len(requests)))
             if looks == "mooncake":  # a stray Bailian record has had its warning
@@ -307,6 +309,15 @@ def _check_mooncake_blocks(request: TraceRequest, where: str, notes: _Notes) -> 
     if len(request.keys) != expected:
         notes.add("hash_ids", where, f"{len(request.keys)} hash_ids for input_length {length}; a Mooncake trace has "
                                      f"ceil({length} / {MOONCAKE_BLOCK_TOKENS}) = {expected}, one per block")
+
+
+def _check_bailian_blocks(ids: list[int], input_length: int, block_tokens: int, where: str, notes: _Notes) -> None:
+    """Bailian's invariant, as Mooncake's: one hash id per ``block_tokens`` tokens,
+    the last block partial."""
+    expected = -(-input_length // block_tokens)
+    if len(ids) != expected:
+        notes.add("hash_ids", where, f"{len(ids)} hash_ids for input_length {input_length}; a Bailian trace has "
+                                     f"ceil({input_length} / {block_tokens}) = {expected}, one per block")
 
 
 def _mooncake_request(record: dict, where: str, index: int) -> TraceRequest:

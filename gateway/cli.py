@@ -25,7 +25,49 @@ class CliError(Exception):
     """A problem to report as one line on stderr with exit status 2."""
 
 
+class StdoutError(CliError):
+    """Standard output could not be written (a full disk, an I/O error)."""
+
+
+class _GuardedStdout:
+    """sys.stdout for the offline commands: a failed write becomes StdoutError,
+    one line on stderr, where it was a traceback (`kvgate replay T > out.txt` on a
+    full disk).  A reader that left (BrokenPipeError) is handled apart."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise StdoutError(f"stdout: {exc.strerror or exc}") from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise StdoutError(f"stdout: {exc.strerror or exc}") from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+OFFLINE_COMMANDS = ("replay", "tune", "synth")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while the command starts (its imports) or after it ran
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     # SIGTERM to a replay or a tune (a job scheduler's time limit, `kill`) stops it as
@@ -49,6 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    offline = args.command in OFFLINE_COMMANDS
+    stdout = sys.stdout
+    if offline and stdout is not None:
+        sys.stdout = _GuardedStdout(stdout)
     try:
         _setup_logging(getattr(args, "log_level", None), server=args.command in ("serve", "engine"))
         code = args.run(args) or 0
@@ -58,6 +104,8 @@ def _run(args: argparse.Namespace) -> int:
         return code
     except CliError as exc:
         print(f"kvgate: {exc}", file=sys.stderr)
+        if isinstance(exc, StdoutError):
+            _discard_stdout()  # what is still buffered would fail again at exit
         return EXIT_USAGE
     except MemoryError:
         # Past the up-front checks (_check_pool_memory, the engine's KV sizing): a
@@ -65,10 +113,17 @@ def _run(args: argparse.Namespace) -> int:
         print(f"kvgate: out of memory ({_MEMORY_HINTS[args.command]})", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        # What reached here stopped before any output file (those are written whole
+        # or not at all); replay and tune report their own interruptions later on.
+        if offline:
+            print("kvgate: interrupted; no file written", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         _discard_stdout()
         return EXIT_BROKEN_PIPE
+    finally:
+        if offline:
+            sys.stdout = stdout
 
 
 # What needs less memory, by subcommand: what each allocates up front.
@@ -188,7 +243,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="workload whose statistics the trace follows (default to-c)")
     synth.add_argument("--duration", type=float, default=3600.0, help="seconds of traffic (default 3600)")
     synth.add_argument("--rate", type=float, default=5.0,
-                       help="mean requests per second, follow-up turns included (default 5)")
+                       help="mean requests per second over whole hours, follow-up turns included; to-B's "
+                            "top-of-hour jobs put a shorter trace above it (default 5)")
     synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     synth.add_argument("-o", "--output", metavar="FILE", help="where to write the trace")
     synth.add_argument("--stats", metavar="FILE", help="print the paper's statistics for this trace instead")
@@ -424,8 +480,8 @@ def _percent_as_fraction(text: str) -> str:
 def _run_replay(args: argparse.Namespace) -> int:
     from engine.replay import future_accesses
     from engine.replay_report import (
-        collect_until_interrupted, interrupted_note, no_plot_note, print_row, table_footer, table_header, table_row,
-        trace_summary, write_json, write_outputs, write_plot,
+        collect_until_interrupted, interrupted_note, print_row, table_footer, table_header, table_row, trace_summary,
+        unfinished_outputs, write_json, write_outputs, write_plot,
     )
 
     config = _load_config(args.config)
@@ -454,10 +510,11 @@ def _run_replay(args: argparse.Namespace) -> int:
     ideal = summary["ideal_hit_ratio"]
     results, interrupted = collect_until_interrupted(runs, on_result=lambda r: print_row(table_row(r, ideal)))
     print(table_footer(summary, results))
-    if args.plot and not results:
-        print(no_plot_note(args.plot), file=sys.stderr)
+    if not results and (note := unfinished_outputs([("--json", args.json), ("--plot", args.plot)])):
+        print(note, file=sys.stderr)
     interrupted |= write_outputs(CliError, [
-        ("--json", args.json, lambda out: write_json(out, summary, results, {"interrupted": True} if interrupted else None)),
+        ("--json", args.json if results else None,
+         lambda out: write_json(out, summary, results, {"interrupted": True} if interrupted else None)),
         ("--plot", args.plot if results else None, lambda out: write_plot(out, summary, results, partial=interrupted)),
     ])
     if interrupted:
@@ -509,6 +566,14 @@ def _check_replay_args(args: argparse.Namespace) -> None:
         raise CliError("--index-lag: give seconds, from 0 to 86400")
     if args.index_lag and args.index != "exact":
         raise CliError("--index-lag delays KV events, which only the exact index follows: drop --index approx")
+    if args.replicas > 1:
+        # Before the trace is read: a typo should not wait for a large trace to load.
+        from gateway.routing_sim import routings_from_cli
+
+        try:
+            routings_from_cli(args)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
 
 
 def _check_host_blocks(blocks: int) -> None:
@@ -521,7 +586,7 @@ def _check_host_blocks(blocks: int) -> None:
 def _replay_policies(text: str) -> list[str]:
     from engine.policies import policy_names
 
-    policies = [p.strip() for p in text.split(",") if p.strip()]
+    policies = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))  # each once, as capacities
     unknown = [p for p in policies if p not in policy_names()]
     if unknown or not policies:
         raise CliError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; "

@@ -56,8 +56,8 @@ from engine.block_pool import BlockPool
 from engine.config import CacheConfig
 from engine.replay import pool_sizes, replay, replay_request
 from engine.replay_report import (
-    collect_until_interrupted, host_tier_note, interrupted_note, no_plot_note, plot_title, print_row, save_figure,
-    trace_line, write_outputs,
+    collect_until_interrupted, host_tier_note, interrupted_note, plot_title, print_row, save_figure,
+    trace_line, unfinished_outputs, write_outputs,
 )
 from engine.traces import Trace
 from gateway.config import RouterConfig
@@ -364,15 +364,11 @@ def _plot_pooled(ax, results: Sequence[RoutingResult], policies: list[str], mark
                 marker=markers[policies.index(policy) % len(markers)], label=f"pooled / {policy}")
 
 
-def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequence[int], config, summary: dict,
-                 unique: int) -> bool:
-    """The replay subcommand's routing mode (``--replicas N``, N >= 2).
-
-    Returns whether Ctrl-C cut the run short; the results that finished are
-    reported (table, --json, --plot) either way.
-    """
+def routings_from_cli(args) -> list[str]:
+    """The routings ``--routing`` names, each once (all by default), checked with
+    the index flags; cheap, so the CLI calls it before reading the trace too."""
     spec = ",".join(ROUTINGS) if args.routing is None else args.routing  # "" is a mistake, not "all"
-    routings = [p.strip() for p in spec.split(",") if p.strip()]
+    routings = list(dict.fromkeys(p.strip() for p in spec.split(",") if p.strip()))
     bad = [r for r in routings if r not in ROUTINGS]
     if bad or not routings:
         raise ValueError(f"--routing: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(ROUTINGS)}")
@@ -383,6 +379,17 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
         # flag would change nothing, and the header would claim it had.
         raise ValueError(f"{index_flags[0]}: only {', '.join(sorted(INDEX_READERS))} routing reads the index; "
                          "add it to --routing")
+    return routings
+
+
+def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequence[int], config, summary: dict,
+                 unique: int) -> bool:
+    """The replay subcommand's routing mode (``--replicas N``, N >= 2).
+
+    Returns whether Ctrl-C cut the run short; the results that finished are
+    reported (table, --json, --plot) either way.
+    """
+    routings = routings_from_cli(args)
     policies = _simulated_policies(policies)
     start = time.perf_counter()
     runs = run_routing(trace, routings, args.replicas, policies, capacities, config.cache, config.router,
@@ -397,11 +404,11 @@ def run_from_cli(args, trace: Trace, policies: Sequence[str], capacities: Sequen
     if any(r.routing == "session" for r in results) and all(r.context.session is None for r in trace.requests):
         print("(this trace names no sessions (Mooncake): session routing fell back to least-load "
               "for every request)")
-    if args.plot and not results:
-        print(no_plot_note(args.plot), file=sys.stderr)
+    if not results and (note := unfinished_outputs([("--json", args.json), ("--plot", args.plot)])):
+        print(note, file=sys.stderr)
     load_model = {"prefill_s_per_token": PREFILL_S_PER_TOKEN, "decode_s_per_token": DECODE_S_PER_TOKEN}
     interrupted |= write_outputs(ValueError, [
-        ("--json", args.json, lambda out: write_routing_json(out, summary, results, load_model,
+        ("--json", args.json if results else None, lambda out: write_routing_json(out, summary, results, load_model,
                                                              {"interrupted": True} if interrupted else None)),
         ("--plot", args.plot if results else None,
          lambda out: write_routing_plot(out, summary, results, partial=interrupted, host_blocks=args.host_blocks,

@@ -16,6 +16,7 @@ import pytest
 import engine.async_engine
 from gateway.cli import main
 from gateway.server import bind_sockets
+from tests.engine_helpers import interrupt_on_call
 
 
 def write_jsonl(path, records):
@@ -356,6 +357,62 @@ def test_a_full_disk_is_one_line_not_a_traceback(tmp_path, capsys, argv, flag):
     trace = str(mooncake_trace(tmp_path / "m.jsonl"))
     assert main([part.format(trace=trace) for part in argv] + ["--no-progress"] * (argv[0] == "replay")) == 2
     assert capsys.readouterr().err.endswith(f"kvgate: {flag}: cannot write /dev/full: No space left on device\n")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux) to fill a disk")
+@pytest.mark.parametrize("argv", [
+    ["replay", "{trace}", "--capacity-blocks", "4", "--no-progress"],
+    ["synth", "--stats", "{trace}"],
+    ["tune", "{trace}", "--capacity-blocks", "4", "--max-evals", "2", "--no-progress"],
+])
+def test_a_full_disk_under_stdout_is_one_line_not_a_traceback(tmp_path, argv):
+    """`kvgate replay T > results.txt` on a full disk: a traceback before."""
+    trace = str(mooncake_trace(tmp_path / "m.jsonl"))
+    kvgate = str(Path(sys.executable).with_name("kvgate"))
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([kvgate] + [part.format(trace=trace) for part in argv], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.endswith("kvgate: stdout: No space left on device\n") and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("argv", [
+    ["replay", "{trace}", "--capacity-blocks", "4", "--json", "{out}", "--no-progress"],
+    ["synth", "--stats", "{trace}"],
+])
+def test_ctrl_c_while_the_trace_is_read_says_so_and_writes_nothing(tmp_path, capsys, monkeypatch, argv):
+    """It exited 130 without a word, as if it had finished."""
+    import engine.traces
+
+    trace = str(mooncake_trace(tmp_path / "m.jsonl"))
+    out = tmp_path / "earlier.json"
+    out.write_text("an earlier run's results")
+    monkeypatch.setattr(engine.traces, "load_trace", interrupt_on_call(engine.traces.load_trace, 1))
+    assert main([part.format(trace=trace, out=out) for part in argv]) == 130
+    assert capsys.readouterr().err == "kvgate: interrupted; no file written\n"
+    assert out.read_text() == "an earlier run's results"
+
+
+def test_an_unknown_routing_is_refused_before_the_trace_is_read(tmp_path, capsys, monkeypatch):
+    """It waited for the whole trace to load (19 s for a 124 MB one)."""
+    import engine.traces
+
+    def load_trace(*args, **kwargs):
+        raise AssertionError("the trace was read before the options were checked")
+
+    monkeypatch.setattr(engine.traces, "load_trace", load_trace)
+    trace = str(mooncake_trace(tmp_path / "m.jsonl"))
+    assert main(["replay", trace, "--replicas", "2", "--routing", "prefix-aware,foo", "--no-progress"]) == 2
+    assert capsys.readouterr().err == ("kvgate: --routing: unknown foo; choose from prefix-aware, least-load, "
+                                       "round-robin, session\n")
+
+
+def test_a_policy_named_twice_is_replayed_once(tmp_path, capsys):
+    """As a capacity given twice; it printed two identical rows."""
+    trace = str(mooncake_trace(tmp_path / "m.jsonl"))
+    assert main(["replay", trace, "--policies", "lru,fifo,lru", "--capacity-blocks", "4,4", "--no-progress"]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith(("lru ", "fifo "))]
+    assert rows == ["lru", "fifo"]
 
 
 def test_synth_stats_takes_64_bit_hash_ids(tmp_path, capsys):

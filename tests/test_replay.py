@@ -337,17 +337,25 @@ def test_cli_ctrl_c_while_the_plot_is_drawn(tmp_path, capsys, monkeypatch, press
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.png", "t.jsonl"]
 
 
-def test_cli_ctrl_c_before_any_run_says_the_plot_is_not_written(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_cli_ctrl_c_before_any_run_leaves_the_earlier_outputs(tmp_path, capsys, monkeypatch, replicas):
+    """An empty result does not replace an earlier run's --json (it did; the plot was kept)."""
     import engine.replay
+    import gateway.routing_sim
 
-    monkeypatch.setattr(engine.replay, "replay", interrupt_on_call(engine.replay.replay, 1))
+    if replicas == 1:
+        monkeypatch.setattr(engine.replay, "replay", interrupt_on_call(engine.replay.replay, 1))
+    else:
+        monkeypatch.setattr(gateway.routing_sim, "simulate", interrupt_on_call(gateway.routing_sim.simulate, 1))
     trace = write_bailian(tmp_path / "t.jsonl", requests=60)
-    out_png = tmp_path / "r.png"
+    out_png, out_json = tmp_path / "r.png", tmp_path / "r.json"
     out_png.write_bytes(b"an earlier run's plot")
+    out_json.write_text("an earlier run's results")
     code = main(["replay", str(trace), "--policies", "lru", "--capacity-blocks", "8", "--plot", str(out_png),
-                 "--no-progress"])
+                 "--json", str(out_json), "--replicas", str(replicas), "--no-progress"])
     assert code == 130
-    assert f"--plot {out_png} not written: no run finished" in capsys.readouterr().err
+    assert f"kvgate: --json {out_json}, --plot {out_png} not written: no run finished" in capsys.readouterr().err
+    assert out_json.read_text() == "an earlier run's results" and out_png.read_bytes() == b"an earlier run's plot"
 
 
 def test_cli_ctrl_c_during_a_routing_replay_reports_the_finished_rows(tmp_path, capsys, monkeypatch):
@@ -527,6 +535,18 @@ def test_mooncake_hash_ids_disagreeing_with_input_length_are_warned_about_once(t
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     [warning] = trace_warnings(caplog, path)
     assert warning == (f"{path}:3: 2 hash_ids for input_length 1025; a Mooncake trace has ceil(1025 / 512) = 3, "
+                       "one per block (2 such lines; this is the first)")
+
+
+def test_bailian_hash_ids_disagreeing_with_input_length_are_warned_about_once(tmp_path, caplog):
+    """As Mooncake's: a line with fewer ids than its tokens' blocks counts the wrong blocks."""
+    rows = [dict(BAILIAN_ROW, chat_id=i, timestamp=float(i)) for i in range(6)]
+    rows[1] = dict(rows[1], input_length=320, hash_ids=[1, 2])
+    rows[3] = dict(rows[3], input_length=17, hash_ids=[1])
+    path = tmp_path / "b.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    [warning] = trace_warnings(caplog, path)
+    assert warning == (f"{path}:2: 2 hash_ids for input_length 320; a Bailian trace has ceil(320 / 16) = 20, "
                        "one per block (2 such lines; this is the first)")
 
 
