@@ -53,9 +53,11 @@ class IncrementalDetokenizer:
         return self._take(ended=False)
 
     def flush(self) -> str:
-        """The text still held back when the sequence ends: a character cut off
-        by the end arrives as U+FFFD, as a whole-sequence decode gives it."""
-        return self._take(ended=True) if self.read_offset < len(self.ids) else ""
+        """The text still held back when the sequence ends, less a character the
+        end cut off (its first bytes decode to U+FFFD): as vLLM, whose
+        detokenizer never emits one, the text has no character the model did
+        not finish.  Its token keeps its logprob and ``bytes``."""
+        return self._take(ended=True).rstrip("\ufffd") if self.read_offset < len(self.ids) else ""
 
     def _take(self, ended: bool) -> str:
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])

@@ -381,6 +381,11 @@ class Gateway:
         return principal
 
     async def read_body(self, request: web.Request) -> dict:
+        content_type = request.headers.get("Content-Type")
+        if content_type and not _is_json_media_type(content_type):
+            # A page on any site may make a browser POST text/plain or a form here with
+            # no CORS preflight: reading such a body as JSON would run its request.
+            raise errors.unsupported_media_type(content_type.split(";")[0].strip()[:60])
         coding = request.headers.get("Content-Encoding")
         if coding is not None and coding.strip().lower() not in _READ_ENCODINGS:
             # aiohttp would hand such a body over as it came, to fail as JSON if
@@ -693,6 +698,12 @@ def _mm_hashes(raw) -> list[tuple[int, bytes]]:
         return [(int(off), bytes.fromhex(h)) for off, h in raw]
     except (TypeError, ValueError):
         raise bad_request("kvgate_mm_hashes must be [[offset, hex], ...].", "kvgate_mm_hashes") from None
+
+
+def _is_json_media_type(content_type: str) -> bool:
+    """application/json or any +json type, parameters aside (charset=utf-8)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def _key_digest(key: str) -> bytes:

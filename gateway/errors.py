@@ -61,6 +61,12 @@ def unsupported_encoding(coding: str) -> ApiError:
                     "compressed with gzip or deflate.", "invalid_request_error", None, "unsupported_content_encoding")
 
 
+def unsupported_media_type(content_type: str) -> ApiError:
+    return ApiError(415, f"Content-Type {content_type} is not supported here: send the body as JSON with "
+                    "Content-Type: application/json (curl: -H 'Content-Type: application/json').",
+                    "invalid_request_error", None, "unsupported_media_type")
+
+
 def unauthorized(message: str = "Incorrect API key provided.") -> ApiError:
     return ApiError(401, message, "invalid_request_error", None, "invalid_api_key")
 

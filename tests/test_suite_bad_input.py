@@ -140,6 +140,28 @@ def test_a_body_that_does_not_decode_is_a_400(server, encoding, body, says):
     assert status == 200 and data["choices"], data
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", "text/json"])
+def test_a_body_sent_as_another_media_type_is_refused(server, content_type):
+    """What a page on any site can make a browser send without a CORS preflight
+    (text/plain, a form) was read as JSON and run: a 415 now, as JSON's own is
+    served with or without parameters, and with no Content-Type at all."""
+    status, data = server.post("/v1/chat/completions", _chat(), content_type=content_type)
+    _assert_4xx(status, data, content_type)
+    assert status == 415 and data["error"]["code"] == "unsupported_media_type"
+    assert "application/json" in data["error"]["message"]
+    for served in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"):
+        status, data = server.post("/v1/chat/completions", _chat(), content_type=served)
+        assert status == 200 and data["choices"], (served, data)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=_chat())  # http.client sends no Content-Type
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["choices"]
+    finally:
+        conn.close()
+
+
 def test_server_still_serving_after_the_bad_cases(server):
     for what, path, body in CASES[:5]:
         server.post(path, body)
