@@ -455,6 +455,9 @@ class Gateway:
         tenant_admitted: str | None = None
         try:
             principal = self.authenticate(request)
+            # A key that fixes the workload names it before classification, so a
+            # request refused from here on (429 above all) counts under its own.
+            workload = principal.workload or workload
             if self.refusing:
                 raise errors.shutting_down()
             body = await self.read_body(request)

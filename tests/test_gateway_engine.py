@@ -13,6 +13,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.config import EngineConfig, ModelConfig
 from gateway.app import GATEWAY, create_app
@@ -385,10 +386,20 @@ async def test_bodies_still_arriving_are_bounded_in_bytes(tiny_model_dir):
         assert gateway.pending_body_bytes == 0
 
 
+async def _requests_by_labels(url: str, status: str) -> dict[tuple[str, str], float]:
+    """kvgate_requests_total's non-zero samples of one status, by (endpoint, workload)."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return {(s.labels["endpoint"], s.labels["workload"]): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "kvgate_requests_total" and s.labels["status"] == status and s.value}
+
+
 async def test_one_tenant_cannot_hold_more_than_its_share_in_flight(tiny_model_dir):
     """limits.max_inflight_per_tenant: a tenant past its share gets a 429 while
-    another tenant is served, and its count frees as its requests end."""
-    keys = [ApiKeyConfig(key="sk-a", tenant="acme"), ApiKeyConfig(key="sk-g", tenant="globex")]
+    another tenant is served, and its count frees as its requests end.  The 429
+    counts under the workload its key fixes (it read "unknown")."""
+    keys = [ApiKeyConfig(key="sk-a", tenant="acme", workload="to-b"), ApiKeyConfig(key="sk-g", tenant="globex")]
     config = _config(tiny_model_dir, replicas=1, api_keys=keys, limits={"max_inflight_per_tenant": 2})
     async with serving(create_app(config)) as (app, server, _):
         acme, globex = (openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
@@ -398,6 +409,8 @@ async def test_one_tenant_cannot_hold_more_than_its_share_in_flight(tiny_model_d
             with pytest.raises(openai.RateLimitError) as info:
                 await acme.completions.create(model=MODEL, prompt="hi", max_tokens=2)
             assert info.value.code == "rate_limit_exceeded" and info.value.response.headers["Retry-After"] == "1"
+            refused = await _requests_by_labels(server.url, status="429")
+            assert refused == {("completions", "to-b"): 1.0}, refused
             assert (await globex.completions.create(model=MODEL, prompt="hi", max_tokens=2)).choices
             for stream in streams:
                 await stream.close()
