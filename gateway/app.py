@@ -518,6 +518,7 @@ class Gateway:
             self.metrics.requests.labels(endpoint, workload, status).inc()
             if status == "200":
                 self.metrics.request_series(workload, subs[0].replica).e2e.observe(time.perf_counter() - start)
+                self.observer.answered()
 
     def note_ignored(self, fields: set[str]) -> None:
         """Say once per name that requests carry a field nothing reads, as vLLM

@@ -125,11 +125,17 @@ class Observer:
         self.metrics.request_series(workload, replica).ttft.observe(ttft_s)
         self.history.first_token(ttft_s, time.monotonic())
 
+    def answered(self) -> None:
+        """A client request answered in full (status 200): the dashboard's and the
+        status line's request count, in kvgate_requests_total's unit."""
+        self.history.answered()
+
     def finished(self, done: Finished) -> None:
         ctx = done.ctx
+        # The replica's load counts every engine request; the hit ratio only those whose hits are known.
+        self.history.finished(ctx.workload, done.replica, done.prompt_tokens, done.cached_tokens, time.monotonic())
         if done.cached_tokens is not None:
             self.reuse.record(ctx.workload, ctx.type, done.prompt_tokens, done.cached_tokens, self.wall_clock())
-            self.history.finished(ctx.workload, done.replica, done.prompt_tokens, done.cached_tokens, time.monotonic())
             user = user_identity(done.user, ctx.tenant)
             if user is not None:
                 self.user_share.record(user, done.cached_tokens, time.monotonic())

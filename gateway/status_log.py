@@ -4,8 +4,10 @@ since the last line and what its engines hold now.
     last 10 s: 12 requests, 2 errors, prompt 310 tok/s (62% cached), generation 45 tok/s; inprocess-0: 3 running, 1 waiting, KV 45% in use; vllm-1: down
 
 Written only when something happened or is under way, so an idle server's
-log stays quiet.  Requests and prompt tokens are the differences of the /stats
-history's running totals (engine requests that completed in the interval);
+log stays quiet.  Requests (client requests answered in full, as
+kvgate_requests_total's 200s) and prompt tokens (of the engine requests that
+completed, where their replicas said their hits) are the differences of the
+/stats history's running totals;
 generation tokens are counted as they arrive, as vLLM counts them per step, so
 a long stream shows its rate while it runs rather than all at its end; queue and KV figures
 come from each replica's engine stats (none for external servers: their own

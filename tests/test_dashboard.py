@@ -14,8 +14,10 @@ import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import aiohttp
+import aiohttp.web
 import openai
 import pytest
 import pytest_asyncio
@@ -28,6 +30,7 @@ from gateway.server import start_server
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODEL = "tiny"
+DASHBOARD_HTML = Path(__file__).resolve().parent.parent / "gateway" / "static" / "dashboard.html"
 CHARTS = {"hit", "ttft", "load", "cache"}
 
 
@@ -136,3 +139,39 @@ async def test_dashboard_renders_all_charts_with_data_in_headless_chromium(serve
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     if os.environ.get("KVGATE_DASHBOARD_SHOT"):
         shutil.copy(shot, os.environ["KVGATE_DASHBOARD_SHOT"])
+
+
+async def test_an_idle_stretch_breaks_the_lines_and_the_axis_runs_to_now(tmp_path):
+    """The page over a /stats whose history has an idle stretch (gateway/stats.py
+    marks one where it starts and ends): the hit ratio and TTFT lines break there
+    instead of joining across it, and the charts' x axis runs to the last idle
+    mark, i.e. now, not to the last busy period."""
+    def busy(t):
+        return {"t": t, "partial": False, "idle": False, "hit_ratio": {"to-c": 0.5}, "ttft_p50": 0.1,
+                "ttft_p99": 0.2, "rps": {"r": 0.2}}
+
+    def idle(t):
+        return {"t": t, "partial": False, "idle": True, "hit_ratio": {}, "ttft_p50": None, "ttft_p99": None,
+                "rps": {}}
+
+    stats = {"now": 200.0, "sample_s": 5.0, "history": [busy(5), busy(10), idle(15), idle(100), busy(105),
+                                                        idle(110), idle(200)],
+             "replicas": [{"name": "r", "healthy": True, "inflight": 0, "cache": {}, "policy": {}}],
+             "totals": {"requests": 3, "engine_requests": 3, "prompt_tokens": 30, "cached_tokens": 15,
+                        "hit_ratio": 0.5}}
+    page = aiohttp.web.Application()
+    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
+    page.router.add_get("/stats", lambda request: aiohttp.web.json_response(stats))
+    server = await start_server(page)
+    try:
+        dom = await run_chromium(tmp_path, server.url + "/dashboard", "--dump-dom")
+    finally:
+        await server.stop()
+    assert 'id="error"></span>' in dom, dom[-2000:]
+
+    def canvas(chart: str, attribute: str) -> str:
+        return re.search(rf'<canvas id="{chart}"[^>]*data-{attribute}="([^"]*)"', dom).group(1)
+
+    assert canvas("hit", "runs") == "2" and canvas("ttft", "runs") == "4"  # p50 and p99, each in two
+    assert canvas("load", "runs") == "1"  # load reads 0 while idle: one line
+    assert canvas("hit", "span") == canvas("load", "span") == "195"

@@ -687,15 +687,20 @@ def test_status_line_reports_the_interval_then_starts_over():
     assert status.line(10, history, [("r0", 0, {"running": 0, "waiting": 0}, True)]) is None  # idle: no line
     history.finished("to-c", "r0", 1000, 600, now=1.0)
     history.finished("to-b", "r0", 1000, 200, now=2.0)
+    history.answered()
+    history.answered()
     stats = {"running": 2, "waiting": 1, "blocks": {"device": {"total": 200, "in_use": 90}}}
     line = status.line(10, history, [("r0", 3, stats, True), ("vllm", 4, None, True), ("old", 0, None, False)],
                        generated=100)
     assert line == ("last 10 s: 2 requests, prompt 200 tok/s (40% cached), generation 10 tok/s; "
                     "r0: 2 running, 1 waiting, KV 45% in use; vllm: 4 in flight; old: down")
     assert status.line(10, history, [("r0", 0, {"running": 0}, True)], generated=100) is None  # nothing new since
-    history.finished("to-c", "r0", 100, 0, now=3.0)
+    # One client request whose three prompts were three engine requests is one request.
+    for _ in range(3):
+        history.finished("to-c", "r0", 100, 0, now=3.0)
+    history.answered()
     assert status.line(10, history, [("r0", 0, {"running": 0}, True)], generated=100).startswith(
-        "last 10 s: 1 request, prompt 10 tok/s")
+        "last 10 s: 1 request, prompt 30 tok/s")
     # Tokens of a stream still running count as they come, before any request ends.
     assert status.line(10, history, [("r0", 1, {"running": 1}, True)], generated=400).startswith(
         "last 10 s: 0 requests, prompt 0 tok/s, generation 30 tok/s")
@@ -719,6 +724,34 @@ def test_the_dashboards_rate_of_a_period_under_way_is_over_the_sample_span():
     history.finished("to-c", "r", 10, 0, now=100.0)
     last = history.snapshot([], now=100.5)["history"][-1]
     assert last["partial"] and last["rps"]["r"] == pytest.approx(1 / 5.0)
+
+
+def test_the_dashboard_history_shows_an_idle_stretch_as_idle_up_to_now():
+    """Three requests 20 s apart used to plot as a steady 0.2 requests/s, the axis
+    ending at the last busy period however long ago; a stretch of a period or
+    more with nothing is now marked idle where it starts and ends, and a
+    snapshot during one ends at now.  An engine request whose replica did not
+    say its hits counts as load, not in the hit ratio."""
+    history = StatsHistory(sample_s=5.0)
+    history.finished("to-c", "r", 10, 4, now=0.0)
+    history.finished("to-c", "r", 10, None, now=20.0)
+    points = history.snapshot([], now=21.0)["history"]
+    assert [(p["t"], p["idle"], p["partial"]) for p in points] == [
+        (5.0, False, False), (10.0, True, False), (20.0, True, False), (21.0, False, True)]
+    assert points[0]["rps"] == {"r": 0.2} and points[1]["rps"] == {} and points[1]["ttft_p50"] is None
+    assert points[3]["hit_ratio"] == {} and points[3]["rps"]["r"] > 0
+    # Quiet since: the snapshot runs to now, idle from a period after the last point.
+    points = history.snapshot([], now=60.0)["history"]
+    assert [(p["t"], p["idle"]) for p in points[-3:]] == [(25.0, False), (30.0, True), (60.0, True)]
+    assert history.snapshot([], now=61.0)["history"][-1]["t"] == 61.0  # not kept: each snapshot ends at its now
+    totals = history.snapshot([], now=62.0)["totals"]
+    assert (totals["engine_requests"], totals["prompt_tokens"], totals["cached_tokens"]) == (2, 10, 4)
+    # Back to busy within a period of the last point: no idle marks.
+    history.finished("to-c", "r", 10, 0, now=62.0)
+    history.finished("to-c", "r", 10, 0, now=66.0)
+    history.finished("to-c", "r", 10, 0, now=69.0)
+    tail = [(p["t"], p["idle"]) for p in history.snapshot([], now=69.5)["history"][-4:]]
+    assert tail == [(30.0, True), (62.0, True), (65.0, False), (69.5, False)]
 
 
 async def test_status_line_in_the_log_while_busy(tiny_model_dir, caplog):
