@@ -32,6 +32,7 @@ from prometheus_client.utils import floatToGoString
 
 from engine.context import WORKLOADS
 from gateway.protocol import CHAT, COMPLETIONS
+from gateway.router import DECISION_REASONS
 from gateway.version import kvgate_version
 
 # Seconds; TTFT on a CPU engine ranges from milliseconds to tens of seconds, and
@@ -188,6 +189,8 @@ class GatewayMetrics:
         self.external_load.labels(name).set_function(external_load)
         for stage in ("before_first_token", "mid_stream"):
             self.replica_failures.labels(name, stage)  # exported from zero, so rate() sees the first one
+        for reason in DECISION_REASONS:
+            self.decisions.labels(name, reason)  # the first safety-valve ("imbalance") decision, say
         for workload in WORKLOADS:
             self.request_series(workload, name)  # its token counters and latency histograms, likewise
 

@@ -149,10 +149,13 @@ class ApproxIndex:
         return len(self._seen)
 
 
+# Every reason a Decision may give (metrics export each from zero).
+DECISION_REASONS = ("prefix", "load", "imbalance", "hot-spread", "round-robin", "session", "session-spill", "only")
+
+
 class Decision(NamedTuple):
     replica: int
-    # prefix | load | imbalance | hot-spread | round-robin | session | only
-    reason: str
+    reason: str  # one of DECISION_REASONS
     matched_blocks: int
 
 

@@ -406,6 +406,10 @@ async def test_metrics_exposes_every_issue_series_with_bounded_labels(live):
     assert set(shares) == {"0.01", "0.1", "0.19"}
     assert 0.4 <= shares["0.01"] <= 1.0  # two users: the top 1% is the heavier one
     assert value(found, "kvgate_router_decisions_total", replica="local") == 15
+    # Every reason exported from zero, so that increase() sees the first of a kind.
+    reasons = {s.labels["reason"]: s.value for s in found["kvgate_router_decisions_total"]}
+    assert set(reasons) == {"prefix", "load", "imbalance", "hot-spread", "round-robin", "session", "session-spill",
+                            "only"} and reasons["imbalance"] == 0
     assert value(found, "kvgate_replica_healthy", replica="local") == 1
     assert value(found, "kvgate_replica_inflight", replica="local") == 0
     assert value(found, "kvgate_engine_requests", replica="local", state="running") == 0
