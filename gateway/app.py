@@ -111,8 +111,9 @@ class Gateway:
         self.live: set[asyncio.Task] = set()
         self.drain_hooks: list[Callable[[], None]] = []
         self._identity_known = True
-        # What each external server said it serves (an all-external fleet serves the shortest).
-        self._external_lengths: dict[str, int] = {}
+        # The context length each replica last said it serves: requests are held to
+        # the shortest of these (a replica restarted longer raises it again).
+        self._lengths: dict[str, int] = {}
         self.created = now_s()
         # Request fields no one reads, each logged once (clients pick the names: bounded).
         self.ignored_logged: set[str] = set()
@@ -177,8 +178,12 @@ class Gateway:
         self.responder = Responder(self.model_name, self.observer, self.engine_mode)
         for r in self.replicas:
             r.info_listener = self.replica_learnt
-            if r.kind != "inprocess" and r.info_known:  # it answered as the replicas started, before anyone listened
+            if r.kind == "inprocess":
+                self._lengths[r.name] = r.info.max_model_len
+            elif r.info_known:  # it answered as the replicas started, before anyone listened
                 self.replica_learnt(r)
+        if self._lengths:
+            self.max_model_len = min(self._lengths.values())
         for i, r in enumerate(self.replicas):
             # Load the gateway cannot count itself: other gateways' requests on a shared
             # `kvgate engine`, other clients' and queueing on an external server.
@@ -226,9 +231,9 @@ class Gateway:
         info = replica.info
         if replica.kind == "openai":
             if any(r.kind != "openai" for r in self.replicas):
-                # A mixed fleet keeps the name and length its own replicas gave it
-                # (clients already use them); the server is sent its own name.
-                self._hold_to_shortest(replica, info.max_model_len, self.max_model_len)
+                # A mixed fleet keeps the name its own replicas gave it (clients
+                # already use it); the server is sent its own name.
+                self._hold_to_shortest(replica, info.max_model_len)
                 if info.model != self.model_name:
                     log.info("replica %s serves the model as %r; the gateway keeps serving it as %r", replica.name,
                              info.model, self.model_name)
@@ -236,19 +241,14 @@ class Gateway:
             if self.config.model.served_name is None and info.model != self.model_name:
                 log.info("serving the model as %r, the name replica %s gives it", info.model, replica.name)
                 self.model_name = self.responder.model_name = info.model
-            # The shortest of those known (one that restarted longer may raise it).
-            others = [n for name, n in self._external_lengths.items() if name != replica.name]
-            self._external_lengths[replica.name] = info.max_model_len
-            self.max_model_len = min(self._external_lengths.values())
-            if others:
-                self._hold_to_shortest(replica, info.max_model_len, min(others))
+            self._hold_to_shortest(replica, info.max_model_len)
             return
         if not self._identity_known:
             self._identity_known = True
             self.hasher.block_size = self.router.block_size = info.block_size
             self.hasher.salt = info.hash_salt
             self.observer.block_identity(info.block_size, info.hash_salt)
-            self.max_model_len = info.max_model_len
+            self._hold_to_shortest(replica, info.max_model_len)
             log.info("replica %s answered: hashing blocks as it does (%d tokens, salt %r)", replica.name,
                      info.block_size, info.hash_salt)
         else:
@@ -256,22 +256,26 @@ class Gateway:
                 log.error("replica %s hashes blocks of %d tokens salted %r, the gateway %d salted %r: its prefix index "
                           "cannot match (run every engine on the same model and engine.block_size)", replica.name,
                           info.block_size, info.hash_salt, self.hasher.block_size, self.hasher.salt)
-            self._hold_to_shortest(replica, info.max_model_len, self.max_model_len)
+            self._hold_to_shortest(replica, info.max_model_len)
         expected = default_model_name(self.config)
         if info.model != expected and self.config.model.served_name is None:
             log.error("replica %s runs model %r but the gateway tokenises prompts for %r (model.path): give the "
                       "gateway the engines' model", replica.name, info.model, expected)
 
-    def _hold_to_shortest(self, replica: Replica, its_length: int, others: int) -> None:
+    def _hold_to_shortest(self, replica: Replica, its_length: int) -> None:
         """Replicas of different context lengths (models, KV pools, vLLM's
         --max-model-len): a request that fits one replica only would get a 400
         wherever the router sent it otherwise, so every request is held to the
-        shortest, with a warning."""
-        if its_length != others:
+        shortest each replica last said, with a warning.  Not a ratchet: a
+        replica restarted with a longer context raises the limit again."""
+        others = [n for name, n in self._lengths.items() if name != replica.name]
+        self._lengths[replica.name] = its_length
+        self.max_model_len = min(self._lengths.values())
+        if others and its_length != min(others):
             log.warning("replica %s serves at most %d tokens (its model or KV pool), another %d: requests are held "
-                        "to %d, what every replica serves (give the replicas the same model.max_model_len, KV pool "
-                        "or --max-model-len)", replica.name, its_length, others, min(its_length, others))
-        self.max_model_len = min(self.max_model_len, its_length)
+                        "to %d, what every replica serves (give the replicas the same model.max_model_len and KV "
+                        "pool, or vLLM the same --max-model-len)", replica.name, its_length, min(others),
+                        self.max_model_len)
 
     async def close(self) -> None:
         await asyncio.gather(*(r.close() for r in self.replicas), return_exceptions=True)

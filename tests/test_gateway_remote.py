@@ -1902,6 +1902,39 @@ async def test_engines_of_different_context_lengths_hold_requests_to_the_shortes
         await short_server.stop()
 
 
+async def test_a_short_context_engine_restarted_longer_raises_the_limit_again(tiny_model_dir):
+    """The limit is the shortest each engine last said, not the shortest ever
+    seen: after one rolling restart with a smaller KV pool it stayed down until
+    the gateway itself restarted."""
+    _, long_server = await _engine_server(tiny_model_dir, max_model_len=1024)
+    _, short_server = await _engine_server(tiny_model_dir, max_model_len=256)
+    port = int(short_server.url.rsplit(":", 1)[1])
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=s.url) for s in (long_server, short_server)],
+                         router=RouterConfig(health_interval_s=0.1))
+    app = create_app(config)
+    gw = await start_server(app)
+    client = _client(gw.url)
+    restarted = None
+    try:
+        gateway = app[GATEWAY]
+        await wait_for(lambda: all(r.healthy for r in gateway.replicas), what="every replica in routing")
+        assert gateway.max_model_len == 256
+        await short_server.stop()
+        await wait_for(lambda: not gateway.replicas[1].healthy, what="the short engine out of routing")
+        restarted = await start_server(create_app(tiny_config(tiny_model_dir, max_model_len=1024), engine_mode=True),
+                                       port=port)
+        await wait_for(lambda: gateway.replicas[1].healthy, timeout=30, what="the restarted engine back")
+        assert gateway.max_model_len == 1024
+        assert (await client.models.list()).data[0].model_extra["max_model_len"] == 1024
+        assert (await client.completions.create(model=MODEL, prompt=[5] * 300, max_tokens=2)).choices
+    finally:
+        await client.close()
+        await gw.stop()
+        await long_server.stop()
+        if restarted is not None:
+            await restarted.stop()
+
+
 async def _requests_held_to(config, shortest: int, prompt: list[int], max_tokens: int, caplog) -> None:
     """A gateway over replicas of different context lengths says it serves
     ``shortest``, refuses a request past it (twice: round-robin would have
