@@ -175,6 +175,10 @@ class GatewayMetrics:
         for 499s: a client that left before its answer is no error of the server's."""
         return int(sum(child.value for values, child in self.requests._exported() if values[2] not in ("200", "499")))
 
+    def left_total(self) -> int:
+        """Requests whose client went away before their end (499) since start."""
+        return int(sum(child.value for values, child in self.requests._exported() if values[2] == "499"))
+
     def generated_total(self) -> int:
         """Tokens generated since start, all replicas (the status line's generation rate)."""
         return int(sum(child.value for _, child in self.generation_tokens._exported()))

@@ -184,7 +184,7 @@ class Observer:
                 window, last = now - last, now
                 line = self.status.line(window, self.history, (
                     (r.name, int(self._inflight(i)), self._engine_stats(r), r.healthy) for i, r in enumerate(self._replicas)
-                ), self.metrics.errors_total(), self.metrics.generated_total())
+                ), self.metrics.errors_total(), self.metrics.generated_total(), self.metrics.left_total())
             except Exception:  # noqa: BLE001 - a status line must never stop the server
                 log.exception("status line failed")
                 continue

@@ -11,9 +11,10 @@ completed, where their replicas said their hits) are the differences of the
 generation tokens are counted as they arrive, as vLLM counts them per step, so
 a long stream shows its rate while it runs rather than all at its end; queue and KV figures
 come from each replica's engine stats (none for external servers: their own
-logs have them).  Errors are the responses other than 200 in the interval
-(refused, failed, or the client left), shown when there are any; a replica out
-of routing shows as down.
+logs have them).  Errors are the responses other than 200 and 499 in the
+interval (refused or failed) and "left" the requests whose client went away
+before the end (499), each shown when there are any; a replica out of routing
+shows as down.  Tokens alone (a stream whose client left) make a line too.
 """
 
 from __future__ import annotations
@@ -33,19 +34,20 @@ class StatusLog:
     __slots__ = ("_seen",)
 
     def __init__(self) -> None:
-        self._seen = (0, 0, 0, 0, 0)  # the totals at the last line
+        self._seen = (0, 0, 0, 0, 0, 0)  # the totals at the last line
 
     def line(self, seconds: float, totals: Totals, replicas: Iterable[tuple[str, int, Mapping | None, bool]],
-             errors: int = 0, generated: int = 0) -> str | None:
+             errors: int = 0, generated: int = 0, left: int = 0) -> str | None:
         """The line for the last ``seconds``: ``totals``, ``errors`` (responses
-        other than 200 since start) and ``generated`` (tokens generated since
-        start) against the last line's, and the replicas' (name, requests in
-        flight, engine stats, healthy); None when idle."""
-        now = (totals.requests, totals.prompt_tokens, totals.cached_tokens, generated, errors)
-        requests, prompt, cached, completion, failed = (a - b for a, b in zip(now, self._seen))
+        other than 200 and 499 since start), ``generated`` (tokens generated
+        since start) and ``left`` (499s since start) against the last line's, and
+        the replicas' (name, requests in flight, engine stats, healthy); None
+        when idle."""
+        now = (totals.requests, totals.prompt_tokens, totals.cached_tokens, generated, errors, left)
+        requests, prompt, cached, completion, failed, gone = (a - b for a, b in zip(now, self._seen))
         self._seen = now
         parts = []
-        busy = requests > 0 or failed > 0
+        busy = requests > 0 or failed > 0 or gone > 0 or prompt > 0 or completion > 0
         for name, inflight, stats, healthy in replicas:
             if not healthy:
                 busy = busy or inflight
@@ -64,7 +66,7 @@ class StatusLog:
         if not busy:
             return None
         share = f" ({100 * cached / prompt:.0f}% cached)" if prompt else ""
-        errs = f", {_count(failed, 'error')}" if failed else ""
+        errs = (f", {_count(failed, 'error')}" if failed else "") + (f", {gone} left" if gone else "")
         head = (f"last {round(seconds, 1):g} s: {_count(requests, 'request')}{errs}, prompt {prompt / seconds:.0f} tok/s{share}, "
                 f"generation {completion / seconds:.0f} tok/s")
         return "; ".join([head, *parts])

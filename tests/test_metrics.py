@@ -712,6 +712,12 @@ def test_status_line_reports_the_interval_then_starts_over():
     assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7, generated=400).startswith(
         "last 10 s: 0 requests, 7 errors,")
     assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7, generated=400) is None
+    # Streams whose clients left (499s) are no errors but make a line, with the tokens they generated.
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7, generated=460, left=2) == (
+        "last 10 s: 0 requests, 2 left, prompt 0 tok/s, generation 6 tok/s; r0: 0 running, 0 waiting")
+    # Tokens alone, too (the 499s counted at the last line).
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7, generated=480, left=2).startswith(
+        "last 10 s: 0 requests, prompt 0 tok/s, generation 2 tok/s")
 
 
 def test_the_dashboards_rate_of_a_period_under_way_is_over_the_sample_span():
