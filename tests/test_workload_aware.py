@@ -670,6 +670,26 @@ def test_reuse_alarm_raised_and_logged(caplog):
     assert any("reuse alarm raised" in r.getMessage() for r in caplog.records)
 
 
+def test_reuse_alarm_catching_up_after_idle_time_logs_only_a_change_that_stands(caplog):
+    """Hits, then a burst of misses, then idle: the first request after the idle
+    stretch closes the windows it missed one by one, which raised the alarm (the
+    burst's window) and cleared it (the empty ones) in the same millisecond, two
+    log lines about the past.  What stands now is logged, and here nothing changed."""
+    cfg = WorkloadAwareConfig.model_validate({
+        "fallback": {"enabled": False, "check_interval_s": 10.0}, "alarm": {"window_s": 30.0, "threshold": 0.4}})
+    pool = BlockPool(1000, 0, "wa", CacheConfig(workload_aware=cfg))
+    with caplog.at_level("WARNING", logger="kvgate.cache"):
+        for i in range(60):  # 0-30 s: one prompt again and again, all hits
+            request(pool, [1, 2], ctx(blocks=2, ts=i * 0.5, chat_id=i), i * 0.5)
+        for i in range(100):  # 30-40 s: new prompts, all misses
+            now = 30.0 + i * 0.1
+            request(pool, [100 + 2 * i, 101 + 2 * i], ctx(blocks=2, ts=now, chat_id=100 + i), now)
+        assert not pool.device_policy.state()["reuse_alarm"]
+        request(pool, [1, 2], ctx(blocks=2, ts=100.0, chat_id=999), 100.0)
+    assert not pool.device_policy.state()["reuse_alarm"]
+    assert [r.getMessage() for r in caplog.records if "reuse alarm" in r.getMessage()] == []
+
+
 def test_reuse_alarm_windows_are_spans_of_time_not_arrivals(caplog):
     # One request every 120 s, all misses: the 300 s alarm window fills in
     # 300 s of time, however few requests came (not after ten arrivals).

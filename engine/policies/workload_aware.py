@@ -646,6 +646,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
         )
         self.spiking = False
         self.reuse_alarm = False
+        self._alarm_ratio = 0.0  # the hit ratio the alarm last judged
         # False on the host tier: its state changes are not logged (see make_workload_aware).
         self.announce = True
         self.topic_switches = 0
@@ -967,25 +968,27 @@ class WorkloadAwarePolicy(EvictionPolicy):
         if self._bucket_end != -INF:
             keep = max(self._nbuckets, self._alarm_buckets)
             idle = min(int((now - self._bucket_end) // interval), keep + self._patience)
+            alarm_before = self.reuse_alarm
             for _ in range(1 + idle):
                 self._buckets.append(self._cur)
                 self._cur = [0] * _COUNTS
                 while len(self._buckets) > keep:
                     self._buckets.popleft()
                 self._evaluate(now)
+            # Said once, as things stand now: catching up on idle intervals may
+            # raise the alarm at one and clear it at the next, all at this instant.
+            if self.reuse_alarm != alarm_before and self.announce:
+                log.warning("kvgate.cache: reuse alarm %s (hit ratio %.3f over %.0f s, threshold %.2f)",
+                            "raised" if self.reuse_alarm else "cleared", self._alarm_ratio, self.cfg.alarm.window_s,
+                            self.cfg.alarm.threshold)
         self._bucket_end = (math.floor(now / interval) + 1) * interval
 
     def _evaluate(self, now: float) -> None:
         cfg = self.cfg
         if len(self._buckets) >= self._alarm_buckets:
             *_, acc, hits = self._window_sums(self._alarm_buckets)
-            alarm = acc > 0 and hits / acc < cfg.alarm.threshold
-            if alarm != self.reuse_alarm:
-                self.reuse_alarm = alarm
-                if self.announce:
-                    log.warning("kvgate.cache: reuse alarm %s (hit ratio %.3f over %.0f s, threshold %.2f)",
-                                "raised" if alarm else "cleared", hits / acc if acc else 0.0,
-                                cfg.alarm.window_s, cfg.alarm.threshold)
+            self._alarm_ratio = hits / acc if acc else 0.0
+            self.reuse_alarm = acc > 0 and hits / acc < cfg.alarm.threshold
         fb = cfg.fallback
         if self.shadow_lru is None:
             return
