@@ -280,13 +280,21 @@ def _run_serve(args: argparse.Namespace) -> int:
             raise CliError(f"{flag}: {recording} is a directory; give a file path")
         # A recording moves an older file at its path aside (FILE.1, ...), then drops the oldest.
         _distinct_outputs([(flag, recording)], [("config file", args.config), ("model", config.model.path)])
+        folder = os.path.dirname(os.path.abspath(recording))
+        existing = folder
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):  # makedirs would say "File exists", which names no culprit
+            raise CliError(f"{flag}: cannot write {recording}: {existing} is a file, not a folder")
         try:
             # What the recorder will do at start: its folder, and a file it can write.
-            os.makedirs(os.path.dirname(os.path.abspath(recording)), exist_ok=True)
+            os.makedirs(folder, exist_ok=True)
             with open(recording, "a", encoding="ascii"):
                 pass
         except OSError as exc:
             raise CliError(f"{flag}: cannot write {recording}: {exc.strerror}") from None
+        if existing != folder:
+            logging.getLogger("kvgate").info("created %s for the recording", folder)
     from gateway.server import run_gateway
 
     with _startup_errors(args.config, _listen_flags(args)):

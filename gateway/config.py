@@ -490,6 +490,22 @@ class KvgateConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _one_replica_per_name(self) -> "KvgateConfig":
+        # Two replicas named alike were renamed a and a-1 silently: their metrics,
+        # dashboard rows and logs would not say which was which.
+        first: dict[str, int] = {}
+        errors = []
+        for index, spec in enumerate(self.replicas):
+            if spec.name is not None and first.setdefault(spec.name, index) != index:
+                errors.append({"type": PydanticCustomError("value_error", "the name {name} is replicas.{first}'s "
+                                                           "already; give each replica its own",
+                                                           {"name": repr(spec.name), "first": first[spec.name]}),
+                               "loc": ("replicas", index, "name"), "input": {}})
+        if errors:
+            raise ValidationError.from_exception_data(type(self).__name__, errors)
+        return self
+
+    @model_validator(mode="after")
     def _one_principal_per_key(self) -> "KvgateConfig":
         # A key listed twice with different tenants used to take the last one silently;
         # which tenant's cache and limits a caller gets must not hang on list order.

@@ -337,6 +337,12 @@ def test_serve_refuses_a_recording_path_that_is_a_directory(tmp_path, capsys, mo
     # Nor a file that cannot be made (here: under /proc, which takes no new files, even as root).
     assert main(["serve", "--record-trace", "/proc/kvgate/served.jsonl"]) == 2
     assert capsys.readouterr().err.startswith("kvgate: --record-trace: cannot write /proc/kvgate/served.jsonl: ")
+    # A file where its folder should be is named (makedirs said "File exists"), and nothing is made under it.
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["serve", "--record-trace", str(afile / "day" / "x.jsonl")]) == 2
+    assert capsys.readouterr().err == (f"kvgate: --record-trace: cannot write {afile / 'day' / 'x.jsonl'}: "
+                                       f"{afile} is a file, not a folder\n")
 
 
 @pytest.mark.parametrize("command", ["replay", "tune"])

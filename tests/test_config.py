@@ -659,6 +659,18 @@ def test_a_replica_url_has_no_query_or_fragment(tmp_path, url, kind):
     assert load_config(path).replicas[0].metrics_url == "http://h:8001/metrics?x=1"
 
 
+def test_one_name_given_to_two_replicas_is_refused(tmp_path):
+    """They were renamed a and a-1 in metrics and logs, silently."""
+    text = ("replicas:\n"
+            "  - {kind: engine, url: 'http://h:8001', name: a}\n"
+            "  - {kind: engine, url: 'http://h:8002', name: b}\n"
+            "  - kind: engine\n"
+            "    url: http://h:8003\n"
+            "    name: a\n")
+    assert _config_error(tmp_path, text).splitlines() == [
+        "c.yaml:6: replicas.2.name: the name 'a' is replicas.0's already; give each replica its own"]
+
+
 def test_one_server_listed_twice_is_refused(tmp_path):
     # One server as two replicas (h:8001 and h:8001-1) got double the traffic and two
     # indexes of one cache; the same URLs the gateway builds its requests from
