@@ -201,9 +201,9 @@ class ReplicaConfig(Section):
     kind: Literal["inprocess", "engine", "openai"] = "inprocess"
     # Base URL of an engine/openai replica, e.g. http://10.0.0.5:8001 (with or without /v1).
     url: str | None = None
-    # Label in metrics and logs; None: "inprocess-N" or the URL's host:port (the
-    # scheme's port if the URL has none; never its user:password@).  "engine" is
-    # taken: a `kvgate engine` labels its own series so.
+    # Label in metrics and logs, one per replica; None: "inprocess-N" or the URL's
+    # host:port (the scheme's port if the URL has none; never its user:password@).
+    # "engine" is taken: a `kvgate engine` labels its own series so.
     name: str | None = None
     # Model name the upstream serves (openai kind); None: the name its /v1/models gives.
     model: str | None = None
