@@ -348,6 +348,7 @@ class RemoteReplica(Replica):
         # request since to forgive it, must not date a run of probe failures now.
         self._probes_failing_since: float | None = None
         self._requests_failing_since: float | None = None
+        self._probe_failure = "no probe yet"  # why the last health probe failed, for the log
         self._key_refused = False  # /kv_events answered 401/403: said once, not at every retry
         self._no_events = False  # /kv_events answered 404 (no kvgate engine): said once too
         # When any request last got output from this replica: a request left silent
@@ -402,8 +403,8 @@ class RemoteReplica(Replica):
             with contextlib.suppress(Exception):
                 self.healthy = self._was_healthy = await self._probe()
             if not self.healthy:
-                log.warning("replica %s (%s) is not answering: out of routing until it does", self.name,
-                            without_userinfo(self.base))
+                log.warning("replica %s (%s) is not answering (%s): out of routing until it does", self.name,
+                            without_userinfo(self.base), self._probe_failure)
             with contextlib.suppress(Exception):
                 await self._fetch_models()
             if self.cfg.metrics_url:
@@ -458,16 +459,19 @@ class RemoteReplica(Replica):
     # -- health and the circuit breaker
 
     async def _probe(self) -> bool:
+        """Whether the replica answers its health path; why not in ``_probe_failure``."""
         path = "/health" if self.kind == "engine" else "/v1/models"
         try:
             timeout = aiohttp.ClientTimeout(total=self.router_cfg.health_timeout_s)
             async with self._session.get(self.base + path, headers=self.auth_headers(), timeout=timeout) as resp:
                 if resp.status != 200:
+                    self._probe_failure = f"{path} answered {resp.status}"
                     return False
                 if self.kind == "engine":
                     self._note_engine_load(await resp.read())
                 return True
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            self._probe_failure = _plain_reason(exc)
             return False
 
     def _note_engine_load(self, body: bytes) -> None:
@@ -536,7 +540,10 @@ class RemoteReplica(Replica):
         ``failing_since``: when the run of failures that tripped it began; streams
         with output since then are spared (None: every stream is cut)."""
         if self.healthy:
-            log.warning("replica %s leaves routing: %s", self.name, why)
+            # The last probe's failure in the log only: it may name internal addresses,
+            # and ``why`` reaches clients whose streams are cut.
+            last = f" (last probe: {self._probe_failure})" if self._probe_failures else ""
+            log.warning("replica %s leaves routing: %s%s", self.name, why, last)
         self.trips += 1
         self.healthy = False
         self._trip_reason = why  # what the streams it cuts tell their clients

@@ -346,7 +346,9 @@ async def test_credentials_in_a_replica_url_stay_out_of_its_name_and_logs(tiny_m
                 async with session.get(gw.url + path) as resp:
                     assert resp.status == 200
                     assert "s3cret" not in await resp.text(), path
-        assert any("is not answering" in r.getMessage() for r in caplog.records)
+        # With its reason (it gave none): nothing listens there.
+        assert any(f"127.0.0.1:{closed_port}) is not answering (cannot connect (" in r.getMessage()
+                   for r in caplog.records)
         assert not [r.getMessage() for r in caplog.records if "s3cret" in r.getMessage()]
     finally:
         await client.close()
@@ -1108,9 +1110,10 @@ async def test_request_waiting_for_headers_gives_up_when_the_breaker_opens(tiny_
         await upstream.stop()
 
 
-async def test_a_replica_that_stops_answering_probes_leaves_after_their_timeouts(tiny_model_dir):
+async def test_a_replica_that_stops_answering_probes_leaves_after_their_timeouts(tiny_model_dir, caplog):
     """A hung replica's probes time out (health_timeout_s) rather than fail: with
-    short timeouts it leaves routing within a second, not after 3 x 5 s."""
+    short timeouts it leaves routing within a second, not after 3 x 5 s, and the
+    log says how the last probe failed."""
     state = {"hung": False}
 
     async def models(request):
@@ -1130,6 +1133,8 @@ async def test_a_replica_that_stops_answering_probes_leaves_after_their_timeouts
         hung_at = asyncio.get_running_loop().time()
         await wait_for(lambda: not replica.healthy, timeout=5, what="out of routing")
         assert asyncio.get_running_loop().time() - hung_at < 2
+        assert any(r.getMessage() == f"replica {replica.name} leaves routing: 2 probes failed in a row "
+                   "(last probe: it did not answer in time)" for r in caplog.records)
     finally:
         await gw.stop()
         await upstream.stop()
