@@ -114,6 +114,7 @@ class Gateway:
         # The context length each replica last said it serves: requests are held to
         # the shortest of these (a replica restarted longer raises it again).
         self._lengths: dict[str, int] = {}
+        self._token_chars: int | None = None  # see _chars_per_token
         self.created = now_s()
         # Request fields no one reads, each logged once (clients pick the names: bounded).
         self.ignored_logged: set[str] = set()
@@ -593,7 +594,40 @@ class Gateway:
             raise bad_request(f"Invalid 'stop_token_ids': {max(stop_ids)}. Token ids must be below the vocabulary size "
                               f"{vocab}.", "stop_token_ids")
 
+    def _chars_per_token(self) -> int:
+        """The most characters one token of this tokenizer stands for (its longest
+        vocabulary entry: a byte-level entry has a character per byte, and a
+        decoded character takes at least one), twice over for normalisers."""
+        if self._token_chars is None:
+            vocab = self.hasher.tokenizer.get_vocab()
+            self._token_chars = 2 * max((len(piece) for piece in vocab), default=1)
+        return self._token_chars
+
+    def _refuse_unfitting_prompts(self, parsed: ParsedRequest) -> None:
+        """Refuse a prompt that cannot fit the context before tokenising it: a
+        prompt of megabytes, refused only after, took seconds of CPU and
+        gigabytes of memory (about 280 bytes a token) from any key holder.
+        A text longer than the context's tokens could hold at the most
+        characters per token has more tokens than the context; token lists are
+        counted as they are."""
+        limit = self.max_model_len
+        param = "messages" if parsed.endpoint == CHAT else "prompt"
+        if parsed.endpoint == CHAT:
+            sizes = [(False, parsed.content_chars)]
+        else:
+            sizes = [(isinstance(p, list), len(p)) for p in parsed.prompts]
+        for ids, size in sizes:
+            if ids and size > limit:
+                said = f"resulted in {size} tokens"
+            elif not ids and size > limit * self._chars_per_token():
+                said = f"ran to {size} characters, more than {limit} tokens can hold"
+            else:
+                continue
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your {param} {said}. "
+                           f"Please reduce the length of the {param}.", param=param, code="context_length_exceeded")
+
     async def tokenize(self, parsed: ParsedRequest) -> tuple[list[Prompt], list]:
+        self._refuse_unfitting_prompts(parsed)
         hasher = self.hasher
         salt = parsed.cache_salt
         if parsed.endpoint == CHAT:
@@ -632,7 +666,10 @@ class Gateway:
         parts = [p for p in parts if p]
         if not parts:
             return 0
-        return len(self.hasher.tokenizer.encode(json.dumps(parts), add_special_tokens=False))
+        text = json.dumps(parts)
+        if len(text) > self.max_model_len * self._chars_per_token():
+            return self.max_model_len  # more than the context, surely: no need to tokenise megabytes to say so
+        return len(self.hasher.tokenizer.encode(text, add_special_tokens=False))
 
     def resolve_max_tokens(self, parsed: ParsedRequest, prompt_len: int, uncounted: int = 0) -> int:
         """The request's max_tokens, or the default that fits the context.

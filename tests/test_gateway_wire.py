@@ -631,3 +631,36 @@ async def test_several_prompts_each_get_the_default_max_tokens_their_own_length_
         await client.completions.create(model=MODEL, prompt=[[7, 8], long_prompt], extra_body={"min_tokens": 6})
     assert info.value.param == "min_tokens" and "at most max_tokens (5)" in info.value.message
     await _settled(app)
+
+
+async def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenised(gw, monkeypatch):
+    """Any key holder could send a prompt of megabytes: tokenised whole before its
+    length was checked, it took seconds of CPU and gigabytes of memory for a
+    400.  Past what the context's tokens could hold at the tokenizer's longest
+    piece per token, it is refused at once (the tokenizer is never called); a
+    token list, by its length."""
+    app, _, client, _, _ = gw
+    gateway = app[GATEWAY]
+    hasher = gateway.hasher
+
+    def never(*args, **kwargs):
+        raise AssertionError("tokenised")
+
+    longest = max(len(piece) for piece in hasher.tokenizer.get_vocab())
+    bound = gateway.max_model_len * 2 * longest
+    monkeypatch.setattr(hasher, "chat", never)
+    monkeypatch.setattr(hasher, "text", never)
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a" * (bound + 1)}])
+    assert info.value.code == "context_length_exceeded"
+    assert (f"your messages ran to {bound + 1} characters, more than {gateway.max_model_len} tokens can hold"
+            in info.value.message)
+    for prompt in ("a" * (bound + 1), [5] * (gateway.max_model_len + 1)):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+        assert info.value.code == "context_length_exceeded"
+    monkeypatch.undo()
+    # Within the bound, a prompt is tokenised and judged by its tokens, as before.
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model=MODEL, prompt="word " * gateway.max_model_len, max_tokens=1)
+    assert "However, you requested" in info.value.message
