@@ -834,18 +834,26 @@ async def _unmatched(request: web.Request) -> web.Response:
 
 def _expectation_refused(request: web.Request) -> web.StreamResponse | None:
     """The answer to an ``Expect`` header instead of 100 Continue, or None: an
-    expectation other than 100-continue (in OpenAI's error shape), or a body
-    declared over the limit, whose 413 comes before it is sent (the point of
-    asking first)."""
+    expectation other than 100-continue (in OpenAI's error shape), a body
+    declared over the limit, or a request to /v1 without a good key, whose 413
+    or 401 comes before the body is sent (the point of asking first)."""
     if request.headers.get("Expect", "").lower() != "100-continue":
         return ApiError(417, "Unsupported Expect header; only 100-continue is supported.",
                         code="expectation_failed").response()
-    limit = request.app[GATEWAY].limits.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        response = errors.too_large(limit).response()
-        response.force_close()  # the body the client holds back is never read
-        return response
-    return None
+    gateway = request.app[GATEWAY]
+    limit = gateway.limits.max_body_bytes
+    refusal = errors.too_large(limit) if request.content_length is not None and request.content_length > limit else None
+    if refusal is None and request.path.startswith("/v1/"):
+        # A request without a good key is told so before it uploads its body, too.
+        try:
+            gateway.authenticate(request)
+        except ApiError as exc:
+            refusal = exc
+    if refusal is None:
+        return None
+    response = refusal.response()
+    response.force_close()  # the body the client holds back is never read
+    return response
 
 
 async def _expect(request: web.Request) -> web.StreamResponse | None:

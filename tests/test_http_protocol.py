@@ -38,11 +38,12 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 class Gateway:
     """A gateway on its own loop in a thread, so tests can use blocking sockets."""
 
-    def __init__(self, model_dir: str, event_loop: str = "asyncio", **limits) -> None:
+    def __init__(self, model_dir: str, event_loop: str = "asyncio", api_keys=(), **limits) -> None:
         self.loop = uvloop.new_event_loop() if event_loop == "uvloop" else asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        config = tiny_config(model_dir, [ReplicaConfig(kind="inprocess")], limits=LimitsConfig(**limits))
+        config = tiny_config(model_dir, [ReplicaConfig(kind="inprocess")], limits=LimitsConfig(**limits),
+                             api_keys=list(api_keys))
         self.server = self._call(start_server(create_app(config)), 120)
         self.port = int(self.server.url.rsplit(":", 1)[1])
 
@@ -350,6 +351,34 @@ def test_expect_100_continue_is_refused_before_the_body_when_it_would_be_refused
             got, headers, data = _read_response(sock)
         assert got == status and json.loads(data)["error"]["code"] == code, data
     _assert_serving(gateway.port)
+
+
+def test_expect_100_continue_without_a_good_key_gets_its_401_before_the_body(tiny_model_dir):
+    """The client was invited to upload its body (up to the body limit) to be
+    refused after; a good key still gets 100 Continue."""
+    from gateway.config import ApiKeyConfig
+
+    keyed = Gateway(tiny_model_dir, api_keys=[ApiKeyConfig(key="sk-good")])
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            "Content-Length: {}\r\nExpect: 100-continue\r\n{}\r\n")
+    try:
+        for auth in ("", "Authorization: Bearer sk-wrong\r\n"):
+            with _connect(keyed.port) as sock:
+                sock.sendall(head.format(len(body), auth).encode())
+                status, headers, data = _read_response(sock)
+            assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key", data
+            assert headers["connection"] == "close"
+        with _connect(keyed.port) as sock:
+            sock.sendall(head.format(len(body), "Authorization: Bearer sk-good\r\n").encode())
+            interim = b""
+            while not interim.endswith(b"\r\n\r\n"):
+                interim += sock.recv(1)
+            assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+            sock.sendall(body)
+            assert _read_response(sock)[0] == 200
+    finally:
+        keyed.close()
 
 
 def test_request_targets_that_are_no_path_get_an_openai_404(gateway):
