@@ -92,8 +92,10 @@ class EngineConfig(Section):
     max_num_seqs: int = Field(16, ge=1)
     max_batched_tokens: int = Field(2048, ge=16)
     # Which waiting sequence takes a free slot.  tenant-fair: one of the tenant
-    # with the fewest sequences running (the earliest among equals), so that one
-    # tenant's burst or many-choice request does not hold back another's; with a
+    # with the fewest sequences running (the earliest among equals), and with every
+    # slot taken a tenant running two or more more than a waiting one is preempted
+    # (its newest sequence), so that one tenant's burst or many-choice request does
+    # not hold back another's; with a
     # single tenant (no API keys) that is first come, first served.  fcfs: arrival
     # order whatever the tenant, as vLLM's default.
     scheduling_policy: Literal["tenant-fair", "fcfs"] = "tenant-fair"

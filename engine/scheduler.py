@@ -6,8 +6,9 @@ chunk of a long prompt), then admits waiting ones while the token budget
 cached prefix from the pool and computes only the rest.  While several tenants
 wait, a free slot goes to the one with the fewest sequences running (its
 earliest waiting sequence), or, when that one lacks blocks, to the earliest of
-all; with one tenant, and with ``tenant_fair`` off, waiting sequences are taken
-in order.  When blocks run out
+all; with every slot taken, a tenant waiting with two or more fewer sequences
+running than another gets a slot by preempting that one's newest; with one
+tenant, and with ``tenant_fair`` off, waiting sequences are taken in order.  When blocks run out
 the newest running sequence is preempted: its blocks are released (the full
 ones stay cached, so the recompute usually hits them) and it waits again.
 """
@@ -80,6 +81,10 @@ class WaitQueue:
             return next(iter(self._queues.values()))[0]
         return min((queue[0] for queue in self._queues.values()), key=lambda seq: seq.wait_order)
 
+    def heads(self) -> list[Sequence]:
+        """Each tenant's earliest waiting sequence."""
+        return [queue[0] for queue in self._queues.values()]
+
     def fairest(self, running: Counter) -> Sequence:
         """The earliest sequence of a tenant with the fewest sequences ``running``."""
         return min((queue[0] for queue in self._queues.values()),
@@ -130,6 +135,8 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledSeq]:
         now = self.clock()
+        if self.tenant_fair and self.waiting and len(self.running) >= self.max_num_seqs:
+            self._preempt_for_fairness(now)
         budget = self.max_batched_tokens
         scheduled: list[ScheduledSeq] = []
         queue = deque(self.running)
@@ -150,6 +157,31 @@ class Scheduler:
         if not preempted:
             self._admit_waiting(budget, scheduled, now)
         return scheduled
+
+    def _preempt_for_fairness(self, now: float) -> None:
+        """Every slot taken while a tenant waits that runs at least two fewer
+        sequences than another: that one's newest sequence is preempted, and the
+        admission that follows gives its slot to the tenant with the fewest.
+        Admission alone would leave the waiting tenant to wait until the other's
+        sequences end, minutes for long answers (16 prompts x n=8 held every slot).
+        The preempted sequence's full blocks stay cached, so its recompute is
+        mostly hits.  Only when the waiting one's first chunk would then find its
+        blocks: otherwise the slot would go back to the preempted sequence, each step."""
+        running = Counter(_tenant(seq) for seq in self.running)
+        for head in self.waiting.heads():
+            tenant = _tenant(head)
+            top, most = running.most_common(1)[0]
+            if most - running[tenant] < 2:
+                continue
+            victim = next(seq for seq in reversed(self.running) if _tenant(seq) == top)
+            run, used = self.pool.prefix_cost(head.cacheable_prefix_keys())
+            need = self._first_chunk(head, run, self.max_batched_tokens)[1]
+            if need + used > self.pool.num_free_device() + len(victim.block_table):
+                continue
+            self.running.remove(victim)
+            self.preempt(victim, now)
+            running[top] -= 1
+            running[tenant] += 1  # the slot it is about to take
 
     def _grow(self, seq: Sequence, count: int, queue: deque[Sequence], now: float) -> bool:
         """Give ``seq`` blocks for ``count`` more tokens, preempting the newest others if needed."""
