@@ -30,6 +30,9 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(ids).decode(errors="replace")
 
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(i): i for i in range(256)}
+
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         if add_generation_prompt:

@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -114,7 +115,7 @@ class Gateway:
         # The context length each replica last said it serves: requests are held to
         # the shortest of these (a replica restarted longer raises it again).
         self._lengths: dict[str, int] = {}
-        self._token_chars: int | None = None  # see _chars_per_token
+        self._token_chars: float | None = None  # see _chars_per_token
         self.created = now_s()
         # Request fields no one reads, each logged once (clients pick the names: bounded).
         self.ignored_logged: set[str] = set()
@@ -594,13 +595,19 @@ class Gateway:
             raise bad_request(f"Invalid 'stop_token_ids': {max(stop_ids)}. Token ids must be below the vocabulary size "
                               f"{vocab}.", "stop_token_ids")
 
-    def _chars_per_token(self) -> int:
+    def _chars_per_token(self) -> float:
         """The most characters one token of this tokenizer stands for (its longest
         vocabulary entry: a byte-level entry has a character per byte, and a
-        decoded character takes at least one), twice over for normalisers."""
+        decoded character takes at least one), twice over for normalisers;
+        unbounded for a tokenizer that cannot list its vocabulary."""
         if self._token_chars is None:
-            vocab = self.hasher.tokenizer.get_vocab()
-            self._token_chars = 2 * max((len(piece) for piece in vocab), default=1)
+            try:
+                vocab = self.hasher.tokenizer.get_vocab()
+                self._token_chars = 2 * max((len(piece) for piece in vocab), default=1)
+            except Exception:  # noqa: BLE001 - no vocabulary to read: every prompt is tokenised and judged
+                log.warning("the tokenizer lists no vocabulary: prompts are tokenised whatever their length "
+                            "before the context length is checked")
+                self._token_chars = math.inf
         return self._token_chars
 
     def _refuse_unfitting_prompts(self, parsed: ParsedRequest) -> None:

@@ -664,3 +664,11 @@ async def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenised(gw, mo
     with pytest.raises(openai.BadRequestError) as info:
         await client.completions.create(model=MODEL, prompt="word " * gateway.max_model_len, max_tokens=1)
     assert "However, you requested" in info.value.message
+    # A tokenizer that cannot list its vocabulary sets no bound (it failed every request).
+    def no_vocab():
+        raise NotImplementedError
+
+    monkeypatch.setattr(hasher.tokenizer, "get_vocab", no_vocab)
+    monkeypatch.setattr(gateway, "_token_chars", None)
+    assert (await client.completions.create(model=MODEL, prompt="hi", max_tokens=1)).choices
+    monkeypatch.undo()
