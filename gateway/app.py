@@ -844,10 +844,11 @@ def _expectation_refused(request: web.Request) -> web.StreamResponse | None:
     expectation other than 100-continue (in OpenAI's error shape), a body
     declared over the limit, or a request to /v1 without a good key, whose 413
     or 401 comes before the body is sent (the point of asking first)."""
+    gateway = request.app[GATEWAY]
     if request.headers.get("Expect", "").lower() != "100-continue":
+        gateway.metrics.http_refused.labels("417").inc()
         return ApiError(417, "Unsupported Expect header; only 100-continue is supported.",
                         code="expectation_failed").response()
-    gateway = request.app[GATEWAY]
     limit = gateway.limits.max_body_bytes
     refusal = errors.too_large(limit) if request.content_length is not None and request.content_length > limit else None
     if refusal is None and request.path.startswith("/v1/"):
@@ -858,6 +859,7 @@ def _expectation_refused(request: web.Request) -> web.StreamResponse | None:
             refusal = exc
     if refusal is None:
         return None
+    gateway.metrics.http_refused.labels(str(refusal.status)).inc()
     response = refusal.response()
     response.force_close()  # the body the client holds back is never read
     return response
@@ -887,6 +889,7 @@ async def _expect_unmatched(request: web.Request) -> web.StreamResponse | None:
         response = await _unmatched(request)
     except ApiError as exc:
         response = exc.response()
+    request.app[GATEWAY].metrics.http_refused.labels(str(response.status)).inc()
     response.force_close()  # the body the client holds back is never read
     return response
 

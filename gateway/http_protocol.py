@@ -34,6 +34,7 @@ import json
 import logging
 import re
 from http import HTTPStatus
+from typing import Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import (
@@ -123,11 +124,13 @@ class KvgateRequestHandler(RequestHandler):
     """
 
     __slots__ = ("_header_timeout", "_header_deadline", "_header_started", "_header_timer", "_no_request_yet",
-                 "_last_payload", "_send_timeout", "_send_timer")
+                 "_last_payload", "_send_timeout", "_send_timer", "_on_refused")
 
     def __init__(self, manager: web.Server, *, header_timeout_s: float | None = None,
-                 send_timeout_s: float | None = None, **kwargs) -> None:
+                 send_timeout_s: float | None = None, on_refused: Callable[[int], None] | None = None,
+                 **kwargs) -> None:
         super().__init__(manager, **kwargs)
+        self._on_refused = on_refused  # told the status of each answer given here, not by a handler
         self._header_timeout = header_timeout_s or 0.0
         self._send_timeout = send_timeout_s or 0.0
         self._send_timer: asyncio.TimerHandle | None = None
@@ -223,6 +226,8 @@ class KvgateRequestHandler(RequestHandler):
         response.force_close()
         # Said outright: aiohttp leaves it implicit in the HTTP/1.0 it answers a parse error in.
         response.headers["Connection"] = "close"
+        if self._on_refused is not None and isinstance(exc, HttpProcessingError):
+            self._on_refused(error.status)  # a handler's own 500 is counted by the handler
         return response
 
     def _arm_header_deadline(self) -> None:
@@ -254,6 +259,8 @@ class KvgateRequestHandler(RequestHandler):
             # cannot interleave with one.  None for a connection that sent nothing: a
             # client may be about to reuse it, and would read a 408 as its answer.
             self.transport.write(_header_timeout_response(self._header_timeout))
+            if self._on_refused is not None:
+                self._on_refused(408)
         self.force_close()  # the transport sends what is buffered, then closes
 
 
@@ -261,26 +268,28 @@ class KvgateServer(web.Server):
     """``web.Server`` (the protocol factory) building KvgateRequestHandler."""
 
     def __init__(self, *args, header_timeout_s: float | None = None, send_timeout_s: float | None = None,
-                 **kwargs) -> None:
+                 on_refused: Callable[[int], None] | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout_s = header_timeout_s
         self.send_timeout_s = send_timeout_s
+        self.on_refused = on_refused
 
     def __call__(self) -> KvgateRequestHandler:
         return KvgateRequestHandler(self, loop=self._loop, header_timeout_s=self.header_timeout_s,
-                                    send_timeout_s=self.send_timeout_s, **self._kwargs)
+                                    send_timeout_s=self.send_timeout_s, on_refused=self.on_refused, **self._kwargs)
 
 
 class KvgateRunner(web.AppRunner):
     """``web.AppRunner`` whose connections get KvgateRequestHandler; takes AppRunner's arguments."""
 
-    __slots__ = ("_header_timeout_s", "_send_timeout_s")
+    __slots__ = ("_header_timeout_s", "_send_timeout_s", "_on_refused")
 
     def __init__(self, app: web.Application, *, header_timeout_s: float | None, send_timeout_s: float | None = None,
-                 **kwargs) -> None:
+                 on_refused: Callable[[int], None] | None = None, **kwargs) -> None:
         super().__init__(app, **kwargs)
         self._header_timeout_s = header_timeout_s
         self._send_timeout_s = send_timeout_s
+        self._on_refused = on_refused
 
     async def _make_server(self) -> web.Server:
         # AppRunner's own runs the app's startup and builds the app's Server;
@@ -289,7 +298,7 @@ class KvgateRunner(web.AppRunner):
         return KvgateServer(_paths_only(plain.request_handler), request_factory=plain.request_factory,
                             handler_cancellation=plain.handler_cancellation, loop=plain._loop,
                             header_timeout_s=self._header_timeout_s, send_timeout_s=self._send_timeout_s,
-                            **plain._kwargs)
+                            on_refused=self._on_refused, **plain._kwargs)
 
 
 def _paths_only(handler):

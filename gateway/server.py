@@ -68,11 +68,20 @@ class RunningServer(NamedTuple):
         await self.runner.cleanup()
 
 
+def _refusal_counter(app: web.Application):
+    """What counts the answers the HTTP layer gives itself (kvgate_http_refused_total)."""
+    if GATEWAY not in app:
+        return None
+    counter = app[GATEWAY].metrics.http_refused
+    return lambda status: counter.labels(str(status)).inc()
+
+
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
     """Start ``app`` on host:port (0: any free port) and return its base URL."""
     limits = app[GATEWAY].limits if GATEWAY in app else LimitsConfig()
     runner = KvgateRunner(app, header_timeout_s=limits.header_timeout_s, send_timeout_s=limits.send_timeout_s,
-                          keepalive_timeout=limits.keepalive_timeout_s, handler_cancellation=True, access_log=None)
+                          keepalive_timeout=limits.keepalive_timeout_s, handler_cancellation=True, access_log=None,
+                          on_refused=_refusal_counter(app))
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -233,7 +242,8 @@ async def _serve(app: web.Application, sockets: list[socket.socket], cfg: Server
     access_log = logging.getLogger("aiohttp.access") if cfg.access_log else None
     runner = KvgateRunner(app, header_timeout_s=cfg.limits.header_timeout_s, send_timeout_s=cfg.limits.send_timeout_s,
                           keepalive_timeout=cfg.limits.keepalive_timeout_s, handler_cancellation=True,
-                          access_log=access_log, handle_signals=False, shutdown_timeout=_CLEANUP_TIMEOUT_S)
+                          access_log=access_log, handle_signals=False, shutdown_timeout=_CLEANUP_TIMEOUT_S,
+                          on_refused=_refusal_counter(app))
     await _start_or_stop(runner)
     signals = _Signals()
     try:

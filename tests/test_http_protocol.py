@@ -381,6 +381,39 @@ def test_expect_100_continue_without_a_good_key_gets_its_401_before_the_body(tin
         keyed.close()
 
 
+def _refused(port: int) -> dict[str, float]:
+    """kvgate_http_refused_total by status, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with _connect(port) as sock:
+        sock.sendall(f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
+        status, _, text = _read_response(sock)
+    assert status == 200
+    return {sample.labels["status"]: sample.value for family in text_string_to_metric_families(text.decode())
+            for sample in family.samples if sample.name == "kvgate_http_refused_total"}
+
+
+def test_what_the_http_layer_answers_itself_is_counted(gateway):
+    """A request that never reaches an endpoint's handler (unparsable, headers too
+    slow, an Expect refused before its body) was in no metric: a client or proxy
+    sending broken requests was invisible in Grafana."""
+    before = _refused(gateway.port)
+    assert before["400"] >= 0 and before["408"] >= 0  # exported from zero
+    with _connect(gateway.port) as sock:
+        sock.sendall(MALFORMED["not HTTP at all"][0])
+        assert _read_response(sock)[0] == 400
+    with _connect(gateway.port) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % (9 * 2**20))
+        assert _read_response(sock)[0] == 413
+    with _connect(gateway.port) as sock:
+        sock.sendall(b"POST /v1/chat/comp")  # and nothing more
+        status, _, _ = _split(_read_until_closed(sock))
+        assert status == 408
+    after = _refused(gateway.port)
+    assert (after["400"] - before["400"], after["413"] - before.get("413", 0), after["408"] - before["408"]) == (1, 1, 1)
+
+
 def test_request_targets_that_are_no_path_get_an_openai_404(gateway):
     """`OPTIONS *` and `CONNECT host:port` never reach aiohttp's routes; they get
     OpenAI's error shape too, and the connection goes on serving."""
