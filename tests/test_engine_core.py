@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 
@@ -509,6 +510,20 @@ async def test_a_tenants_many_choices_do_not_hold_back_another_tenant(engines, p
     assert len(finished) == 9
 
 
+_SEQUENCE_IDS = itertools.count(10)
+
+
+def _waiting(scheduler, request_id: str, tenant: str, tokens: int):
+    """A sequence of ``tokens`` prompt tokens from ``tenant``, waiting in ``scheduler``."""
+    from engine.sequence import Sequence
+
+    request = GenerationRequest(request_id, prompt_of(tokens, seed=len(request_id) + tokens))
+    request.context.tenant = tenant
+    seq = Sequence(next(_SEQUENCE_IDS), request, 0, scheduler.block_size, "salt")
+    scheduler.add(seq)
+    return seq
+
+
 def test_the_fair_pick_lacking_blocks_keeps_out_no_earlier_request_that_fits():
     """A tenant with nothing running comes first, but its request that does not
     fit the free blocks yet must not stop the earlier ones that do (as first
@@ -522,11 +537,7 @@ def test_the_fair_pick_lacking_blocks_keeps_out_no_earlier_request_that_fits():
     scheduler = Scheduler(pool, bs, 16, 8192, clock=lambda: 0.0, tenant_fair=True)
 
     def waiting(request_id: str, tenant: str, tokens: int) -> Sequence:
-        request = GenerationRequest(request_id, prompt_of(tokens, seed=len(request_id) + tokens))
-        request.context.tenant = tenant
-        seq = Sequence(len(scheduler.waiting) + 10, request, 0, bs, "salt")
-        scheduler.add(seq)
-        return seq
+        return _waiting(scheduler, request_id, tenant, tokens)
 
     waiting("hog", "acme", bs * 58)
     scheduler.after_step(scheduler.schedule())  # acme runs one sequence on 58 of the 64 blocks
@@ -551,11 +562,7 @@ def test_a_tenant_holding_every_slot_gives_one_up_to_a_tenant_waiting():
     scheduler = Scheduler(pool, bs, 4, 8192, clock=lambda: 0.0, tenant_fair=True)
 
     def waiting(request_id: str, tenant: str, tokens: int) -> Sequence:
-        request = GenerationRequest(request_id, prompt_of(tokens, seed=len(request_id) + tokens))
-        request.context.tenant = tenant
-        seq = Sequence(len(scheduler.waiting) + 10 + len(request_id), request, 0, bs, "salt")
-        scheduler.add(seq)
-        return seq
+        return _waiting(scheduler, request_id, tenant, tokens)
 
     acme = [waiting(f"a{i}", "acme", 40) for i in range(4)]
     scheduler.after_step(scheduler.schedule())
