@@ -144,11 +144,11 @@ def _read_records(handle: BinaryIO, source: str, fmt: str) -> Trace:
                                  "block size (record each engine block size to a file of its own)")
             requests.append(_bailian_request(record, where, chain, len(requests), notes, size))
             if looks == first_looks:  # a stray record of the other format has had its warning
-                _check_bailian_blocks(record["hash_ids"], requests[-1].input_length, size, where, notes)
+                _check_block_count(requests[-1], size, "Bailian", where, notes)
         else:
             requests.append(_mooncake_request(record, where, len(requests)))
             if looks == "mooncake":  # a stray Bailian record has had its warning
-                _check_mooncake_blocks(requests[-1], where, notes)
+                _check_block_count(requests[-1], MOONCAKE_BLOCK_TOKENS, "Mooncake", where, notes)
     notes.log()
     if not requests:
         raise TraceError(f"{source}: the trace holds no requests")
@@ -301,23 +301,15 @@ def _timestamp(record: dict, where: str) -> float:
     return value
 
 
-def _check_mooncake_blocks(request: TraceRequest, where: str, notes: _Notes) -> None:
-    """The format's invariant: one hash id per 512-token block.  A trace that breaks
-    it was cut or converted wrongly, and its hit ratios count the wrong blocks."""
+def _check_block_count(request: TraceRequest, block_tokens: int, fmt: str, where: str, notes: _Notes) -> None:
+    """Both formats' invariant: one hash id per block of ``block_tokens`` tokens, the
+    last one partial.  A trace that breaks it was cut or converted wrongly, and its
+    hit ratios count the wrong blocks."""
     length = request.input_length
-    expected = -(-length // MOONCAKE_BLOCK_TOKENS)
+    expected = -(-length // block_tokens)
     if len(request.keys) != expected:
-        notes.add("hash_ids", where, f"{len(request.keys)} hash_ids for input_length {length}; a Mooncake trace has "
-                                     f"ceil({length} / {MOONCAKE_BLOCK_TOKENS}) = {expected}, one per block")
-
-
-def _check_bailian_blocks(ids: list[int], input_length: int, block_tokens: int, where: str, notes: _Notes) -> None:
-    """Bailian's invariant, as Mooncake's: one hash id per ``block_tokens`` tokens,
-    the last block partial."""
-    expected = -(-input_length // block_tokens)
-    if len(ids) != expected:
-        notes.add("hash_ids", where, f"{len(ids)} hash_ids for input_length {input_length}; a Bailian trace has "
-                                     f"ceil({input_length} / {block_tokens}) = {expected}, one per block")
+        notes.add("hash_ids", where, f"{len(request.keys)} hash_ids for input_length {length}; a {fmt} trace has "
+                                     f"ceil({length} / {block_tokens}) = {expected}, one per block")
 
 
 def _mooncake_request(record: dict, where: str, index: int) -> TraceRequest:

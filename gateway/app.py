@@ -846,7 +846,7 @@ def _expectation_refused(request: web.Request) -> web.StreamResponse | None:
     or 401 comes before the body is sent (the point of asking first)."""
     gateway = request.app[GATEWAY]
     if request.headers.get("Expect", "").lower() != "100-continue":
-        gateway.metrics.http_refused.labels("417").inc()
+        gateway.metrics.refused(417)
         return ApiError(417, "Unsupported Expect header; only 100-continue is supported.",
                         code="expectation_failed").response()
     limit = gateway.limits.max_body_bytes
@@ -859,7 +859,7 @@ def _expectation_refused(request: web.Request) -> web.StreamResponse | None:
             refusal = exc
     if refusal is None:
         return None
-    gateway.metrics.http_refused.labels(str(refusal.status)).inc()
+    gateway.metrics.refused(refusal.status)
     response = refusal.response()
     response.force_close()  # the body the client holds back is never read
     return response
@@ -889,7 +889,7 @@ async def _expect_unmatched(request: web.Request) -> web.StreamResponse | None:
         response = await _unmatched(request)
     except ApiError as exc:
         response = exc.response()
-    request.app[GATEWAY].metrics.http_refused.labels(str(response.status)).inc()
+    request.app[GATEWAY].metrics.refused(response.status)
     response.force_close()  # the body the client holds back is never read
     return response
 

@@ -38,23 +38,25 @@ class _GuardedStdout:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        try:
+        with _as_stdout_error():
             return self._stream.write(text)
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            raise StdoutError(f"stdout: {exc.strerror or exc}") from None
 
     def flush(self) -> None:
-        try:
+        with _as_stdout_error():
             self._stream.flush()
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            raise StdoutError(f"stdout: {exc.strerror or exc}") from None
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _as_stdout_error() -> Iterator[None]:
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise StdoutError(f"stdout: {exc.strerror or exc}") from None
 
 
 OFFLINE_COMMANDS = ("replay", "tune", "synth")

@@ -181,11 +181,18 @@ class GatewayMetrics:
     def errors_total(self) -> int:
         """Responses other than 200 since start (the status line's error count), but
         for 499s: a client that left before its answer is no error of the server's."""
-        return int(sum(child.value for values, child in self.requests._exported() if values[2] not in ("200", "499")))
+        return self._answered_with(lambda status: status not in ("200", "499"))
 
     def left_total(self) -> int:
         """Requests whose client went away before their end (499) since start."""
-        return int(sum(child.value for values, child in self.requests._exported() if values[2] == "499"))
+        return self._answered_with(lambda status: status == "499")
+
+    def _answered_with(self, status_matches: Callable[[str], bool]) -> int:
+        return int(sum(child.value for values, child in self.requests._exported() if status_matches(values[2])))
+
+    def refused(self, status: int) -> None:
+        """One request answered before any endpoint's handler (kvgate_http_refused_total)."""
+        self.http_refused.labels(str(status)).inc()
 
     def generated_total(self) -> int:
         """Tokens generated since start, all replicas (the status line's generation rate)."""

@@ -70,10 +70,7 @@ class RunningServer(NamedTuple):
 
 def _refusal_counter(app: web.Application):
     """What counts the answers the HTTP layer gives itself (kvgate_http_refused_total)."""
-    if GATEWAY not in app:
-        return None
-    counter = app[GATEWAY].metrics.http_refused
-    return lambda status: counter.labels(str(status)).inc()
+    return app[GATEWAY].metrics.refused if GATEWAY in app else None
 
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
