@@ -19,6 +19,8 @@ POLICY_NAMES = ("lru", "fifo", "s3fifo", "belady", "wa", "wa-paper")
 WEEK_S = 7 * 24 * 3600.0
 HOUR_S = 3600.0
 MAX_WEIGHT = 1e6
+# Categories (K) of the workload-aware policy: each eviction scores one head per category.
+MAX_CATEGORIES = 1024
 _BOUND_NOTES = {WEEK_S: "a week", HOUR_S: "an hour", MAX_WEIGHT: "a million"}
 
 
@@ -273,7 +275,7 @@ class WorkloadAwareConfig(Section):
     lifetime_c: float = Field(2.0, gt=0)
     lifetime_max_s: float = Field(300.0, gt=0)
     # Turns at or beyond this share one turn bucket.
-    turn_buckets: int = Field(3, ge=1, le=16)
+    turn_buckets: int = Field(3, ge=1, le=MAX_CATEGORIES)
     # Position classes within a prompt (by relative offset), part of the category.
     position_classes: int = Field(1, ge=1, le=8)
     # Blocks already used by another session (shared system prompts, templates)
@@ -287,7 +289,7 @@ class WorkloadAwareConfig(Section):
     # block the pool dropped itself.  true = leaf, false = off.
     protect_prefix: Literal["leaf", "cascade", "off"] = "leaf"
     # Hard cap on categories (K); later combinations share one overflow class.
-    max_categories: int = Field(64, ge=1, le=1024)
+    max_categories: int = Field(64, ge=1, le=MAX_CATEGORIES)
     # Per workload (to-c, to-b, multimodal) or request type: "wa" or "fifo"
     # (blog: multimodal batches arrive together, a FIFO class suits them).
     overrides: dict[str, Literal["wa", "fifo"]] = Field(default_factory=dict)
@@ -321,6 +323,10 @@ class WorkloadAwareConfig(Section):
         return self.model_copy(
             update={
                 "mode": "paper",
+                # Every turn number its own category, as the paper's (a synthetic
+                # to-C trace has ~90 of them), not the buckets `wa` shares.
+                "turn_buckets": MAX_CATEGORIES,
+                "max_categories": MAX_CATEGORIES,
                 "life_s": self.paper_life_s,
                 "position_classes": 1,
                 "shared_class": False,
@@ -375,6 +381,8 @@ def format_config_error(exc: ValidationError, source: str, model: type[BaseModel
         elif err["type"] in ("model_type", "model_attributes_type"):
             # Not pydantic's "instance of EngineConfig": a class name means nothing in a YAML file.
             why = f"should be a section (a mapping of keys), got {type(err['input']).__name__}"
+        elif any(part in _SECRET_FIELDS for part in err["loc"]):
+            pass  # a key is never echoed: config errors end up in logs
         elif "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], dict):
             # Not for a whole section (what a section's own checks get): their message
             # says what is wrong, and the echo would print every key, api_key included.
@@ -386,6 +394,10 @@ def format_config_error(exc: ValidationError, source: str, model: type[BaseModel
                 why += f"; {note} is far beyond any real setting (a bound against typos)"
         lines.append(f"{source}{_line_of(err['loc'], key_lines)}: {loc}: {why}")
     return "\n".join(lines)
+
+
+# Fields whose values are credentials (server.api_keys[].key, replicas[].api_key).
+_SECRET_FIELDS = frozenset({"key", "api_key"})
 
 
 def _line_of(loc: tuple[Any, ...], key_lines: dict[tuple[str, ...], int] | None) -> str:

@@ -590,6 +590,23 @@ def test_topic_switch_after_three_quick_turns():
     assert paper.state()["topic_switches"] == 0
 
 
+def test_paper_policy_gives_every_turn_its_own_category():
+    # The paper's categories are (type, turn): turn 20 of a chat is not turn 3's,
+    # although `wa` by default shares one bucket from turn 3 on.
+    paper = make_policy("wa-paper", 100, CacheConfig())
+    for turn in range(1, 21):
+        c = ctx(session=f"s{turn}", turn=turn, ts=float(turn), blocks=1)
+        paper.insert(100 + turn, c, 0, float(turn))
+        paper.release(100 + turn, c, float(turn))
+    assert [name[2] for name in paper.table.names] == list(range(1, 21))
+    weighted = WorkloadAwarePolicy(100, quiet())
+    for turn in (1, 2, 3, 20):
+        c = ctx(session=f"s{turn}", turn=turn, ts=float(turn), blocks=1)
+        weighted.insert(100 + turn, c, 0, float(turn))
+        weighted.release(100 + turn, c, float(turn))
+    assert sorted({name[2] for name in weighted.table.names}) == [1, 2, 3]
+
+
 def test_shared_class_takes_no_topic_switch_penalty():
     # The shared class is created by whichever request first reuses another
     # session's block; a topic switch of that request must not mark the class.

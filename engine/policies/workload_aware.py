@@ -2,11 +2,16 @@
 
 A *category* is (workload, type, turn bucket) plus, where it pays, a few
 classes: position in the prompt, blocks shared across sessions, a predicted
-topic switch, a file signature slot.  K stays in the tens.  Each category
+topic switch, a file signature slot.  K stays in the tens (``wa-paper`` gives
+every turn its own category, as the paper: ~90 on a 2-hour to-C trace).  Each category
 keeps its evictable keys in last-release order (vLLM's tail-first release);
 inside a category the reuse term falls with the time since last access, so an
 eviction scores only the K queue heads: O(K), whatever the number of blocks.
-That is exact for the paper's score.  The weighted score also carries each
+That is exact for the paper's score, but for ties: keys of two requests
+released at the same instant score alike, and the first request's head blocks
+go before the second's deeper ones, where (priority, -offset) would take the
+deeper first (71 such evictions in a Mooncake replay at 5%; an exact order gave
+the same hits at five capacities).  The weighted score also carries each
 key's own spatial factor, so the head is the oldest key of its category but
 not always its lowest score: 56-66% of weighted evictions were not the exact
 minimum on 400 s synth traces (to-C, mixed; 2026-12-06), and evicting the exact
