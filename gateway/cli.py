@@ -179,8 +179,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway")
     serve.add_argument("--config", help="config.yaml (default: built-in defaults)")
-    serve.add_argument("--host", help="listen address (default 127.0.0.1)")
-    serve.add_argument("--port", type=_port, help="listen port (default 8000)")
+    serve.add_argument("--host", help="listen address (default: server.host of --config, 127.0.0.1)")
+    serve.add_argument("--port", type=_port, help="listen port (default: server.port of --config, 8000)")
     serve.add_argument("--replica", action="append", default=[], metavar="URL",
                        help="a `kvgate engine` server to route to (openai+http://... for an external "
                             "OpenAI-compatible server); repeat for more")
@@ -269,6 +269,8 @@ def _load_config(path: str | None, gateway: bool = False):
 def _run_serve(args: argparse.Namespace) -> int:
     for url in args.replica:
         _check_replica_url(url)
+    from gateway.config import located
+
     config = _load_config(args.config, gateway=True)
     _check_replica_servers(config, args.replica)
     if args.record_trace is not None:
@@ -277,7 +279,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         config.server.record_trace = args.record_trace
     recording = config.server.record_trace
     if recording:  # now, not after the model has loaded
-        flag = "--record-trace" if args.record_trace else "server.record_trace"
+        # The flag's errors name it; the config file's start at its FILE:LINE.
+        flag = "--record-trace" if args.record_trace else located(args.config, "server.record_trace") + "server.record_trace"
         if os.path.isdir(recording):
             raise CliError(f"{flag}: {recording} is a directory; give a file path")
         # A recording moves an older file at its path aside (FILE.1, ...), then drops the oldest.

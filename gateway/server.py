@@ -182,6 +182,10 @@ class ListenError(OSError):
     def __init__(self, key: str, message: str, code: int | None = None) -> None:
         super().__init__(*((code, message) if code is not None else (message,)))
         self.key = key
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message  # the errno stays on .errno; "[Errno 98]" means nothing to a user
 
 
 def bind_sockets(host: str, port: int) -> list[socket.socket]:

@@ -222,7 +222,7 @@ def test_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
         started = time.monotonic()
         assert main(["serve", "--port", str(port)]) == 2
     err = capsys.readouterr().err
-    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err and "[Errno" not in err
     assert time.monotonic() - started < 5
     assert main(["serve", "--host", "no.such.host.invalid", "--port", "0"]) == 2
     assert "cannot resolve host 'no.such.host.invalid'" in capsys.readouterr().err
@@ -332,8 +332,11 @@ def test_serve_refuses_a_recording_path_that_is_a_directory(tmp_path, capsys, mo
     config = tmp_path / "config.yaml"
     config.write_text(f"server:\n  record_trace: {folder}\n")
     assert main(["serve", "--config", str(config)]) == 2
-    assert capsys.readouterr().err == f"kvgate: server.record_trace: {folder} is a directory; give a file path\n"
+    assert capsys.readouterr().err == f"kvgate: {config}:2: server.record_trace: {folder} is a directory; give a file path\n"
     assert folder.is_dir() and not (tmp_path / "recordings.1").exists()
+    config.write_text("server:\n  port: 8000\n  record_trace: /proc/kvgate/served.jsonl\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert capsys.readouterr().err.startswith(f"kvgate: {config}:3: server.record_trace: cannot write /proc/kvgate/")
     # Nor a file that cannot be made (here: under /proc, which takes no new files, even as root).
     assert main(["serve", "--record-trace", "/proc/kvgate/served.jsonl"]) == 2
     assert capsys.readouterr().err.startswith("kvgate: --record-trace: cannot write /proc/kvgate/served.jsonl: ")

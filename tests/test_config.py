@@ -271,6 +271,10 @@ def test_kubernetes_pods_have_startup_probes_and_resources():
         assert startup["periodSeconds"] * startup["failureThreshold"] >= min_startup_s
         assert container["livenessProbe"]["httpGet"]["path"] == "/health"
         assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+        # Kubernetes' default is 1 s: a busy event loop or CPU-bound engine could
+        # miss it three times and be restarted while serving.
+        assert container["livenessProbe"]["timeoutSeconds"] >= 5
+        assert container["readinessProbe"]["timeoutSeconds"] >= 3
         resources = container["resources"]
         assert {"cpu", "memory"} <= set(resources["requests"]) and "memory" in resources["limits"]
 
@@ -758,6 +762,17 @@ def test_api_keys_are_read_as_clients_can_send_them(tmp_path):
     assert "c.yaml:3: server.api_keys.0.key" in message and "blank" in message
     message = _config_error(tmp_path, "server:\n  api_keys:\n    - {key: sk-1, tenant: ''}\n")
     assert "c.yaml:3: server.api_keys.0.tenant" in message
+
+
+@pytest.mark.parametrize("text, where", [
+    ("server:\n  api_keys:\n    - {key: 8412345678901234}\n", "c.yaml:3: server.api_keys.0.key"),
+    ("replicas:\n  - {name: a, kind: engine, url: 'http://h:1', api_key: 0x1234abcd}\n", "c.yaml:2: replicas.0.api_key"),
+])
+def test_a_key_yaml_reads_as_a_number_is_not_echoed(tmp_path, text, where):
+    """Config errors end up in logs: a key that is no string is named by where it is, never shown."""
+    message = _config_error(tmp_path, text)
+    assert where in message and "valid string" in message
+    assert "8412345678901234" not in message and "305441741" not in message and "0x1234abcd" not in message
 
 
 def test_a_key_listed_twice_with_different_tenants_is_refused(tmp_path, monkeypatch):
