@@ -482,7 +482,7 @@ def test_rhythm_detects_hourly_spikes_and_prearms():
                            prearm_lead_minutes=1)
     states: dict[float, bool] = {}
     t = 0.0
-    end = 2.5 * 3600
+    end = 3.5 * 3600
     while t < end:
         minute = int(t // 60) % 60
         gap = 0.6 if minute == 5 else 6.0  # 100/min at minute 5 of every hour, else 10/min
@@ -497,14 +497,35 @@ def test_rhythm_detects_hourly_spikes_and_prearms():
 
     assert state_at(second_hour + 5 * 60 + 30)  # inside the spike
     assert not state_at(second_hour + 30 * 60)  # quiet half hour
-    assert 5 in rhythm.recurring
-    # The first hour's spike came before a baseline existed; the second taught
-    # the recurrence, so the third hour is pre-armed a minute ahead.
-    third_hour = 7200.0
-    assert not state_at(third_hour + 2 * 60 + 30)
-    assert rhythm.prearm and state_at(third_hour + 4 * 60 + 5)
-    quiet_rates = [t for t in states if third_hour + 4 * 60 <= t < third_hour + 5 * 60]
+    assert rhythm.recurring == {5}
+    # The first hour's spike came before a baseline existed; one more spike is
+    # no rhythm yet (the third hour is not pre-armed), the third's makes one,
+    # so the fourth hour is pre-armed a minute ahead.
+    third_hour, fourth_hour = 7200.0, 10800.0
+    assert not state_at(third_hour + 4 * 60 + 5)
+    assert not state_at(fourth_hour + 2 * 60 + 30)
+    assert rhythm.prearm and state_at(fourth_hour + 4 * 60 + 5)
+    quiet_rates = [t for t in states if fourth_hour + 4 * 60 <= t < fourth_hour + 5 * 60]
     assert all(states[t] for t in quiet_rates)  # rate is still low there: pre-armed, not measured
+
+
+def test_rhythm_takes_a_one_off_burst_for_no_rhythm():
+    """A burst at minute 17 of one hour only: measured as a spike while it
+    lasts, never a minute to pre-arm for; a minute that spiked twice and then
+    stopped is forgotten once it is quiet in most hours."""
+    rhythm = TrafficRhythm(spike_factor=2.0, rate_window_s=10.0, min_baseline_minutes=10, prearm=True,
+                           prearm_lead_minutes=1)
+    t = 0.0
+    while t < 6 * 3600:
+        hour, minute = divmod(int(t // 60), 60)
+        burst = (hour == 1 and minute == 17) or (hour in (1, 2) and minute == 40)
+        rhythm.arrival(t)
+        if hour == 2 and minute == 16:
+            assert 17 not in rhythm.recurring and not rhythm.spiking
+        if hour == 3 and minute == 39:
+            assert 40 in rhythm.recurring and rhythm.spiking  # two hours in a row: pre-armed
+        t += 0.6 if burst else 6.0
+    assert rhythm.recurring == set()
 
 
 def test_rhythm_finds_spikes_of_traffic_that_comes_only_on_the_hour():

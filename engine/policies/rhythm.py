@@ -20,7 +20,10 @@ class TrafficRhythm:
     minutes (robust to the spike minutes themselves).  The state is "spike"
     when the arrivals of the trailing ``rate_window_s`` exceed
     ``spike_factor`` x baseline, or, with ``prearm``, when the coming minute
-    spiked in an earlier hour.
+    is a recurring one: it spiked in at least two hours, and in at least half
+    of the hours seen since there was a baseline.  One burst is no rhythm: on
+    a to-B trace, marking a minute after a single spike pre-armed ten minutes
+    of the hour, most of them for bursts that never came back.
     """
 
     def __init__(
@@ -43,7 +46,10 @@ class TrafficRhythm:
         self.recent: deque[float] = deque()
         self.baseline = 0.0
         self.minutes_seen = 0
-        # Minutes-of-hour that spiked in an earlier hour (learned recurrence).
+        # Per minute-of-hour: hours judged against a baseline, and those that spiked.
+        self.judged = [0] * 60
+        self.spiked = [0] * 60
+        # Minutes-of-hour that spike hour after hour (learned recurrence).
         self.recurring: set[int] = set()
         self.spiking = False
         self.prearmed = False
@@ -60,10 +66,13 @@ class TrafficRhythm:
             self.minutes_seen += 1
             self.count = 0
             self.minute += 1
-            if self.baseline > 0 and count > self.factor * self.baseline:
-                self.recurring.add(slot)
-            elif self.hours[slot] >= 2 and self.sums[slot] / self.hours[slot] <= self.factor * self.baseline:
-                self.recurring.discard(slot)
+            if self.baseline > 0:
+                self.judged[slot] += 1
+                self.spiked[slot] += count > self.factor * self.baseline
+                if self.spiked[slot] >= 2 and 2 * self.spiked[slot] >= self.judged[slot]:
+                    self.recurring.add(slot)
+                else:
+                    self.recurring.discard(slot)
             if self.minutes_seen >= self.min_minutes:
                 means = sorted(self.sums[m] / self.hours[m] for m in range(60) if self.hours[m])
                 # The median minute; the mean when most minutes are empty (API
