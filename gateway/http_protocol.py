@@ -13,7 +13,10 @@
   ``keepalive_timeout``.
 - A client that reads nothing of a response for ``send_timeout_s`` while the
   send buffer is full is disconnected: aiohttp would wait on it for ever, and
-  the handler waiting to write holds the request's engine work and slots.
+  the handler waiting to write holds the request's engine work and slots.  A
+  client still reading, however slowly, is not (the check is for progress).
+  The kernel's own send buffer (up to ``net.ipv4.tcp_wmem``'s maximum, a few
+  MB) fills first: a stream smaller than that runs to its end.
 - A request target that is no path (``OPTIONS *``, ``CONNECT host:port``)
   gets an OpenAI 404; aiohttp's router never offers it to the app's routes.
 
@@ -33,6 +36,7 @@ import asyncio
 import json
 import logging
 import re
+import struct
 from http import HTTPStatus
 from typing import Callable
 
@@ -53,6 +57,15 @@ from gateway import errors
 from gateway.errors import ApiError
 
 log = logging.getLogger(__name__)
+
+try:  # the kernel's unsent bytes of a socket (Linux: SIOCOUTQ, same value as TIOCOUTQ)
+    import fcntl
+    import termios
+
+    _OUTQ: int | None = termios.TIOCOUTQ
+except (ImportError, AttributeError):
+    fcntl = None
+    _OUTQ = None
 
 # The first match names the error; all are the client's (400, as aiohttp answers them).
 _PARSE_ERRORS = (
@@ -124,7 +137,7 @@ class KvgateRequestHandler(RequestHandler):
     """
 
     __slots__ = ("_header_timeout", "_header_deadline", "_header_started", "_header_timer", "_no_request_yet",
-                 "_last_payload", "_send_timeout", "_send_timer", "_on_refused")
+                 "_last_payload", "_send_timeout", "_send_timer", "_send_backlog", "_on_refused")
 
     def __init__(self, manager: web.Server, *, header_timeout_s: float | None = None,
                  send_timeout_s: float | None = None, on_refused: Callable[[int], None] | None = None,
@@ -134,6 +147,7 @@ class KvgateRequestHandler(RequestHandler):
         self._header_timeout = header_timeout_s or 0.0
         self._send_timeout = send_timeout_s or 0.0
         self._send_timer: asyncio.TimerHandle | None = None
+        self._send_backlog = 0  # bytes the transport held when the send timer was (re)armed
         self._header_deadline = 0.0  # 0: no request's headers awaited
         self._header_started = False  # some of them arrived
         self._header_timer: asyncio.TimerHandle | None = None
@@ -200,7 +214,28 @@ class KvgateRequestHandler(RequestHandler):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._send_timeout and self._send_timer is None:
-            self._send_timer = self._loop.call_later(self._send_timeout, self._client_stopped_reading)
+            self._arm_send_timer()
+
+    def _arm_send_timer(self) -> None:
+        self._send_backlog = self._unsent_bytes()
+        self._send_timer = self._loop.call_later(self._send_timeout, self._client_stopped_reading)
+
+    def _unsent_bytes(self) -> int:
+        """What the client has yet to take: the transport's buffer, plus the
+        kernel's send queue where it says (Linux).  The transport's alone moves
+        in steps: the kernel wakes its writer only once much of a send buffer
+        of up to a few MB has drained, which a slow reader may take seconds for."""
+        transport = self.transport
+        if transport is None:
+            return 0
+        unsent = transport.get_write_buffer_size()
+        sock = transport.get_extra_info("socket")
+        if _OUTQ is not None and sock is not None:
+            try:
+                unsent += struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"))[0]
+            except (OSError, ValueError):
+                pass
+        return unsent
 
     def resume_writing(self) -> None:
         if self._send_timer is not None:
@@ -211,6 +246,12 @@ class KvgateRequestHandler(RequestHandler):
     def _client_stopped_reading(self) -> None:
         self._send_timer = None
         if self.transport is not None and self._paused:
+            if self._unsent_bytes() < self._send_backlog:
+                # Behind but reading: a large body written at once stays above the
+                # low-water mark until nearly all of it has gone, so progress, not
+                # resume_writing, is what shows a client still taking it.
+                self._arm_send_timer()
+                return
             log.info("disconnecting a client that read nothing for %g s (limits.send_timeout_s)", self._send_timeout)
             # The handler's pending write fails as if the client had gone: the
             # request is aborted and its slots freed.

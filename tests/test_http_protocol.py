@@ -539,6 +539,57 @@ def test_a_client_that_stops_reading_is_cut_off_and_frees_its_slot(tiny_model_di
         gw.close()
 
 
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_a_client_reading_a_large_body_slowly_is_not_cut_off(event_loop):
+    """A non-streamed body goes to the transport in one write: the buffer stays
+    above its low-water mark until nearly all of it has gone, so a client that
+    reads steadily but slower than the whole body per send_timeout_s was cut
+    off part way (a 12.8 MB n=2 echo body at 24 KB/s).  Reading is progress."""
+    from gateway.http_protocol import KvgateRunner
+
+    size = 12 * 1024 * 1024
+    payload = b"x" * size
+
+    async def large(request):
+        return web.Response(body=payload)
+
+    loop = uvloop.new_event_loop() if event_loop == "uvloop" else asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start():
+        app = web.Application()
+        app.router.add_get("/large", large)
+        runner = KvgateRunner(app, header_timeout_s=HEADER_TIMEOUT_S, send_timeout_s=1.0, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]
+
+    runner, port = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(f"GET /large HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+        received = 0
+        sock.settimeout(10)
+        started = time.monotonic()
+        while True:  # ~3 MB/s: about 4 s for the body, four times the deadline
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += len(chunk)
+            time.sleep(0.02)
+        sock.close()
+        assert received > size, (received, time.monotonic() - started)
+        assert time.monotonic() - started > 2.0  # slower than the deadline, or this shows nothing
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
 @pytest.mark.parametrize("event_loop, busy_s", [("uvloop", 0.2), ("asyncio", 0.2), ("uvloop", 1.2)])
 def test_a_head_begun_while_the_last_handler_finishes_is_timed(event_loop, busy_s):
     """The client has its whole answer while the handler still runs (cleanup
