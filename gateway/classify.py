@@ -200,10 +200,17 @@ class Classifier:
             running = xxhash.xxh3_64(b"".join(parts))
             conversation = None
             previous = None
+            images, image_ends, first_image = req.images, req.image_ends, 0
             for index, msg in enumerate(messages):
                 if index == last_answer:
                     previous = running.intdigest()
                 running.update(f"{msg['role']}\x00{msg['content']}\x01".encode())
+                # A picture is only a placeholder in the text: its source tells two chats apart.
+                end = image_ends[index] if index < len(image_ends) else first_image
+                for source in images[first_image:end]:
+                    running.update(source)
+                    running.update(b"\x02")
+                first_image = end
                 if conversation is None and msg["role"] == "user":
                     # The system prompt(s) and the first user message.
                     conversation = "h" + running.hexdigest()

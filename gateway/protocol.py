@@ -81,6 +81,9 @@ class ParsedRequest:
     engine_unsupported: tuple[str, str] | None = None
     # vLLM's cache_salt as sent; the gateway then folds in the tenant (app.prepare).
     cache_salt: str | None = None
+    # chat: len(images) once each message is read (message i's images are
+    # images[image_ends[i-1]:image_ends[i]]), for the classifier's session digest.
+    image_ends: list[int] = field(default_factory=list)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -445,6 +448,7 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
         if mapped == "user":
             req.user_turns += 1
         out.append({"role": mapped, "content": text})
+        req.image_ends.append(len(req.images))
         lengths.append(len(text))
     req.messages = out
     total = sum(lengths)

@@ -382,6 +382,31 @@ def test_parent_is_the_turn_whose_prompt_a_chat_resends():
     assert [c.turn for c in steps] == [1, 1, 2]
 
 
+def test_chats_about_different_pictures_are_different_sessions():
+    """An image is a placeholder in the message text: two people asking the same
+    question about different photos were one session, and one's next turn was
+    linked to the other's chat."""
+    clf = Classifier(ClassifierConfig(), _hasher())
+
+    def photo(data: str, *pairs: tuple[str, str]) -> ParsedRequest:
+        messages = [{"role": "user", "content": [
+            {"type": "text", "text": "What is in this photo?"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}]}]
+        for answer, question in pairs:
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+        return chat(messages=messages)
+
+    def classify(req: ParsedRequest):
+        return clf.classify(req, Principal(), {}, 5, 1)
+
+    x1, y1 = classify(photo("AAAA")), classify(photo("BBBB"))
+    assert x1.session != y1.session
+    x2 = classify(photo("AAAA", ("a cat", "what colour?")))
+    assert x2.parent_chat_id == x1.chat_id and x2.session == x1.session
+    # The same picture again is the same opening.
+    assert classify(photo("AAAA")).session == x1.session
+
+
 def test_config_rule_errors_name_the_key():
     from engine.config import ConfigError
     from gateway.config import load_config
