@@ -18,7 +18,7 @@ valve (route by load alone while max-min in-flight is large) and hot-prefix
 spreading (past ``hot_prefix_inflight`` concurrent requests on one replica
 sharing the same cached run, named by its last block, the next may go to a less
 loaded replica).  Session routing is sticky within bounds: the valve, and no
-replica takes more than twice the mean number of in-flight requests.
+replica takes more than twice the others' mean number of in-flight requests (plus one).
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ _MEAN_DECAY = 0.01
 _KV_PRESSURE_START = 0.9
 _KV_FULL_REQUESTS = 4.0
 _TIER_BITS = {"device": DEVICE_BIT, "host": HOST_BIT}
-# Session routing's bound (consistent hashing with bounded loads): a replica
-# takes a session's request while it would hold at most this times the mean
-# in-flight requests (the new one counted), or at most hot_prefix_inflight (a
-# few requests are no imbalance); else the session's next choice does.
+# Session routing's bound (after consistent hashing with bounded loads): a
+# replica takes a session's request while it would hold at most this times one
+# more than the other candidates' mean in-flight requests, or at most
+# hot_prefix_inflight (a few requests are no imbalance); else the session's next
+# choice does.
 _SESSION_LOAD_FACTOR = 2.0
 
 
@@ -186,7 +187,12 @@ class Router:
         # Mean tokens charged per request, to price a reported waiting request.
         self._mean_request_tokens = float(_PRIOR_REQUEST_TOKENS)
         self._hot: dict[tuple[int, int], int] = {}
-        self._turn = 0
+        self._turn = 0  # round-robin's position
+        # Rotation among equal candidates, advanced only by decisions that used it
+        # (misses, least-load): advanced by every decision, a miss followed by an
+        # even number of hits found the same parity each time, and with 2
+        # replicas every new prompt went to the same one.
+        self._spread = 0
         self._everyone = list(range(n))
         self._name_seeds = [name.encode() for name in self.names]
 
@@ -207,12 +213,12 @@ class Router:
             cands = [i for i in self._everyone if healthy[i] and i not in exclude]
             if not cands:
                 return None
-        self._turn += 1
         policy = self.cfg.policy
         if len(cands) == 1:
             i = cands[0]
             return Decision(i, "only", indexes[i].match(keys) if policy == "prefix-aware" else 0)
         if policy == "round-robin":
+            self._turn += 1
             return Decision(cands[self._turn % len(cands)], "round-robin", 0)
         loads = self._loads()
         if policy == "session" and session is not None and not self._imbalanced(cands, loads):
@@ -229,7 +235,7 @@ class Router:
         nblocks = len(keys)
         weight = self.cfg.load_weight / self.block_size
         n = len(cands)
-        turn = self._turn
+        turn = self._spread
         best = best_matched = -1
         best_rank = None
         for pos, i in enumerate(cands):
@@ -240,6 +246,7 @@ class Router:
             if best_rank is None or rank < best_rank:
                 best, best_matched, best_rank = i, m, rank
         if not best_matched:
+            self._spread += 1
             return Decision(best, "load", 0)
         # The hot prefix is the cached run this request shares (e.g. a system prompt),
         # named by its last block's key.
@@ -267,7 +274,8 @@ class Router:
         return hi - lo > self.cfg.imbalance_abs_tokens and hi > self.cfg.imbalance_rel * lo
 
     def _least_loaded(self, cands: Sequence[int], loads: Sequence[int]) -> int:
-        n, turn, reqs = len(cands), self._turn, self.inflight_requests
+        self._spread += 1
+        n, turn, reqs = len(cands), self._spread, self.inflight_requests
         return cands[min(range(n), key=lambda pos: (loads[cands[pos]], reqs[cands[pos]], (pos - turn) % n))]
 
     def _session(self, session: str, cands: Sequence[int]) -> Decision:
@@ -283,8 +291,12 @@ class Router:
         if cands is not self._everyone:
             order = [i for i in order if i in cands]
         reqs = self.inflight_requests
-        cap = max(_SESSION_LOAD_FACTOR * (sum(reqs[i] for i in cands) + 1) / len(cands), self.cfg.hot_prefix_inflight)
-        i = next((i for i in order if reqs[i] + 1 <= cap), order[-1])
+        total, others, floor = sum(reqs[i] for i in cands), len(cands) - 1, self.cfg.hot_prefix_inflight
+        # Against the others' mean: with the replica's own requests in the mean,
+        # two replicas' bound was the whole fleet's load, so it never applied.
+        i = next((i for i in order
+                  if reqs[i] + 1 <= max(_SESSION_LOAD_FACTOR * ((total - reqs[i]) / others + 1), floor)),
+                 order[-1])
         return Decision(i, "session" if i == home else "session-spill", 0)
 
     # -- in-flight accounting

@@ -520,6 +520,40 @@ def test_other_policies():
     assert ll.choose([], idx, [True, True]).replica == 1
 
 
+def test_misses_alternate_whatever_hits_come_between():
+    """Each new prompt followed by its repeat (a hit): the rotation among equal
+    misses advanced on the hit too, so with two replicas every miss found the
+    same one and one replica cached everything."""
+    router = Router(RouterConfig(), ["a", "b"], 16)
+    idx = [ExactIndex(), ExactIndex()]
+    misses = []
+    for prompt in range(8):
+        keys = [1000 * prompt + k for k in range(4)]
+        d = router.choose(keys, idx, [True, True])
+        assert d.reason == "load"
+        misses.append(d.replica)
+        idx[d.replica].apply("stored", keys, "device")  # its KV events arrive
+        assert router.choose(keys, idx, [True, True]).reason == "prefix"
+    assert misses.count(0) == misses.count(1) == 4
+
+
+def test_session_routing_spills_on_two_replicas():
+    """The bound counted the replica's own requests in the mean: with two
+    replicas it was the whole fleet's load, so one session could take one
+    replica while the other sat idle."""
+    ses = Router(RouterConfig(policy="session", hot_prefix_inflight=4), ["a", "b"], 16)
+    idx = [ExactIndex(), ExactIndex()]
+    homes = []
+    for _ in range(6):
+        d = ses.choose([], idx, [True, True], session="alice")
+        ses.acquire(d.replica, 100)
+        homes.append(d.replica)
+    assert homes[:4] == [homes[0]] * 4  # the floor: a few requests stay home
+    assert homes[4] != homes[0] and homes[5] != homes[0]  # then the idle replica takes some
+    # Home again once the other holds its share: at most twice (its 2 + 1).
+    assert ses.choose([], idx, [True, True], session="alice").reason == "session"
+
+
 def test_session_routing_is_sticky_within_bounded_loads():
     names = ["a", "b", "c", "d"]
     idx = [ExactIndex() for _ in names]
