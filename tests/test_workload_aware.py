@@ -528,6 +528,30 @@ def test_rhythm_takes_a_one_off_burst_for_no_rhythm():
     assert rhythm.recurring == set()
 
 
+def test_rhythm_spike_state_does_not_flap_at_the_threshold():
+    """Traffic hovering at spike_factor x baseline: the state changes a few
+    times, not on every arrival that tips the trailing window either way."""
+    rhythm = TrafficRhythm(spike_factor=2.0, rate_window_s=10.0, min_baseline_minutes=10, prearm=False)
+    t = 0.0
+    while t < 20 * 60:  # the baseline: 10 a minute
+        rhythm.arrival(t)
+        t += 6.0
+    flips, state = 0, rhythm.spiking
+    rng = random.Random(5)
+    end = t + 300
+    while t < end:  # ~20 a minute, the threshold, in Poisson arrivals
+        rhythm.arrival(t)
+        flips += rhythm.spiking != state
+        state = rhythm.spiking
+        t += rng.expovariate(20 / 60)
+    assert 1 <= flips <= 4, flips
+    # And once the traffic is back to its baseline, the spike ends after its minute's hold.
+    while t < end + 90:
+        rhythm.arrival(t)
+        t += 6.0
+    assert not rhythm.spiking
+
+
 def test_rhythm_finds_spikes_of_traffic_that_comes_only_on_the_hour():
     """Cron-like API traffic, 100 requests a minute at :00 and :01 and none
     between: the median minute is empty, yet those minutes are the spikes."""

@@ -11,6 +11,8 @@ from collections import OrderedDict, deque
 
 # Idle minutes stepped through at most between two arrivals (one week).
 _MAX_IDLE_MINUTES = 7 * 24 * 60
+# A measured spike lasts this long after the rate last exceeded the threshold.
+_SPIKE_HOLD_S = 60.0
 
 class TrafficRhythm:
     """Per-minute-of-hour arrival profile and a spike state.
@@ -53,6 +55,7 @@ class TrafficRhythm:
         self.recurring: set[int] = set()
         self.spiking = False
         self.prearmed = False
+        self.measured_until = -math.inf  # the measured spike holds until then
 
     def _close_minutes(self, minute: int) -> None:
         if self.minute is None:
@@ -101,6 +104,15 @@ class TrafficRhythm:
             return False
         per_minute = len(recent) * 60.0 / self.rate_window
         measured = per_minute > self.factor * self.baseline
+        # A spike ends once the rate has stayed under the threshold for a minute
+        # (the profile's own step): traffic hovering at it flipped the state, and
+        # logged it, several times a minute, some flips 0.2 s apart (a few
+        # arrivals in a 10 s window are a noisy rate; a 10 s hold still flipped
+        # 10-16 times in 5 minutes, a minute's 1-3 times).
+        if measured:
+            self.measured_until = now + _SPIKE_HOLD_S
+        elif now < self.measured_until:
+            measured = True
         minute = int(now // 60)
         self.prearmed = self.prearm and any(
             (minute + ahead) % 60 in self.recurring for ahead in range(0, self.lead + 1)
