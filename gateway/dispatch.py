@@ -182,7 +182,7 @@ class Dispatcher:
                             if out.token_ids:
                                 received += len(out.token_ids)
                             elif out.text or out.extra:
-                                received += 1  # a remote replica's delta: no token ids, one token at least
+                                received += 1  # an external server's delta: no token ids, one token at least
                             if out.cached_tokens is not None:
                                 cached = out.cached_tokens
                             if out.usage is not None:
@@ -325,8 +325,8 @@ def _count_work(series: RequestSeries, usage: UsageSum, prompt_len: int, prefill
     """The token counters of an attempt that produced output (so the replica did
     its prefill), whether it ran to its end or not.  Prompt tokens were counted
     at the first output (``prefilled``, none for an external server) and
-    generated ones as they arrived; the usage adds what those missed (a remote
-    delta's text counts as one token).  A stream cut short has no usage for its
+    generated ones as they arrived; the usage adds what those missed (an
+    external server's delta counts as one token).  A stream cut short has no usage for its
     unfinished choices: their tokens are those that arrived.  The
     router's prediction counts with the cache hits it is compared to, so an
     attempt whose replica never said its hits (an external server cut short

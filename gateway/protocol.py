@@ -84,6 +84,9 @@ class ParsedRequest:
     # chat: len(images) once each message is read (message i's images are
     # images[image_ends[i-1]:image_ends[i]]), for the classifier's session digest.
     image_ends: list[int] = field(default_factory=list)
+    # `kvgate engine`: each streamed choice chunk carries its token ids (the
+    # calling gateway's kvgate_token_ids), for exact counts and output blocks.
+    token_ids_out: bool = False
 
 
 def parse_json(raw: bytes) -> dict:
@@ -170,6 +173,7 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
     else:
         _parse_prompt(req, body, limits)
         req.top_with_sampled = not engine_mode
+        req.token_ids_out = engine_mode and body.get("kvgate_token_ids") is True
         if "echo" in body or "suffix" in body or "best_of" in body:
             _parse_completion_extras(req, body)
     unsupported = _ENGINE_UNSUPPORTED_CHAT if endpoint == CHAT else _ENGINE_UNSUPPORTED_COMPLETIONS
@@ -199,7 +203,7 @@ _READ_BY_BOTH = frozenset({
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
     "prompt_logprobs",  # refused, with the reason
     # What a gateway sends its `kvgate engine` replicas.
-    "kvgate_context", "kvgate_mm_hashes",
+    "kvgate_context", "kvgate_mm_hashes", "kvgate_token_ids",
 })
 _READ_STREAM_OPTIONS = frozenset({"include_usage"})
 _READ_FIELDS = {
@@ -840,9 +844,11 @@ class StreamFormatter:
         finish: str | None = None,
         extra: dict | None = None,
         stop_reason: int | str | None = None,
+        token_ids: list[int] | None = None,
     ) -> bytes:
         """A choice's chunk; the one that finishes it (``finish``) also carries
-        vLLM's ``stop_reason``, the others stay as OpenAI sends them."""
+        vLLM's ``stop_reason``, the others stay as OpenAI sends them.
+        ``token_ids`` (a `kvgate engine`'s completions, for its gateway) adds them."""
         if extra and self._chat:
             delta = {"content": text} if text else {}
             delta.update(extra)
@@ -856,6 +862,9 @@ class StreamFormatter:
             if self._chat:
                 delta = f'{{"content": {_json_str(text)}}}' if text or finish is None else "{}"
                 choice = f'{{"index": {index}, "delta": {delta}, "logprobs": null, "finish_reason": {finish_json}}}'
+            elif token_ids is not None:
+                choice = (f'{{"index": {index}, "text": {_json_str(text)}, "logprobs": null, '
+                          f'"finish_reason": {finish_json}, "token_ids": {json.dumps(token_ids)}}}')
             else:
                 choice = f'{{"index": {index}, "text": {_json_str(text)}, "logprobs": null, "finish_reason": {finish_json}}}'
             return self._head + choice.encode() + self._tail
@@ -866,8 +875,10 @@ class StreamFormatter:
         if state.offsets is None:
             state.offsets = TokenOffsets()
         lp = completion_logprobs(logprobs, state.offsets, self.with_sampled)
-        return self._frame({"index": index, "text": text, "logprobs": lp, "finish_reason": finish,
-                            **_ended(finish, stop_reason)})
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, **_ended(finish, stop_reason)}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return self._frame(choice)
 
     def usage(self, usage: dict) -> bytes:
         return self._head + b'], "usage": ' + json.dumps(usage).encode() + b"}\n\n"

@@ -25,7 +25,8 @@ so that replay does what the engine did rather than approximately so:
   it, and never counts the block holding the prompt's last token as a hit (the
   engine computes that one for its logits);
 - ``output_hash_ids``: the blocks the engine filled with generated tokens and
-  cached (in-process replicas, whose outputs carry token ids); a later turn
+  cached (in-process and `kvgate engine` replicas, whose outputs carry token
+  ids; not external servers); a later turn
   that resends the answer hits them, so replay caches them after the prompt,
   uncounted;
 - ``block_tokens``: the engine's block size when it is not 16 (on every line;

@@ -742,6 +742,9 @@ class RemoteReplica(Replica):
                 },
                 "kvgate_mm_hashes": [[off, h.hex()] for off, h in job.request.mm_hashes],
                 "cache_salt": job.request.cache_salt,
+                # Token ids on every chunk: exact generated-token counts for a stream
+                # cut short, and the output blocks a recording names.
+                "kvgate_token_ids": True,
             }
             path = "/v1/completions"
         else:
@@ -1075,14 +1078,17 @@ def _outputs_of(chunk: Any, rid: str, chat: bool) -> list[GenerationOutput]:
                 text = choice.get("text") or ""
                 lps = _completion_logprobs(choice.get("logprobs"))
             finish = choice.get("finish_reason")
-            if not text and finish is None and not lps and extra is None:
+            token_ids = choice.get("token_ids") or []  # a `kvgate engine`'s (kvgate_token_ids)
+            if not text and finish is None and not lps and extra is None and not token_ids:
                 continue  # the role chunk
             if not isinstance(index, int) or not isinstance(text, str):
                 raise TypeError("index or text of the wrong type")
+            if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
+                raise TypeError("token_ids of the wrong type")
             stop_reason = choice.get("stop_reason") if finish is not None else None
             if isinstance(stop_reason, bool) or not isinstance(stop_reason, (int, str)):
                 stop_reason = None  # vLLM's field, absent from other servers' chunks
-            batch.append(GenerationOutput(rid, index, [], text, lps, finish, extra=extra, stop_reason=stop_reason))
+            batch.append(GenerationOutput(rid, index, token_ids, text, lps, finish, extra=extra, stop_reason=stop_reason))
         usage = chunk.get("usage")
         if usage:
             batch.append(GenerationOutput(

@@ -121,6 +121,7 @@ class Responder:
         rid = parsed.id
         fmt = StreamFormatter(parsed.endpoint, rid, now_s(), self.model_name, parsed.include_usage, parsed.top_with_sampled)
         echo = parsed.echo_texts
+        with_ids = parsed.token_ids_out and not chat
         states = [ChoiceState() for _ in range(n * len(subs))]
         usage = UsageSum(len(subs))
         workload = subs[0].context.workload
@@ -163,7 +164,12 @@ class Responder:
                         if out.finish_reason is not None:
                             _check_finish(out.finish_reason)
                             choices_left -= 1
-                        if text or out.logprobs or out.extra:
+                        if with_ids:
+                            # Tokens whose text is held back (a partial character, a
+                            # possible stop string) still leave: the gateway counts them.
+                            if text or out.logprobs or out.token_ids:
+                                frames.append(fmt.delta(index, text, out.logprobs, state, token_ids=out.token_ids))
+                        elif text or out.logprobs or out.extra:
                             frames.append(fmt.delta(index, text, out.logprobs, state, None, out.extra))
                         if out.finish_reason is not None:
                             # As OpenAI ends a choice: a chunk of its own, an empty delta and the reason.

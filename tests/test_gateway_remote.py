@@ -489,6 +489,39 @@ async def test_a_recording_takes_the_block_size_the_engines_report(tiny_model_di
     assert len(line["hash_ids"]) == -(-line["input_length"] // 32)
 
 
+async def test_a_remote_engine_streams_token_ids_for_its_gateway(tiny_model_dir, tmp_path):
+    """Its chunks carried text only: a cut-short stream's coalesced deltas counted
+    one token each, and a recording behind remote engines named no output blocks
+    (a next turn's hits on the answer were lost to replay)."""
+    engine = await start_server(create_app(tiny_config(tiny_model_dir), engine_mode=True))
+    path = tmp_path / "served.jsonl"
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine.url)],
+                                 record_trace=str(path)))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        # What the engine sends its gateway: every generated token's id, held-back ones included.
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(engine.url + "/v1/completions", json={
+                "model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 24, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}, "kvgate_token_ids": True})
+            events = await sse_events(resp)
+        ids = [t for e in events if e != "[DONE]" for c in e["choices"] for t in c.get("token_ids", [])]
+        assert len(ids) == events[-2]["usage"]["completion_tokens"] == 24
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy, what="healthy")
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me about caches."}], max_tokens=48,
+            extra_body={"ignore_eos": True})
+    finally:
+        await client.close()
+        await gw.stop()
+        await engine.stop()
+    (line,) = [json.loads(text) for text in path.read_text().splitlines()]
+    # 48 generated tokens fill at least two 16-token blocks past the prompt.
+    assert len(line.get("output_hash_ids", [])) >= 2, line
+
+
 VLLM_METRICS = """\
 # HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge
