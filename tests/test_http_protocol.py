@@ -10,10 +10,12 @@ are several times the deadline, for a loaded two-core machine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 import time
+from typing import Iterator
 
 import pytest
 import uvloop
@@ -545,29 +547,13 @@ def test_a_client_reading_a_large_body_slowly_is_not_cut_off(event_loop):
     above its low-water mark until nearly all of it has gone, so a client that
     reads steadily but slower than the whole body per send_timeout_s was cut
     off part way (a 12.8 MB n=2 echo body at 24 KB/s).  Reading is progress."""
-    from gateway.http_protocol import KvgateRunner
-
     size = 12 * 1024 * 1024
     payload = b"x" * size
 
     async def large(request):
         return web.Response(body=payload)
 
-    loop = uvloop.new_event_loop() if event_loop == "uvloop" else asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start():
-        app = web.Application()
-        app.router.add_get("/large", large)
-        runner = KvgateRunner(app, header_timeout_s=HEADER_TIMEOUT_S, send_timeout_s=1.0, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, site._server.sockets[0].getsockname()[1]
-
-    runner, port = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-    try:
+    with _served_in_a_thread(event_loop, "/large", large, send_timeout_s=1.0) as port:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
         sock.connect(("127.0.0.1", port))
@@ -584,10 +570,6 @@ def test_a_client_reading_a_large_body_slowly_is_not_cut_off(event_loop):
         sock.close()
         assert received > size, (received, time.monotonic() - started)
         assert time.monotonic() - started > 2.0  # slower than the deadline, or this shows nothing
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
 
 
 @pytest.mark.parametrize("event_loop, busy_s", [("uvloop", 0.2), ("asyncio", 0.2), ("uvloop", 1.2)])
@@ -598,8 +580,6 @@ def test_a_head_begun_while_the_last_handler_finishes_is_timed(event_loop, busy_
     the header deadline all the same, not leave the head to the keep-alive
     timeout (75 s by default).  A handler busy past the deadline gets its 408
     once it is done, never inside its response."""
-    from gateway.http_protocol import KvgateRunner
-
     async def answered_then_busy(request):
         resp = web.StreamResponse(headers={"Content-Length": "2"})
         await resp.prepare(request)
@@ -608,21 +588,7 @@ def test_a_head_begun_while_the_last_handler_finishes_is_timed(event_loop, busy_
         await asyncio.sleep(busy_s)
         return resp
 
-    loop = uvloop.new_event_loop() if event_loop == "uvloop" else asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start():
-        app = web.Application()
-        app.router.add_get("/busy", answered_then_busy)
-        runner = KvgateRunner(app, header_timeout_s=HEADER_TIMEOUT_S, keepalive_timeout=8.0, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, site._server.sockets[0].getsockname()[1]
-
-    runner, port = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-    try:
+    with _served_in_a_thread(event_loop, "/busy", answered_then_busy, keepalive_timeout=8.0) as port:
         with _connect(port) as sock:
             sock.sendall(f"GET /busy HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode())
             status, _, body = _read_response(sock)
@@ -633,6 +599,29 @@ def test_a_head_begun_while_the_last_handler_finishes_is_timed(event_loop, busy_
             elapsed = time.monotonic() - started
         assert raw.startswith(b"HTTP/1.1 408 ") and max(HEADER_TIMEOUT_S, busy_s) * 0.9 <= elapsed < BOUND_S, (
             raw, elapsed)
+
+
+@contextlib.contextmanager
+def _served_in_a_thread(event_loop: str, path: str, handler, **runner_kwargs) -> Iterator[int]:
+    """One GET handler behind KvgateRunner, on its own event loop in a thread: its port."""
+    from gateway.http_protocol import KvgateRunner
+
+    loop = uvloop.new_event_loop() if event_loop == "uvloop" else asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start():
+        app = web.Application()
+        app.router.add_get(path, handler)
+        runner = KvgateRunner(app, header_timeout_s=HEADER_TIMEOUT_S, access_log=None, **runner_kwargs)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]
+
+    runner, port = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    try:
+        yield port
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
