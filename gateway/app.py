@@ -549,7 +549,7 @@ class Gateway:
         prompts, sources = await self.tokenize(parsed)
         for prompt in prompts:
             if not prompt.token_ids:
-                raise bad_request("The prompt is empty after tokenisation.", "messages" if parsed.endpoint == CHAT else "prompt")
+                raise bad_request("The prompt is empty after tokenisation.", parsed.prompt_param)
         if not self.passthrough:
             # Token ids are checked against the engines' vocabulary, the gateway's own.
             # External servers judge theirs: a file-less gateway's tokenizer (the
@@ -618,7 +618,7 @@ class Gateway:
         characters per token has more tokens than the context; token lists are
         counted as they are."""
         limit = self.max_model_len
-        param = "messages" if parsed.endpoint == CHAT else "prompt"
+        param = parsed.prompt_param
         if parsed.endpoint == CHAT:
             sizes = [(False, parsed.content_chars)]
         else:
@@ -655,7 +655,7 @@ class Gateway:
         except ApiError:
             raise
         except Exception as exc:  # noqa: BLE001 - template/tokenizer errors are the request's fault
-            param = "messages" if parsed.endpoint == CHAT else "prompt"
+            param = parsed.prompt_param
             raise bad_request(f"Could not tokenise the {param}: {exc}", param) from None
         if self.engine_mode and parsed.body.get("kvgate_mm_hashes"):
             prompts = [prompts[0]._replace(mm_hashes=_mm_hashes(parsed.body["kvgate_mm_hashes"]))]
@@ -683,7 +683,7 @@ class Gateway:
         ``uncounted``: tokens the server's prompt holds beyond ``prompt_len`` by
         estimate (tools): a default leaves room for them when it can."""
         room = self.max_model_len - prompt_len
-        param = "messages" if parsed.endpoint == CHAT else "prompt"
+        param = parsed.prompt_param
         if parsed.max_tokens is None:
             if room < 1:
                 raise ApiError(

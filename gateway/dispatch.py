@@ -26,7 +26,7 @@ from gateway.errors import bad_request
 from gateway.metrics import GatewayMetrics, RequestSeries
 from gateway.observe import Finished, Observer
 from gateway.prefix import Prompt
-from gateway.protocol import CHAT, ParsedRequest, new_id
+from gateway.protocol import ParsedRequest, new_id
 from gateway.replicas import (
     USAGE_ALL,
     Job,
@@ -201,7 +201,7 @@ class Dispatcher:
                     # pool, token ids outside the vocabulary): the caller's problem.
                     if produced:
                         raise
-                    raise bad_request(str(exc), "messages" if parsed.endpoint == CHAT else "prompt") from None
+                    raise bad_request(str(exc), parsed.prompt_param) from None
                 except ReplicaBusy as exc:
                     busy = exc  # at capacity (429) before any output: another replica may take it
                     tried.append(decision.replica)

@@ -88,6 +88,11 @@ class ParsedRequest:
     # calling gateway's kvgate_token_ids), for exact counts and output blocks.
     token_ids_out: bool = False
 
+    @property
+    def prompt_param(self) -> str:
+        """The field an error about the prompt names."""
+        return "messages" if self.endpoint == CHAT else "prompt"
+
 
 def parse_json(raw: bytes) -> dict:
     try:

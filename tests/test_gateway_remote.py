@@ -464,26 +464,33 @@ async def test_an_engine_restarted_with_another_block_size_is_noticed(tiny_model
         await engine.stop()
 
 
+@contextlib.asynccontextmanager
+async def _recording_behind_an_engine(model_dir, engine_config, path):
+    """A `kvgate engine` on ``engine_config`` and a gateway recording to ``path``
+    in front of it: (engine server, gateway app, client)."""
+    engine = await start_server(create_app(engine_config, engine_mode=True))
+    app = create_app(tiny_config(model_dir, [ReplicaConfig(kind="engine", url=engine.url)], record_trace=str(path)))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        yield engine, app, client
+    finally:
+        await client.close()
+        await gw.stop()
+        await engine.stop()
+
+
 async def test_a_recording_takes_the_block_size_the_engines_report(tiny_model_dir, tmp_path):
     """The gateway assumed 16-token blocks at start; an engine of 32 joins: the
     recording's ids are per 32 tokens, and its lines say so."""
     engine_config = tiny_config(tiny_model_dir)
     engine_config.engine.block_size = 32
-    engine = await start_server(create_app(engine_config, engine_mode=True))
     path = tmp_path / "served.jsonl"
-    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine.url)],
-                                 record_trace=str(path)))
-    gw = await start_server(app)
-    client = _client(gw.url)
-    try:
+    async with _recording_behind_an_engine(tiny_model_dir, engine_config, path) as (_, app, client):
         replica = app[GATEWAY].replicas[0]
         await wait_for(lambda: replica.healthy and app[GATEWAY].hasher.block_size == 32, what="engine joined")
         out = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Tell me about caches. " * 6}], max_tokens=2)
-    finally:
-        await client.close()
-        await gw.stop()
-        await engine.stop()
     (line,) = [json.loads(text) for text in path.read_text().splitlines()]
     assert line["block_tokens"] == 32 and line["input_length"] == out.usage.prompt_tokens > 32
     assert len(line["hash_ids"]) == -(-line["input_length"] // 32)
@@ -493,13 +500,8 @@ async def test_a_remote_engine_streams_token_ids_for_its_gateway(tiny_model_dir,
     """Its chunks carried text only: a cut-short stream's coalesced deltas counted
     one token each, and a recording behind remote engines named no output blocks
     (a next turn's hits on the answer were lost to replay)."""
-    engine = await start_server(create_app(tiny_config(tiny_model_dir), engine_mode=True))
     path = tmp_path / "served.jsonl"
-    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine.url)],
-                                 record_trace=str(path)))
-    gw = await start_server(app)
-    client = _client(gw.url)
-    try:
+    async with _recording_behind_an_engine(tiny_model_dir, tiny_config(tiny_model_dir), path) as (engine, app, client):
         # What the engine sends its gateway: every generated token's id, held-back ones included.
         async with aiohttp.ClientSession() as session:
             resp = await session.post(engine.url + "/v1/completions", json={
@@ -513,10 +515,6 @@ async def test_a_remote_engine_streams_token_ids_for_its_gateway(tiny_model_dir,
         await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Tell me about caches."}], max_tokens=48,
             extra_body={"ignore_eos": True})
-    finally:
-        await client.close()
-        await gw.stop()
-        await engine.stop()
     (line,) = [json.loads(text) for text in path.read_text().splitlines()]
     # 48 generated tokens fill at least two 16-token blocks past the prompt.
     assert len(line.get("output_hash_ids", [])) >= 2, line
