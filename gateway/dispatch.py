@@ -28,7 +28,6 @@ from gateway.observe import Finished, Observer
 from gateway.prefix import Prompt
 from gateway.protocol import ParsedRequest, new_id
 from gateway.replicas import (
-    USAGE_ALL,
     Job,
     Replica,
     ReplicaAnswerFailed,
@@ -38,6 +37,7 @@ from gateway.replicas import (
     UpstreamError,
 )
 from gateway.router import Router
+from gateway.upstream import USAGE_ALL
 from gateway.usage import UsageSum
 
 log = logging.getLogger(__name__)

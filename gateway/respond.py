@@ -34,7 +34,8 @@ from gateway.protocol import (
     sse_error,
     text_completion,
 )
-from gateway.replicas import CACHED_TOKENS_HEADER, QUEUE_TIME_HEADER, USAGE_ALL
+from gateway.replicas import CACHED_TOKENS_HEADER, QUEUE_TIME_HEADER
+from gateway.upstream import USAGE_ALL
 from gateway.usage import UsageSum
 
 log = logging.getLogger(__name__)

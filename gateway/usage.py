@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from engine.request import GenerationOutput, Usage
 from gateway.protocol import usage_dict
-from gateway.replicas import USAGE_ALL
+from gateway.upstream import USAGE_ALL
 
 if TYPE_CHECKING:
     from gateway.dispatch import Sub

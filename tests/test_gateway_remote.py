@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, ReplicaConfig, RouterConfig
-from gateway.replicas import ReplicaUnavailable, parse_backend_metrics
+from gateway.replicas import ReplicaUnavailable
+from gateway.upstream import parse_backend_metrics
 from gateway.server import start_server
 from tests.engine_procs import (
     MODEL,
@@ -955,7 +956,7 @@ async def test_long_sse_frames_pass_and_endless_ones_go_to_another_replica(tiny_
     many logprobs) reaches the client; one that never ends is a broken answer once
     past the gateway's bound, retried on another replica before the first byte
     rather than a 500 or a wait without end."""
-    import gateway.replicas as replicas_module
+    import gateway.upstream as upstream
 
     state = {"endless": False}
 
@@ -988,7 +989,7 @@ async def test_long_sse_frames_pass_and_endless_ones_go_to_another_replica(tiny_
         assert sizes == {600_000, 4}
         state["endless"] = True
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(replicas_module, "_SSE_MAX_LINE_BYTES", 100_000)
+            patch.setattr(upstream, "SSE_MAX_LINE_BYTES", 100_000)
             for _ in range(2):  # one of the two meets the endless replica first
                 out = await asyncio.wait_for(client.chat.completions.create(model=MODEL, messages=messages), 10)
                 assert out.choices[0].message.content == "xxxx"

@@ -22,6 +22,7 @@ from aiohttp import web
 
 import gateway.engine_endpoints as engine_endpoints
 import gateway.replicas as replicas
+import gateway.upstream as upstream
 from gateway.app import GATEWAY, create_app
 from gateway.config import ReplicaConfig, RouterConfig
 from gateway.replicas import RemoteReplica, ReplicaInfo
@@ -163,17 +164,17 @@ async def _chat(url: str) -> dict:
 
 async def test_sse_lines_of_any_length_and_split_anywhere():
     """The SSE reader takes lines split across reads and longer than aiohttp's
-    readline allows, and refuses one past _SSE_MAX_LINE_BYTES (a broken frame)."""
+    readline allows, and refuses one past SSE_MAX_LINE_BYTES (a broken frame)."""
     async def lines(chunks: list[bytes]) -> list[bytes]:
-        return [bytes(line) async for line in replicas._lines(_fed(chunks))]
+        return [bytes(line) async for line in upstream.sse_lines(_fed(chunks))]
 
     big = b"x" * 3_000_000
     assert await lines([b"da", b"ta: 1\r\n\r", b"\n", big[:10], big[10:] + b"\nlast"]) == \
         [b"data: 1\r", b"\r", big, b"last"]
-    events = [e async for e in replicas._sse_events(_fed([b'event: a\ndata: {"k":\ndata: 1}\n\ndata: [DONE]\n\n']))]
-    assert events == [("a", {"k": 1}), ("message", replicas.DONE_EVENT)]
+    events = [e async for e in upstream.sse_events(_fed([b'event: a\ndata: {"k":\ndata: 1}\n\ndata: [DONE]\n\n']))]
+    assert events == [("a", {"k": 1}), ("message", upstream.DONE_EVENT)]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(replicas, "_SSE_MAX_LINE_BYTES", 1000)
+        patch.setattr(upstream, "SSE_MAX_LINE_BYTES", 1000)
         with pytest.raises(ValueError, match="longer than 1000 bytes"):
             await lines([b"a" * 600, b"b" * 600])
         with pytest.raises(ValueError, match="longer than 1000 bytes"):
