@@ -759,8 +759,8 @@ class RemoteReplica(Replica):
             body = dict(parsed.body)
             # kvgate's own fields are for a gateway's engines, set by the gateway: a
             # client's (a forged tenant or workload) reaches no server.
-            body.pop("kvgate_context", None)
-            body.pop("kvgate_mm_hashes", None)
+            for own in ("kvgate_context", "kvgate_mm_hashes", "kvgate_token_ids"):
+                body.pop(own, None)
             # The server's own name once learnt: the gateway may serve it under an alias.
             body["model"] = self.cfg.model or (self.info.model if self.info_known else parsed.model)
             if parsed.cache_salt and self.cfg.send_cache_salt:
