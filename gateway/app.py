@@ -480,6 +480,8 @@ class Gateway:
                 self.tenant_admitted[principal.tenant] = held + 1
                 tenant_admitted = principal.tenant
             parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
+            if self.engine_mode:
+                endpoint = forwarded_endpoint(parsed.body, endpoint)
             if parsed.model != self.model_name:
                 raise errors.model_not_found(parsed.model)
             if parsed.engine_unsupported is not None and not self.has_external:
@@ -738,11 +740,21 @@ class Gateway:
             raise bad_request(f"kvgate_context.workload must be one of {', '.join(WORKLOADS)}.", "kvgate_context.workload")
         if ctx.type not in REQUEST_TYPES:
             raise bad_request(f"kvgate_context.type must be one of {', '.join(REQUEST_TYPES)}.", "kvgate_context.type")
+        if raw.get("endpoint", CHAT) not in (CHAT, COMPLETIONS):  # read by forwarded_endpoint
+            raise bad_request(f"kvgate_context.endpoint must be {CHAT} or {COMPLETIONS}.", "kvgate_context.endpoint")
         return ctx
 
     # -- routing and generation
 
 _MAX_SESSION_CHARS = 256
+
+
+def forwarded_endpoint(body: dict, endpoint: str) -> str:
+    """`kvgate engine`: the endpoint its gateway's client called (kvgate_context.endpoint),
+    for the engine's request counts; anything else leaves the engine's own."""
+    ctx = body.get("kvgate_context")
+    named = ctx.get("endpoint") if isinstance(ctx, dict) else None
+    return named if named in (CHAT, COMPLETIONS) else endpoint
 
 
 def _mm_hashes(raw) -> list[tuple[int, bytes]]:

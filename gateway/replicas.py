@@ -747,6 +747,8 @@ class RemoteReplica(Replica):
                     "workload": ctx.workload, "type": ctx.type, "turn": ctx.turn, "session": ctx.session,
                     "tenant": ctx.tenant, "signature": ctx.signature, "chat_id": ctx.chat_id,
                     "parent_chat_id": ctx.parent_chat_id,
+                    # A chat arrives as token ids on /v1/completions: the engine's metrics count it as a chat.
+                    "endpoint": parsed.endpoint,
                 },
                 "kvgate_mm_hashes": [[off, h.hex()] for off, h in job.request.mm_hashes],
                 "cache_salt": job.request.cache_salt,

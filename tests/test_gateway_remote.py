@@ -1640,6 +1640,10 @@ async def test_a_kvgate_engine_refuses_a_session_no_gateway_would_send(tiny_mode
             async with session.post(server.url + "/v1/completions", json=body) as resp:
                 error = (await resp.json())["error"]
                 assert resp.status == 400 and error["param"] == "kvgate_context.session", error
+            body["kvgate_context"] = {"workload": "to-c", "type": "text", "endpoint": "embeddings"}
+            async with session.post(server.url + "/v1/completions", json=body) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 400 and error["param"] == "kvgate_context.endpoint", error
     finally:
         await server.stop()
 

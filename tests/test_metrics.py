@@ -459,6 +459,9 @@ async def test_remote_engine_stats_reach_the_gateway_metrics(live, tiny_model_di
         own = samples(await scrape(engine_server.url))
         assert value(own, "kvgate_kv_cache_blocks", replica="engine", tier="device") == 64
         assert value(own, "kvgate_build_info", role="engine") == 1
+        # The gateway sends a chat as token ids to /v1/completions; the engine counts it as the chat it is.
+        assert value(own, "kvgate_requests_total", endpoint="chat", workload="to-c", status="200") == 3
+        assert value(own, "kvgate_requests_total", endpoint="completions", workload="to-c", status="200") == 0
     finally:
         await gateway_server.stop()
         await engine_server.stop()
