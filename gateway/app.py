@@ -91,8 +91,8 @@ class Gateway:
         self.metrics = GatewayMetrics("engine" if engine_mode else "gateway")
         self.observer = Observer(config, self.metrics)
         self.principals = _load_keys(config)
-        # A `kvgate engine` takes the salt its gateway computed as it is.
-        self.isolate_tenants = config.server.isolate_tenant_caches and not engine_mode
+        # A `kvgate engine` takes the salt its gateway computed as it is (prepare).
+        self.isolate_tenants = config.server.isolate_tenant_caches
         self._warn_if_tenants_share_an_external_cache()
         self.router: Router | None = None
         self.hasher: PrefixHasher | None = None
@@ -369,15 +369,11 @@ class Gateway:
     def authenticate(self, request: web.Request) -> Principal:
         if not self.principals:
             return ANONYMOUS
-        header = request.headers.get("Authorization", "")
-        if not header:
-            raise errors.unauthorized(
-                "You didn't provide an API key. You need to provide your API key in an Authorization header "
-                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
-            )
-        scheme, _, key = header.partition(" ")
+        scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
         key = key.strip()
-        if scheme.lower() != "bearer" or not key:
+        if not key and scheme.lower() in ("", "bearer"):  # no header, or "Bearer" alone
+            raise errors.missing_api_key()
+        if scheme.lower() != "bearer":
             raise errors.unauthorized()
         # Looked up by digest: the time a lookup takes says nothing about how much
         # of a guessed key was right (a dict of the keys themselves compares them).
@@ -543,7 +539,10 @@ class Gateway:
 
     async def prepare(self, request: web.Request, parsed: ParsedRequest, principal: Principal) -> list[Sub]:
         """Tokenise, check lengths, classify: everything before routing."""
-        if self.isolate_tenants and principal.tenant is not None:
+        # A request with kvgate_context is a gateway's, its salt the tenant's already; a
+        # `kvgate engine` serving clients directly keeps their tenants apart itself.
+        if self.isolate_tenants and principal.tenant is not None and not (
+                self.engine_mode and "kvgate_context" in parsed.body):
             # The tenant joins the request's own salt: its blocks are its own.
             # Length-prefixed, so no tenant name and own salt can spell another pair.
             tenant, own = principal.tenant, parsed.cache_salt or ""
@@ -782,12 +781,15 @@ def _load_keys(config: KvgateConfig) -> dict[bytes, Principal]:
         item = item.strip()
         if not item:
             continue
+        # Spaces around each part go, as around a config key (ApiKeyConfig): no
+        # client could send a key with them, and " team" would be another tenant.
         key, _, rest = item.partition(":")
+        key = key.strip()
         if not key:
             # Refused as the config's `key: ""` is (ApiKeyConfig): no key is empty.
             raise ConfigError(f"KVGATE_API_KEYS: entry {number} has an empty key (before its first ':'); "
                               "the format is key[:tenant[:workload]],...")
-        tenant, _, workload = rest.partition(":")
+        tenant, _, workload = (part.strip() for part in rest.partition(":"))
         if workload and workload not in WORKLOADS:
             raise ConfigError(f"KVGATE_API_KEYS: workload {workload!r} for a key must be one of {', '.join(WORKLOADS)}")
         principal = Principal(tenant or "default", workload or None)

@@ -67,8 +67,14 @@ def unsupported_media_type(content_type: str) -> ApiError:
                     "invalid_request_error", None, "unsupported_media_type")
 
 
-def unauthorized(message: str = "Incorrect API key provided.") -> ApiError:
-    return ApiError(401, message, "invalid_request_error", None, "invalid_api_key")
+def unauthorized() -> ApiError:
+    return ApiError(401, "Incorrect API key provided.", "invalid_request_error", None, "invalid_api_key")
+
+
+def missing_api_key() -> ApiError:
+    # OpenAI's answer to no key: the same 401, with no code (a wrong key's is invalid_api_key).
+    return ApiError(401, "You didn't provide an API key. You need to provide your API key in an Authorization "
+                    "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).", "invalid_request_error")
 
 
 def model_not_found(model: str) -> ApiError:

@@ -357,7 +357,8 @@ async def test_errors_are_sdk_exceptions_and_server_survives(gw):
 
 
 async def test_auth_from_config_and_env(monkeypatch, tiny_model_dir):
-    monkeypatch.setenv("KVGATE_API_KEYS", "envkey:envtenant:to-b")
+    # Spaces around the parts are the writer's, not the key's (a client cannot send them).
+    monkeypatch.setenv("KVGATE_API_KEYS", "envkey:envtenant:to-b, spaced : team-s : to-c ")
     config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="inprocess")],
                          api_keys=[ApiKeyConfig(key="sk-good", tenant="acme")])
     app = create_app(config)
@@ -370,7 +371,16 @@ async def test_auth_from_config_and_env(monkeypatch, tiny_model_dir):
         with pytest.raises(openai.AuthenticationError):
             await bad.models.list()
         await bad.close()
-        for key, tenant, workload in (("sk-good", "acme", "to-c"), ("envkey", "envtenant", "to-b")):
+        # No key is not a wrong key: OpenAI's 401 for it has no code.
+        async with aiohttp.ClientSession() as session:
+            for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": "Bearer   "}, {"Authorization": "sk-good"}):
+                async with session.get(server.url + "/v1/models", headers=headers) as r:
+                    error = (await r.json())["error"]
+                    wanted = "invalid_api_key" if headers.get("Authorization") == "sk-good" else None
+                    assert r.status == 401 and error["code"] == wanted and error["type"] == "invalid_request_error", error
+                    assert error["message"].startswith("Incorrect" if wanted else "You didn't provide an API key")
+        for key, tenant, workload in (("sk-good", "acme", "to-c"), ("envkey", "envtenant", "to-b"),
+                                      ("spaced", "team-s", "to-c")):
             good = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
             await good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1)
             await good.close()

@@ -369,7 +369,7 @@ def test_expect_100_continue_without_a_good_key_gets_its_401_before_the_body(tin
             with _connect(keyed.port) as sock:
                 sock.sendall(head.format(len(body), auth).encode())
                 status, headers, data = _read_response(sock)
-            assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key", data
+            assert status == 401 and json.loads(data)["error"]["code"] == ("invalid_api_key" if auth else None), data
             assert headers["connection"] == "close"
         with _connect(keyed.port) as sock:
             sock.sendall(head.format(len(body), "Authorization: Bearer sk-good\r\n").encode())
