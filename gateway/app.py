@@ -520,6 +520,8 @@ class Gateway:
                 else:
                     del self.tenant_admitted[tenant_admitted]  # bounded by the tenants with requests in flight
             self.metrics.requests.labels(endpoint, workload, status).inc()
+            if status == CLIENT_GONE:
+                _log_client_gone(request, start)
             if status == "200":
                 self.metrics.request_series(workload, subs[0].replica).e2e.observe(time.perf_counter() - start)
                 self.observer.answered()
@@ -754,6 +756,26 @@ def forwarded_endpoint(body: dict, endpoint: str) -> str:
     ctx = body.get("kvgate_context")
     named = ctx.get("endpoint") if isinstance(ctx, dict) else None
     return named if named in (CHAT, COMPLETIONS) else endpoint
+
+
+class _ClientLeft:
+    """What aiohttp's access logger reads of a response, for one whose client left:
+    nginx's 499 and the bytes sent (head included, as aiohttp counts them)."""
+
+    status = int(CLIENT_GONE)
+    headers: dict[str, str] = {}
+
+    def __init__(self, sent: int) -> None:
+        self.body_length = sent
+
+
+def _log_client_gone(request: web.Request, start: float) -> None:
+    """server.access_log writes one line a request, but aiohttp writes none for a
+    handler cancelled by its client leaving (a stream closed, a request given up)."""
+    protocol = request.protocol
+    if protocol is not None and protocol.access_logger is not None:
+        began = asyncio.get_running_loop().time() - (time.perf_counter() - start)
+        protocol.log_access(request, _ClientLeft(request.writer.output_size), began)
 
 
 def _mm_hashes(raw) -> list[tuple[int, bytes]]:

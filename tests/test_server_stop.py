@@ -129,3 +129,27 @@ def test_a_server_reachable_from_other_machines_without_keys_says_so(tiny_model_
     assert warnings(open_config, "127.0.0.1") == []
     keyed = tiny_config(tiny_model_dir, api_keys=[ApiKeyConfig(key="sk-x")])
     assert warnings(keyed, "0.0.0.0") == []
+
+
+async def test_the_access_log_has_a_line_for_every_request_even_one_whose_client_left(engine_factory):
+    """server.access_log: one line a request, as README says; a client that left
+    (a stream closed part way, a non-streamed request given up) gets nginx's 499,
+    which aiohttp alone never writes (it logs nothing for a cancelled handler)."""
+    engine = engine_factory(access_log=True)
+    await engine.wait_ready()
+    url = engine.url + "/v1/completions"
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=_stream_body(2)) as whole:
+            assert whole.status == 200 and (await sse_events(whole))[-1] == "[DONE]"
+        async with session.post(url, json=_stream_body(LONG)) as left:
+            await left.content.readline()  # under way, then the client closes it
+        with pytest.raises(asyncio.TimeoutError):
+            await session.post(url, json={**_stream_body(LONG), "stream": False},
+                               timeout=aiohttp.ClientTimeout(total=0.5))
+    deadline = time.monotonic() + 10
+    while engine.tail().count('"POST /v1/completions HTTP/1.1"') < 3 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    lines = [line for line in engine.tail().splitlines() if '"POST /v1/completions HTTP/1.1"' in line]
+    statuses = [line.split('HTTP/1.1" ')[1].split()[0] for line in lines]
+    assert statuses == ["200", "499", "499"], lines
+    assert int(lines[1].split('HTTP/1.1" ')[1].split()[1]) > 0  # the head and the stream's start were sent
