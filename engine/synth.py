@@ -39,6 +39,7 @@ import gzip
 import io
 import json
 import math
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -50,6 +51,14 @@ from engine.whole_file import written_whole
 PROFILES = ("to-c", "to-b", "mixed")
 BLOCK_TOKENS = 16
 MAX_REQUESTS = 20_000_000
+# Above any real service's rate (Alibaba's traces run at a few hundred a second);
+# to-B builds tenants and hourly batches in proportion to it, whatever the duration.
+MAX_RATE = 10_000.0
+# Peak memory per request generated: ~20-24 KB measured (a to-C record's block ids
+# as Python ints, and the generator's state), with room.  Linux's OOM killer ends
+# a process that asks for more than the machine has with no message, so the
+# request is refused up front instead.
+PEAK_BYTES_PER_REQUEST = 32 * 1024
 
 # -- to-C (trace A) ---------------------------------------------------------
 TOC_TYPES = ("text", "search", "image", "file")
@@ -97,8 +106,10 @@ DOCUMENT_TOKENS = (3500, 1.0)
 TOC_OUTPUT = {"text": (280, 0.7), "search": (420, 0.6), "image": (180, 0.7), "file": (380, 0.7)}
 
 # -- to-B (trace B) ---------------------------------------------------------
-# A busier platform has more tenants: per-tenant traffic, hence reuse times and
-# lifespans, stays the same whatever the rate.
+# A busier platform has more tenants, so that per-tenant traffic grows less than
+# the rate.  Not exactly the same whatever the rate: the floor of 10 tenants and
+# 2 streams, and the Zipf skew over more of them, leave reuse a little sparser
+# at low rates (within 10 s: ~75% at rate 0.5, ~85% at rate 5; README).
 TOB_TENANTS_PER_RPS = 80
 TOB_SYSTEM = (380, 0.8)
 TOB_TEMPLATE = (520, 0.8)
@@ -347,13 +358,16 @@ class _Generator:
     # -- to-B --
 
     def to_b(self, rate: float, duration: float) -> None:
-        count = max(10, round(TOB_TENANTS_PER_RPS * rate))
+        # No more tenants or streams than requests: a trace of seconds at a huge rate
+        # would otherwise build millions of tenants for a handful of calls.
+        requests = math.ceil(rate * duration)
+        count = max(10, min(round(TOB_TENANTS_PER_RPS * rate), requests))
         tenants = [
             {"system": self.lognormal(TOB_SYSTEM, 16, 6_000), "templates": [self.template_length()]}
             for _ in range(count)
         ]
         streams = []
-        for _ in range(max(2, round(TOB_STEADY_STREAMS_PER_RPS * rate))):
+        for _ in range(max(2, min(round(TOB_STEADY_STREAMS_PER_RPS * rate), requests))):
             tenant = self.zipf_index(count)
             streams.append((tenant, self.pick_template(tenants[tenant])))
         for time in self.arrivals(rate * TOB_SHARE_STEADY, duration):
@@ -456,8 +470,15 @@ def synthesize(profile: str, duration_s: float, rate: float, seed: int) -> list[
         raise ValueError(f"duration must be a positive number of seconds, got {duration_s!r}")
     if not _positive(rate):
         raise ValueError(f"rate must be a positive number of requests per second, got {rate!r}")
-    if duration_s * rate > MAX_REQUESTS:
-        raise ValueError(f"duration x rate asks for {duration_s * rate:.0f} requests; at most {MAX_REQUESTS}")
+    if rate > MAX_RATE:
+        raise ValueError(f"rate {rate:.3g} requests per second is above the {MAX_RATE:,.0f} a trace may have")
+    asked = duration_s * rate
+    if asked > MAX_REQUESTS:
+        raise ValueError(f"duration x rate asks for {asked:.3g} requests; at most {MAX_REQUESTS:,}")
+    memory = _physical_memory_bytes()
+    if memory and asked * PEAK_BYTES_PER_REQUEST > memory:
+        raise ValueError(f"duration x rate asks for {asked:,.0f} requests, which take ~{asked * PEAK_BYTES_PER_REQUEST / 2**30:.0f} "
+                         f"GiB to generate; this machine has {memory / 2**30:.0f} GiB")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     gen = _Generator(int(seed))
@@ -479,6 +500,14 @@ def _positive(value: object) -> bool:
         and math.isfinite(value)
         and value > 0
     )
+
+
+def _physical_memory_bytes() -> int | None:
+    """The machine's RAM; None where the OS does not say (not Linux or macOS)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def write_trace(records: list[dict], path: str | Path) -> None:

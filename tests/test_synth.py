@@ -126,6 +126,21 @@ def test_bad_arguments(args, message):
     assert "\n" not in str(info.value)
 
 
+def test_more_requests_than_memory_holds_are_refused_up_front(monkeypatch):
+    """Linux's OOM killer would end the run with no word; the figures in the
+    message are readable however absurd the arguments."""
+    monkeypatch.setattr(synth, "_physical_memory_bytes", lambda: 8 * 2**30)
+    with pytest.raises(ValueError, match=r"asks for 360,000 requests, which take ~11 GiB to generate; "
+                                         r"this machine has 8 GiB"):
+        synth.synthesize("to-c", 3600, 100, seed=0)
+    with pytest.raises(ValueError, match=r"asks for 1e\+08 requests; at most 20,000,000$"):
+        synth.synthesize("to-c", 1e6, 100, seed=0)
+    with pytest.raises(ValueError, match=r"^rate 1e\+300 requests per second is above the 10,000 a trace may have$"):
+        synth.synthesize("to-c", 1e-6, 1e300, seed=0)
+    # A to-B trace of a moment at the highest rate builds no more tenants than it has calls.
+    assert len(synth.synthesize("to-b", 1e-3, 10_000, seed=0)) < 40
+
+
 def test_rate_is_requests_per_second():
     for profile in synth.PROFILES:
         count = len(synth.synthesize(profile, 1800, 4, seed=3))
