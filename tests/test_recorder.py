@@ -338,3 +338,33 @@ def test_replay_of_a_recording_never_hits_the_block_holding_the_last_prompt_toke
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"chat_id": 1, "timestamp": 0, "input_length": 0, "hash_ids": [], "cacheable_blocks": 0}\n')
     assert replay(load_trace(empty), "lru", 100).hits == 0 and load_trace(empty).ideal_hit_ratio() == 0
+
+
+async def test_the_readme_walkthrough_traffic_records_chats_and_completions(tiny_model_dir, tmp_path, capsys):
+    """bench/chat_traffic.py, the README's record -> replay traffic, through a
+    recording gateway: multi-turn chats linked to their parents, completions
+    sharing a template, the count asked for."""
+    import sys
+
+    from tests.engine_procs import tiny_config
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    try:
+        import chat_traffic
+    finally:
+        sys.path.pop(0)
+    path = tmp_path / "served.jsonl"
+    server = await start_server(create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="inprocess")],
+                                                       record_trace=str(path))))
+    try:
+        status = await asyncio.to_thread(chat_traffic.main, ["--url", server.url + "/v1", "--requests", "24",
+                                                             "--max-tokens", "4", "--seed", "2", "--completions-share", "0.5"])
+    finally:
+        await server.stop()
+    assert status == 0 and capsys.readouterr().out.startswith("24 requests, ")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    by_id = {line["chat_id"]: line for line in lines}
+    later = [line for line in lines if line["turn"] >= 2]
+    assert len(lines) == 24 and later and all(by_id[line["parent_chat_id"]]["turn"] == line["turn"] - 1 for line in later)
+    calls = [line for line in lines if line["type"] != "text"]  # the completions calls (to-B api)
+    assert len(calls) >= 2 and len({tuple(line["hash_ids"][:4]) for line in calls}) == 1  # one shared template
