@@ -508,6 +508,7 @@ class Gateway:
                 status = "503"
                 raise errors.shutting_down() from None
             status = CLIENT_GONE
+            _log_client_gone(request, start, exc)
             raise
         finally:
             self.live.discard(task)
@@ -520,8 +521,6 @@ class Gateway:
                 else:
                     del self.tenant_admitted[tenant_admitted]  # bounded by the tenants with requests in flight
             self.metrics.requests.labels(endpoint, workload, status).inc()
-            if status == CLIENT_GONE:
-                _log_client_gone(request, start)
             if status == "200":
                 self.metrics.request_series(workload, subs[0].replica).e2e.observe(time.perf_counter() - start)
                 self.observer.answered()
@@ -769,13 +768,18 @@ class _ClientLeft:
         self.body_length = sent
 
 
-def _log_client_gone(request: web.Request, start: float) -> None:
+def _log_client_gone(request: web.Request, start: float, exc: BaseException) -> None:
     """server.access_log writes one line a request, but aiohttp writes none for a
-    handler cancelled by its client leaving (a stream closed, a request given up)."""
+    handler cancelled by its client leaving (a stream closed, a request given up),
+    nor for a write that failed part way.  (A write failing before any byte went
+    gets aiohttp's own line, as a 500.)"""
     protocol = request.protocol
+    sent = request.writer.output_size
+    if isinstance(exc, ConnectionResetError) and not sent:
+        return
     if protocol is not None and protocol.access_logger is not None:
         began = asyncio.get_running_loop().time() - (time.perf_counter() - start)
-        protocol.log_access(request, _ClientLeft(request.writer.output_size), began)
+        protocol.log_access(request, _ClientLeft(sent), began)
 
 
 def _mm_hashes(raw) -> list[tuple[int, bytes]]:
