@@ -11,7 +11,6 @@ from typing import Any, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-POLICY_NAMES = ("lru", "fifo", "s3fifo", "belady", "wa", "wa-paper")
 
 # Upper bounds of keys whose huge (finite) values break the arithmetic later
 # (an overflow, every score infinite, a timer that never fires): far above any

@@ -31,6 +31,3 @@ class RequestContext:
     parent_chat_id: int = -1
     # Position of the request in a replayed trace; -1 when serving live.
     request_index: int = -1
-
-
-DEFAULT_CONTEXT = RequestContext()

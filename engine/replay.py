@@ -1,6 +1,6 @@
 """Trace replay: drive the engine's own block pool and policies with a trace.
 
-Semantics (DESIGN section 3): requests in timestamp order; a request's hits
+Semantics (README, "Replaying traffic"): requests in timestamp order; a request's hits
 are the leading run of its keys already cached; then every key is touched or
 inserted; then its blocks are released tail first.  Hit ratio = hit blocks /
 prompt blocks.  Recordings of served traffic say what the engine did more

@@ -1,7 +1,7 @@
 """Synthetic Qwen-Bailian traces calibrated to the ATC'25 characterisation.
 
 The public Bailian traces are not reachable here, so ``synthesize`` builds
-look-alikes from the statistics the paper publishes (DESIGN section 2):
+look-alikes from the statistics the paper publishes (README, "Synthetic traces"):
 
 * **to-C** (trace A): chat conversations.  A conversation's prompt is a token
   stream: a shared system prompt (or, for file requests, a document template
@@ -130,7 +130,7 @@ MIXED_TOC_SHARE = 0.6
 PILOT_VISITS = 2000
 CENSOR_S = 600.0  # next-turn statistics ignore requests this close to the trace end
 
-# Published figures (DESIGN section 2) shown beside the measured ones.
+# The paper's published figures, shown beside the measured ones.
 PAPER = {
     "to-c": {
         "ideal_hit_ratio": 0.62,

@@ -1,6 +1,6 @@
 """The aiohttp app: OpenAI endpoints in front of a set of replicas.
 
-Request path (DESIGN section 1), and where each step lives: auth -> body
+The request path, and where each step lives: auth -> body
 limits -> parse/validate (gateway/protocol.py) -> tokenise once, block keys
 (gateway/prefix.py; the prompt tokens go to the engine with the request) ->
 classify (gateway/classify.py) -> route and generate (gateway/dispatch.py:
@@ -632,8 +632,7 @@ class Gateway:
                 said = f"ran to {size} characters, more than {limit} tokens can hold"
             else:
                 continue
-            raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your {param} {said}. "
-                           f"Please reduce the length of the {param}.", param=param, code="context_length_exceeded")
+            raise errors.context_too_long(limit, f"your {param} {said}", param)
 
     async def tokenize(self, parsed: ParsedRequest) -> tuple[list[Prompt], list]:
         self._refuse_unfitting_prompts(parsed)
@@ -688,27 +687,16 @@ class Gateway:
         param = parsed.prompt_param
         if parsed.max_tokens is None:
             if room < 1:
-                raise ApiError(
-                    400,
-                    f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                    f"{param} resulted in {prompt_len} tokens. Please reduce the length of the {param}.",
-                    param=param,
-                    code="context_length_exceeded",
-                )
+                raise errors.context_too_long(self.max_model_len, f"your {param} resulted in {prompt_len} tokens", param)
             default = self.limits.max_tokens
             if parsed.endpoint != CHAT:  # OpenAI's 16, within the server's bound
                 default = min(_COMPLETIONS_DEFAULT_MAX_TOKENS, default)
             # Past the context by the estimate: the server, which counts exactly, judges.
             return min(default, room - uncounted if room - uncounted >= 1 else room)
         if parsed.max_tokens > room:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_len + parsed.max_tokens} tokens ({prompt_len} in the {param}, {parsed.max_tokens} in the "
-                f"completion). Please reduce the length of the {param} or completion.",
-                param=param,
-                code="context_length_exceeded",
-            )
+            raise errors.context_too_long(
+                self.max_model_len, f"you requested {prompt_len + parsed.max_tokens} tokens ({prompt_len} in the "
+                f"{param}, {parsed.max_tokens} in the completion)", param, reduce=f"{param} or completion")
         return parsed.max_tokens
 
     def engine_context(self, body: dict) -> RequestContext | None:
@@ -743,8 +731,6 @@ class Gateway:
         if raw.get("endpoint", CHAT) not in (CHAT, COMPLETIONS):  # read by forwarded_endpoint
             raise bad_request(f"kvgate_context.endpoint must be {CHAT} or {COMPLETIONS}.", "kvgate_context.endpoint")
         return ctx
-
-    # -- routing and generation
 
 _MAX_SESSION_CHARS = 256
 

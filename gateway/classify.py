@@ -15,14 +15,13 @@ from dataclasses import dataclass
 
 import xxhash
 
-from engine.context import WORKLOADS, RequestContext
+from engine.context import REQUEST_TYPES, WORKLOADS, RequestContext
 from gateway.config import ClassifierConfig, ClassifierRule
 from gateway.prefix import PrefixHasher
 from gateway.protocol import CHAT, ParsedRequest
 
 WORKLOAD_HEADER = "X-KVGate-Workload"
 TYPE_HEADER = "X-KVGate-Type"
-_TYPES = ("text", "search", "image", "file", "api")
 # Chat prompts remembered for parent chat ids (bounded: one entry per recent
 # chat request, ~100 bytes each).
 _MAX_PROMPTS = 131_072
@@ -67,7 +66,7 @@ class Classifier:
         header_type = headers.get(TYPE_HEADER)
         if header_type is not None:
             header_type = header_type.strip().lower()
-            if header_type not in _TYPES:
+            if header_type not in REQUEST_TYPES:
                 header_type = None
         is_file = self._is_file(req, prompt_tokens)
         # Everything the rules can look at; their outcome is remembered per

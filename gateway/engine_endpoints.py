@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -77,9 +76,7 @@ class EngineEndpoints:
         gw = self.gateway
         gw.authenticate(request)
         replica = gw.replicas[0]
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        owner = threading.get_ident()
         lagging = False
 
         def put(item) -> None:
@@ -98,11 +95,7 @@ class EngineEndpoints:
             queue.put_nowait(item)
 
         def listener(seq: int, kind: str, keys: list[int], tier: str) -> None:
-            item = (seq, kind, keys, tier)
-            if threading.get_ident() == owner:
-                put(item)
-            else:
-                loop.call_soon_threadsafe(put, item)
+            put((seq, kind, keys, tier))  # on the loop thread, between engine steps
 
         detach = replica.add_listener(listener)
         self._streams.add(queue)

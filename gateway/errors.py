@@ -77,6 +77,13 @@ def missing_api_key() -> ApiError:
                     "header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).", "invalid_request_error")
 
 
+def context_too_long(limit: int, what: str, param: str, reduce: str | None = None) -> ApiError:
+    """OpenAI's words for a prompt (and completion) past the context: ``what``
+    the request came to, and what to shorten (``param`` by default)."""
+    return ApiError(400, f"This model's maximum context length is {limit} tokens. However, {what}. "
+                    f"Please reduce the length of the {reduce or param}.", param=param, code="context_length_exceeded")
+
+
 def model_not_found(model: str) -> ApiError:
     return ApiError(
         404,

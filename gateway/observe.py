@@ -1,10 +1,11 @@
 """What the gateway watches about itself, in one place: the request hooks and the state readers.
 
-The app calls three hooks on the request path, each a handful of additions:
-``first_token`` (TTFT), ``token_gap`` (inter-token latency) and ``finished``
-(one engine request completed: engine-actual prompt/cached tokens feed the
-minute reuse ratio, the user hit share, the /stats history and the trace
-recorder).  Everything else (engine KV blocks, evictions, swap bytes, policy
+The request path calls three hooks, each a handful of additions:
+``first_token`` (TTFT; gateway/respond.py), ``answered`` (a client request
+answered in full; gateway/app.py) and ``finished`` (one engine request
+completed: engine-actual prompt/cached tokens feed the minute reuse ratio, the
+user hit share, the /stats history and the trace recorder; gateway/dispatch.py).
+Inter-token latency is observed by the dispatcher itself.  Everything else (engine KV blocks, evictions, swap bytes, policy
 state) is read when someone asks: a Prometheus scrape or a /stats poll.
 
 Engine stats per replica:
@@ -13,7 +14,8 @@ Engine stats per replica:
 - `kvgate engine` servers: their ``GET /kvgate/stats`` (the same dict),
   fetched on demand by ``refresh()`` before a scrape or /stats answer, at most
   once a second per replica, all replicas concurrently with a short timeout;
-  a replica that does not answer keeps its last figures;
+  a replica that does not answer keeps its last figures for _REMOTE_KEEP_S,
+  and one out of routing shows none;
 - external OpenAI servers: none (their own /metrics has vLLM's series).
 """
 

@@ -2,7 +2,7 @@
 
 The router is only as good as its agreement with the engine's cache: it must
 tokenise with the same tokenizer and chat template and hash with the same
-function, block size and salt (DESIGN section 5).  The token ids computed here
+function, block size and salt.  The token ids computed here
 are handed to the engine with the request, so a prompt is tokenised once.
 """
 

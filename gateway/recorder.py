@@ -62,7 +62,6 @@ class TraceRecorder:
         self.max_bytes = max_bytes
         self.keep = max(1, keep)
         self.block_tokens = block_tokens
-        self.lines = 0
         self._clock = clock
         self._start = clock()
         if self.path.is_dir():
@@ -124,7 +123,6 @@ class TraceRecorder:
         self._file.write(line)
         self._file.flush()
         self._bytes += len(line)  # ASCII JSON: characters are bytes
-        self.lines += 1
         if self._bytes >= self.max_bytes:
             self._rotate()
 

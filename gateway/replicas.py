@@ -3,8 +3,9 @@
 Every replica offers the same small interface to the gateway:
 
     start() / close()                   lifecycle (inside the app's cleanup_ctx)
-    generate(job) -> async iterator     GenerationOutput per step, engine contract;
-                                        closing it early aborts the work upstream
+    generate(job) -> async iterator     lists of GenerationOutput, each what arrived
+                                        together (engine contract); closing it early
+                                        aborts the work upstream
     index                               what the router believes the replica holds
     healthy                             whether the router may pick it
     info                                model name, block size, hash salt, context length
@@ -23,7 +24,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 from urllib.parse import urlsplit
 
@@ -130,7 +131,6 @@ class Job:
     # completions with several prompts: which one this job carries.
     prompt: Any = None
     max_tokens: int = 16
-    extra: dict = field(default_factory=dict)
 
 
 class Replica:
@@ -170,9 +170,9 @@ _MODEL_LOAD_LOCK = threading.Lock()
 class InProcessReplica(Replica):
     """An engine in this process; its KV events keep the index exact.
 
-    The engine may call the event callback from its worker thread: the index
-    is a dict updated key by key (atomic under the GIL) and listeners (the
-    /kv_events streams of `kvgate engine`) get the event through the loop.
+    The engine calls the event callback on the event loop thread, between its
+    model steps (engine/async_engine.py), so the index and the listeners (the
+    /kv_events streams of `kvgate engine`) need no lock.
     """
 
     kind = "inprocess"
@@ -188,7 +188,6 @@ class InProcessReplica(Replica):
         self._step_running: Callable[[], float] | None = None  # the engine's step clock, once it runs
         self.seq = 0
         self._listeners: list[KvListener] = []
-        self._seq_lock = threading.Lock()
         self._owns_engine = engine is None
 
     @property
@@ -259,9 +258,8 @@ class InProcessReplica(Replica):
     def _on_event(self, kind: str, keys: list[int], tier: str) -> None:
         self.index.apply(kind, keys, tier)
         if self._listeners:
-            with self._seq_lock:
-                self.seq += 1
-                seq = self.seq
+            self.seq += 1
+            seq = self.seq
             for listener in list(self._listeners):
                 listener(seq, kind, list(keys), tier)
 
@@ -274,10 +272,6 @@ class InProcessReplica(Replica):
         if batches is not None:
             return batches(job.request)
         return _single_output_batches(self.engine.generate(job.request))
-
-    def inflight_engine(self) -> int:
-        stats = self.engine.stats() if self.engine is not None else {}
-        return int(stats.get("running", 0)) + int(stats.get("waiting", 0)) if isinstance(stats, dict) else 0
 
 
 async def _single_output_batches(outputs: AsyncIterator[GenerationOutput]) -> AsyncIterator[list[GenerationOutput]]:
@@ -385,6 +379,7 @@ class RemoteReplica(Replica):
         self.waiting: float = 0.0
         self.kv_usage: float | None = None
         self._metrics_unknown = False  # warned that its metrics page has no load figures
+        self._models_unread = False  # warned that its /v1/models could not be read
 
     # -- lifecycle
 
@@ -413,8 +408,7 @@ class RemoteReplica(Replica):
             if not self.healthy:
                 log.warning("replica %s (%s) is not answering (%s): out of routing until it does", self.name,
                             without_userinfo(self.base), self._probe_failure)
-            with contextlib.suppress(Exception):
-                await self._fetch_models()
+            await self._learn_model()
             if self.cfg.metrics_url:
                 self._tasks.append(asyncio.create_task(self._poll_metrics(), name=f"metrics:{self.name}"))
         self._tasks.append(asyncio.create_task(self._health_loop(), name=f"health:{self.name}"))
@@ -448,6 +442,20 @@ class RemoteReplica(Replica):
         self.info_known = True
         if changed and self.info_listener is not None:
             self.info_listener(self)
+
+    async def _learn_model(self) -> None:
+        """``_fetch_models``, its failure said once (a 401, an answer of another
+        shape): meanwhile the gateway serves the configured or default name."""
+        try:
+            await self._fetch_models()
+        except Exception as exc:  # noqa: BLE001 - whatever the cause, the replica may still serve
+            if self.healthy and not self._models_unread:
+                self._models_unread = True
+                reason = (f"HTTP {exc.status}" if isinstance(exc, aiohttp.ClientResponseError)
+                          else "an answer of another shape" if isinstance(exc, (KeyError, TypeError, AttributeError))
+                          else _plain_reason(exc))
+                log.warning("replica %s: cannot read its model name from /v1/models (%s); the gateway serves %r "
+                            "meanwhile (set replicas[].model or model.served_name)", self.name, reason, self.info.model)
 
     async def _fetch_models(self) -> None:
         """An external server's model name (the gateway serves it under that name
@@ -503,8 +511,7 @@ class RemoteReplica(Replica):
                 self._forgive(probes=True)
                 if self.kind == "openai" and not self.info_known:
                     # Down when the gateway started: its model name is still to learn.
-                    with contextlib.suppress(Exception):
-                        await self._fetch_models()
+                    await self._learn_model()
                 self._maybe_rejoin()
             else:
                 self._note_failure(probe=True)

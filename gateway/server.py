@@ -82,8 +82,7 @@ async def start_server(app: web.Application, host: str = "127.0.0.1", port: int 
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    sock = site._server.sockets[0]  # the bound port when 0 was asked
-    bound = sock.getsockname()[1]
+    bound = runner.addresses[0][1]  # the bound port when 0 was asked
     return RunningServer(runner, f"http://{host}:{bound}")
 
 

@@ -2316,3 +2316,29 @@ async def test_an_external_server_that_does_not_say_its_cache_hits_leaves_them_u
         assert (stats["totals"]["requests"], stats["totals"]["engine_requests"]) == (2, 2)
         assert (stats["totals"]["prompt_tokens"], stats["totals"]["cached_tokens"]) == (0, 0)
         assert sum(sum(p["rps"].values()) for p in stats["history"]) > 0
+
+
+async def test_a_model_list_of_another_shape_is_said_once_and_requests_still_go(tiny_model_dir, caplog):
+    """An external server whose /v1/models cannot be read (here: cards without
+    an id) still serves, under the configured name, and the log says why the
+    gateway could not learn the server's own name: once, not at every probe."""
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"object": "model", "name": MODEL}]})
+
+    upstream = await _scripted_upstream(models, _answer_fine)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="ext")],
+                         router=RouterConfig(health_interval_s=0.1))
+    with caplog.at_level(logging.WARNING, logger="gateway.replicas"):
+        gw = await start_server(create_app(config))
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        try:
+            reply = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            assert reply.choices[0].message.content == "Fine"
+            await asyncio.sleep(0.5)  # several probes, each trying the model list again
+        finally:
+            await client.close()
+            await gw.stop()
+            await upstream.stop()
+    said = [r.getMessage() for r in caplog.records if "/v1/models" in r.getMessage()]
+    assert said == [f"replica ext: cannot read its model name from /v1/models (an answer of another shape); the "
+                    f"gateway serves '{MODEL}' meanwhile (set replicas[].model or model.served_name)"], said

@@ -7,7 +7,7 @@ from the cache: a metadata-only history remembers every key seen in the last
 ``history_horizon_s`` (cached or long evicted), so a reuse that comes after
 the block was evicted is still observed.  Fitting from cached blocks only
 censors every gap longer than the cache's residency and, in a small cache,
-makes every category look fast and hopeless (DESIGN section 2).
+makes every category look fast and hopeless.
 
 An access of a key opens an *episode* for the category it was accessed in;
 the episode ends as a reuse (the key is accessed again: gap g) or is censored

@@ -571,14 +571,6 @@ class CategoryQueues:
         keys.sort(key=lambda k: (rec[k][1], -rec[k][2]))
         return keys
 
-    def evict_order(self, now: float) -> list[int]:
-        """Evictable keys in eviction order (on a clone; for tests)."""
-        other = self.clone()
-        order = []
-        while other.evictable > 0:
-            order.append(other.evict(now)[0])
-        return order
-
 
 class _SimCache:
     """A metadata-only cache of ``capacity`` keys evicting by ``CategoryQueues``."""
