@@ -11,7 +11,9 @@ Periods with nothing in them make no points of their own; a stretch of a whole
 period or more with nothing is marked by two ``idle`` points, where it starts
 and where it ends (a snapshot taken during it ends with one at ``now``), so a
 chart shows no load there, and no line across it, rather than the last busy
-period's figures carried on.
+period's figures carried on.  A period during which a snapshot saw requests in
+flight is not idle, though none started or ended in it (one long stream): its
+point has the replicas' rates and no hit ratio or TTFT of its own.
 
 Schema (the dashboard's ``render()`` reads exactly this)::
 
@@ -76,6 +78,7 @@ class StatsHistory:
         self._tokens: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         self._ttfts: list[float] = []
         self._per_replica: Counter[str] = Counter()
+        self._running = False  # a snapshot in this period saw requests in flight
         self.requests = 0  # client requests answered in full (the gateway counts them)
         self.engine_requests = 0
         self.prompt_tokens = 0
@@ -109,7 +112,11 @@ class StatsHistory:
         self.cached_tokens += cached_tokens
 
     def snapshot(self, replicas: list[dict], now: float) -> dict:
+        running = any(r["inflight"] for r in replicas)
+        # Marked on both sides of the roll: the period it closes had them too.
+        self._running = self._running or running
         self._roll(now)
+        self._running = self._running or running
         history = list(self.history)
         if self._busy():
             history.append(self._point(now, partial=True))
@@ -160,7 +167,7 @@ class StatsHistory:
 
     def _busy(self) -> bool:
         """Whether the period under way has had anything in it."""
-        return bool(self._tokens or self._ttfts or self._per_replica)
+        return bool(self._tokens or self._ttfts or self._per_replica or self._running)
 
     def _active(self, now: float) -> None:
         """Roll to ``now`` for something that happens now, first marking the
@@ -184,6 +191,7 @@ class StatsHistory:
         self._tokens.clear()
         self._ttfts = []
         self._per_replica.clear()
+        self._running = False
         self._period_start = now
 
 

@@ -175,3 +175,50 @@ async def test_an_idle_stretch_breaks_the_lines_and_the_axis_runs_to_now(tmp_pat
     assert canvas("hit", "runs") == "2" and canvas("ttft", "runs") == "4"  # p50 and p99, each in two
     assert canvas("load", "runs") == "1"  # load reads 0 while idle: one line
     assert canvas("hit", "span") == canvas("load", "span") == "195"
+    # The x axis says what it spans, the same for every line chart.
+    assert canvas("hit", "xlabels") == canvas("ttft", "xlabels") == canvas("load", "xlabels") == "3 min ago|98 s ago|now"
+
+
+async def test_a_gateway_that_stops_answering_leaves_the_page_greyed_and_saying_since_when(tmp_path):
+    """The page kept showing the last figures as live after the gateway died (its
+    only sign "TypeError: Failed to fetch"): it now greys them and says since when
+    it has had no answer.  A replica with no figures (down) shows them as unknown,
+    not as "0" fallbacks and a green "off"; long replica names are cut to their
+    bars; an empty tier (no host tier) takes no bar."""
+    long_name = "inference-engine-replica-in-the-eu-west-zone-number-0"
+    blocks = {"device": {"free": 10, "cached": 20, "in_use": 2}, "host": {"free": 0, "cached": 0, "in_use": 0}}
+    replicas = [{"name": f"{long_name}{i}", "healthy": i == 0, "inflight": 0, "cache": blocks if i == 0 else {},
+                 "policy": {"name": "wa", "active": "wa", "fallbacks": 2, "reuse_alarm": False,
+                            "traffic_spike": False} if i == 0 else {}} for i in range(4)]
+    replicas[1]["cache"] = blocks
+    stats = {"now": 30.0, "sample_s": 5.0, "history": [
+        {"t": 25.0, "partial": False, "idle": False, "hit_ratio": {"to-c": 0.5}, "ttft_p50": 0.1, "ttft_p99": 0.2,
+         "rps": {replicas[0]["name"]: 1.0}}], "replicas": replicas,
+        "totals": {"requests": 3, "engine_requests": 3, "prompt_tokens": 30, "cached_tokens": 15, "hit_ratio": 0.5}}
+    answers = []
+
+    async def stats_once(request):
+        answers.append(request)
+        if len(answers) > 1:
+            return aiohttp.web.json_response({"error": {"message": "gone"}}, status=503)
+        return aiohttp.web.json_response(stats)
+
+    page = aiohttp.web.Application()
+    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
+    page.router.add_get("/stats", stats_once)
+    server = await start_server(page)
+    try:
+        dom = await run_chromium(tmp_path, server.url + "/dashboard", "--dump-dom")
+    finally:
+        await server.stop()
+    assert len(answers) >= 2
+    assert re.search(r'<body[^>]*data-stale="1"', dom), dom[:1500]
+    error = re.search(r'id="error">([^<]*)</span>', dom).group(1)
+    assert re.fullmatch(r"lost contact with the gateway since \d\d:\d\d:\d\d \(/stats answered 503\): figures frozen",
+                        error), error
+    assert "3 requests · hit ratio 50.0% since start · 1/4 replicas healthy" in dom
+    rows = re.findall(r"<tr>(.*?)</tr>", re.search(r"<tbody>(.*?)</tbody>", dom, re.S).group(1), re.S)
+    assert "<td>2</td>" in rows[0] and '<span class="ok">off</span>' in rows[0]
+    assert rows[1].count('<span class="unknown">-</span>') == 5 and "off" not in rows[1] and "<td>0</td>" not in rows[1]
+    labels = re.search(r'<canvas[^>]*id="cache"[^>]*data-labels="([^"]*)"', dom).group(1).split("|")
+    assert len(labels) == 2 and all(label.startswith("…") and label.endswith(" device") for label in labels), labels

@@ -846,3 +846,21 @@ def test_the_status_lines_errors_leave_out_clients_that_left():
         for _ in range(times):
             metrics.requests.labels("chat", "to-c", status).inc()
     assert metrics.errors_total() == 3
+
+
+def test_a_long_request_in_flight_is_no_idle_stretch():
+    """One stream decoding for 30 s starts and ends nothing in between: the page
+    drew it as no load, its lines broken.  Periods in which a snapshot saw it in
+    flight are busy ones (rates, no hit ratio of their own), and the stretch
+    after it ends is idle again."""
+    history = StatsHistory(sample_s=5.0)
+    history.first_token(0.2, now=0.0)
+    replicas = [{"name": "r", "inflight": 1}]
+    for second in range(2, 30, 2):  # the page polls every 2 s
+        history.snapshot(replicas, now=float(second))
+    history.finished("to-c", "r", 10, 0, now=30.0)
+    points = history.snapshot([{"name": "r", "inflight": 0}], now=31.0)["history"]
+    assert not any(p["idle"] for p in points), [(p["t"], p["idle"]) for p in points]
+    assert points[-1]["rps"]["r"] > 0 and points[1]["hit_ratio"] == {} and points[1]["ttft_p50"] is None
+    quiet = history.snapshot([{"name": "r", "inflight": 0}], now=60.0)["history"]
+    assert [p["idle"] for p in quiet[-2:]] == [True, True]
