@@ -12,7 +12,6 @@ response shapers in gateway/respond.py) only sees batches of outputs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -346,5 +345,7 @@ async def aclose(gen) -> None:
     """Close an async iterator that may have stopped early (None: nothing to close)."""
     close = getattr(gen, "aclose", None)
     if close is not None:
-        with contextlib.suppress(Exception):
+        try:
             await close()
+        except Exception:  # noqa: BLE001 - a stream whose connection already failed: said, not raised
+            log.debug("closing a replica's stream failed", exc_info=True)
