@@ -121,10 +121,10 @@ class Classifier:
                 break
         if workload is None:
             workload = self.cfg.completions_workload if req.endpoint != CHAT else self.cfg.default_workload
-        if header_type is not None:
-            rtype = header_type
         if rtype is None:
-            rtype = self._implied_type(req, is_file, workload)
+            # The rule named no type: the client's X-KVGate-Type, else what the content implies.
+            # A rule's own type is the operator's, which no client header overrides.
+            rtype = header_type or self._implied_type(req, is_file, workload)
         return workload, rtype
 
     def _match(

@@ -443,9 +443,10 @@ DEFAULT_RULES = [
     ClassifierRule(when="image", workload="multimodal", type="image"),
     # A long document is a file request of whoever sent it: to-C from chat, to-B from the API.
     ClassifierRule(when="file", type="file"),
-    ClassifierRule(when="multi_turn", workload="to-c", type="text"),
-    ClassifierRule(when="endpoint", endpoint="completions", workload="to-b", type="api"),
-    ClassifierRule(when="endpoint", endpoint="chat", workload="to-c", type="text"),
+    # No type on the three below: the content's (text, or api for to-B), or the client's X-KVGate-Type.
+    ClassifierRule(when="multi_turn", workload="to-c"),
+    ClassifierRule(when="endpoint", endpoint="completions", workload="to-b"),
+    ClassifierRule(when="endpoint", endpoint="chat", workload="to-c"),
 ]
 
 

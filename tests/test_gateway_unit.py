@@ -298,6 +298,10 @@ def test_tenant_rule_and_sessions():
     ctx = clf.classify(chat(), Principal("acme"), {}, 10, 2)
     assert (ctx.workload, ctx.type) == ("to-b", "search")
     assert clf.classify(chat(), Principal("other"), {}, 10, 2).workload == "to-c"
+    # A rule's own type is the operator's: a client's X-KVGate-Type sets the type only where
+    # the rule that decided names none.
+    assert clf.classify(chat(), Principal("acme"), {"X-KVGate-Type": "image"}, 10, 2).type == "search"
+    assert clf.classify(chat(), Principal("other"), {"X-KVGate-Type": "image"}, 10, 2).type == "image"
     # Same opening messages -> same session; parent chat id chains turns.
     a = clf.classify(chat(messages=[{"role": "user", "content": "q1"}]), Principal(), {}, 5, 1)
     b = clf.classify(chat(messages=[{"role": "user", "content": "q1"}, {"role": "assistant", "content": "r"}, {"role": "user", "content": "q2"}]), Principal(), {}, 5, 1)
