@@ -38,7 +38,9 @@ so that replay does what the engine did rather than approximately so:
 
 Past ``max_bytes`` the file rotates (FILE -> FILE.1 -> ...; ``keep`` files)
 and the id maps start afresh, so each file is a self-contained trace and
-memory stays bounded.  An existing FILE is rotated away at start for the same
+memory stays bounded: block, chat and session ids count from 1 in each file,
+timestamps from the file's opening, and a parent recorded in an earlier file
+is -1 (the turn still says how deep the conversation is).  An existing FILE is rotated away at start for the same
 reason: appending new ids to an old recording would alias unrelated blocks.
 """
 
@@ -63,7 +65,6 @@ class TraceRecorder:
         self.keep = max(1, keep)
         self.block_tokens = block_tokens
         self._clock = clock
-        self._start = clock()
         if self.path.is_dir():
             # Rotation would rename the directory itself out of the way.
             raise IsADirectoryError(errno.EISDIR, "is a directory, give a file path", str(self.path))
@@ -85,15 +86,17 @@ class TraceRecorder:
         blocks = -(-prompt_tokens // self.block_tokens)
         while len(ids) < blocks:
             ids.append(self._fresh_id())
-        chat_id = ctx.chat_id
-        if chat_id < 0:
-            # No classification ids (not expected from the gateway): keep lines distinct.
-            self._next_chat -= 1
-            chat_id = self._next_chat
+        # Chat ids per file: a parent's line comes before its next turn's (the engine
+        # ended it before the client could send that turn), so it is mapped by then.
+        self._next_chat += 1
+        chat_id = self._next_chat
+        if ctx.chat_id >= 0:
+            self._chats[ctx.chat_id] = chat_id
+        parent = self._chats.get(ctx.parent_chat_id, -1) if ctx.parent_chat_id >= 0 else -1
         timestamp = (arrival if arrival is not None else self._clock()) - self._start
         fields = {
             "chat_id": chat_id,
-            "parent_chat_id": ctx.parent_chat_id,
+            "parent_chat_id": parent,
             "timestamp": round(max(timestamp, 0.0), 6),
             "input_length": prompt_tokens,
             "output_length": completion_tokens,
@@ -155,7 +158,9 @@ class TraceRecorder:
         self._ids: dict[int, int] = {}
         self._next_id = 0
         self._next_chat = 0
+        self._chats: dict[int, int] = {}  # the gateway's chat id -> this file's
         self._sessions: dict[str, int] = {}
+        self._start = self._clock()  # timestamps count from the file's opening
         self._bytes = 0
         self._file = open(self.path, "w", encoding="ascii")
 

@@ -58,10 +58,10 @@ def test_lines_hold_remapped_ids_and_no_content(tmp_path):
     rec.record(second, big, 48, 3, arrival=101.25)  # shares the first two blocks
     rec.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert lines[0] == {"chat_id": 7, "parent_chat_id": -1, "timestamp": 0.5, "input_length": 40, "output_length": 5,
+    assert lines[0] == {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.5, "input_length": 40, "output_length": 5,
                         "type": "text", "turn": 1, "workload": "to-c", "hash_ids": [1, 2, 3], "cacheable_blocks": 2}
     assert lines[1]["hash_ids"] == [1, 2, 4] and lines[1]["timestamp"] == 1.25
-    assert (lines[1]["type"], lines[1]["turn"], lines[1]["parent_chat_id"], lines[1]["workload"]) == ("file", 2, 7, "to-b")
+    assert (lines[1]["type"], lines[1]["turn"], lines[1]["parent_chat_id"], lines[1]["workload"]) == ("file", 2, 1, "to-b")
     assert str(big[0]) not in path.read_text()
     trace = load_trace(path)
     assert [r.context.workload for r in trace.requests] == ["to-c", "to-b"]
@@ -125,13 +125,18 @@ def test_replay_caches_recorded_output_blocks_and_skips_partial_ones(tmp_path):
 
 
 def test_rotation_by_size_starts_each_file_afresh(tmp_path):
+    """Each file a trace on its own: block, chat and session ids from 1, timestamps
+    from the file's opening, no parent that lives in another file (chat ids and
+    timestamps ran on across files, and next turns pointed at parents elsewhere)."""
     path = tmp_path / "trace.jsonl"
     path.write_text("an older recording\n")
-    rec = TraceRecorder(path, max_bytes=4096, keep=2)
+    now = iter(float(t) for t in range(10_000)).__next__
+    rec = TraceRecorder(path, max_bytes=4096, keep=2, clock=now)
     assert (tmp_path / "trace.jsonl.1").read_text() == "an older recording\n"
     keys = list(range(1000, 1030))
-    for i in range(200):
-        rec.record(RequestContext(chat_id=i), keys, 30 * 16, 1)
+    for i in range(200):  # conversations of two turns: chat 2k, then 2k+1 whose parent it is
+        ctx = RequestContext(chat_id=i, parent_chat_id=i - 1 if i % 2 else -1, turn=1 + i % 2, session=f"s{i // 2}")
+        rec.record(ctx, keys, 30 * 16, 1)
     rec.close()
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["trace.jsonl", "trace.jsonl.1", "trace.jsonl.2"]  # keep=2 rotated files
@@ -139,8 +144,13 @@ def test_rotation_by_size_starts_each_file_afresh(tmp_path):
         text = (tmp_path / name).read_text()
         assert 4096 <= len(text) < 4096 + 300
     for name in files[:2]:
-        first = json.loads((tmp_path / name).read_text().splitlines()[0])
-        assert first["hash_ids"][:3] == [1, 2, 3]  # ids restart in every file
+        lines = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+        assert lines[0]["hash_ids"][:3] == [1, 2, 3]  # ids restart in every file
+        assert [line["chat_id"] for line in lines] == list(range(1, len(lines) + 1))
+        ids = {line["chat_id"] for line in lines}
+        assert all(line["parent_chat_id"] in ids or line["parent_chat_id"] == -1 for line in lines)
+        assert sum(line["parent_chat_id"] != -1 for line in lines) >= len(lines) // 2 - 1  # links within a file stay
+        assert lines[0]["timestamp"] <= 1.0 and min(line["session_id"] for line in lines) == 1
     assert all(len(load_trace(tmp_path / name).requests) > 0 for name in files[:2])
 
 
