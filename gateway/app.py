@@ -91,6 +91,10 @@ class Gateway:
         self.metrics = GatewayMetrics("engine" if engine_mode else "gateway")
         self.observer = Observer(config, self.metrics)
         self.principals = _load_keys(config)
+        if self.max_per_tenant is not None and not self.principals:
+            # Tenants are API keys': without keys every request is anonymous, and no limit applies.
+            log.warning("server.limits.max_inflight_per_tenant is set but there are no API keys, so there are no "
+                        "tenants and it limits nothing (set server.api_keys, or max_inflight_requests for all)")
         # A `kvgate engine` takes the salt its gateway computed as it is (prepare).
         self.isolate_tenants = config.server.isolate_tenant_caches
         self._warn_if_tenants_share_an_external_cache()

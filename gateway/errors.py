@@ -47,6 +47,11 @@ class ApiError(Exception):
             resp.headers["Retry-After"] = "1"
         elif self.status == 415:
             resp.headers["Accept-Encoding"] = "gzip, deflate"  # what to send instead (RFC 9110)
+        elif self.status == 408:
+            # A body that did not arrive in time: its rest cannot be told from a next
+            # request, so the connection ends with this answer (RFC 9110 15.5.9), once
+            # aiohttp's lingering read (up to 10 s) has taken what the client still sends.
+            resp.force_close()
         # As on every OpenAI response (the SDK's error.request_id); a completion's is its own id.
         resp.headers["x-request-id"] = f"req-{getrandbits(96):024x}"
         return resp

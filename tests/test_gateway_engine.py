@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 import openai
@@ -338,6 +339,9 @@ async def test_slow_uploads_hold_no_slot_and_time_out(tiny_model_dir):
         for reader, writer in slow:
             head = await asyncio.wait_for(reader.read(2048), 10)
             assert head.startswith(b"HTTP/1.1 408") and b"request_timeout" in head
+            # The rest of that body cannot be told from a next request: the server says it
+            # closes (RFC 9110's 408), after aiohttp's lingering read of what still comes.
+            assert b"\r\nConnection: close\r\n" in head, head
             writer.close()
         assert app[GATEWAY].admitted == 0
 
@@ -395,6 +399,17 @@ async def _requests_by_labels(url: str, status: str) -> dict[tuple[str, str], fl
     return {(s.labels["endpoint"], s.labels["workload"]): s.value for family in text_string_to_metric_families(text)
             for s in family.samples
             if s.name == "kvgate_requests_total" and s.labels["status"] == status and s.value}
+
+
+async def test_a_tenant_limit_without_api_keys_is_said_to_limit_nothing(tiny_model_dir, caplog):
+    """max_inflight_per_tenant counts API keys' tenants: with no keys every request is
+    anonymous and none is refused, which start-up now says rather than leave to be found."""
+    with caplog.at_level(logging.WARNING, logger="gateway.app"):
+        create_app(_config(tiny_model_dir, replicas=1, limits={"max_inflight_per_tenant": 1}))
+        create_app(_config(tiny_model_dir, replicas=1, limits={"max_inflight_per_tenant": 1},
+                           api_keys=[ApiKeyConfig(key="sk-a", tenant="acme")]))
+    said = [r.getMessage() for r in caplog.records if "max_inflight_per_tenant" in r.getMessage()]
+    assert len(said) == 1 and "no API keys" in said[0] and "limits nothing" in said[0], said
 
 
 async def test_one_tenant_cannot_hold_more_than_its_share_in_flight(tiny_model_dir):
