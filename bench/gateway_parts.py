@@ -38,7 +38,8 @@ from gateway.app import GATEWAY  # noqa: E402
 from gateway.classify import ANONYMOUS  # noqa: E402
 from gateway.dispatch import Sub  # noqa: E402
 from gateway.observe import Finished  # noqa: E402
-from gateway.protocol import DONE, ChoiceState, StreamFormatter, new_id, now_s, parse_json, parse_request  # noqa: E402
+from gateway.protocol import new_id, parse_json, parse_request  # noqa: E402
+from gateway.shapes import DONE, ChoiceState, StreamFormatter, now_s  # noqa: E402
 from gateway.replicas import Job  # noqa: E402
 from gateway.usage import UsageSum  # noqa: E402
 

@@ -44,10 +44,11 @@ from gateway.errors import ApiError, bad_request
 from gateway.metrics import GatewayMetrics
 from gateway.observe import Observer
 from gateway.prefix import PrefixHasher, Prompt
-from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, new_id, now_s, parse_json, parse_request
+from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, new_id, parse_json, parse_request
 from gateway.replicas import InProcessReplica, Replica, build_replicas, default_model_name, load_tokenizer
 from gateway.respond import Responder, uncancel
 from gateway.router import Router
+from gateway.shapes import now_s
 from gateway.startup_thread import in_daemon_thread
 
 log = logging.getLogger(__name__)

@@ -22,11 +22,11 @@ from gateway import errors
 from gateway.dispatch import RESTART, Sub, aclose
 from gateway.errors import ApiError
 from gateway.observe import Observer
-from gateway.protocol import (
-    CHAT,
+from gateway.protocol import CHAT, ParsedRequest
+from gateway.replicas import CACHED_TOKENS_HEADER, QUEUE_TIME_HEADER
+from gateway.shapes import (
     DONE,
     ChoiceState,
-    ParsedRequest,
     StreamFormatter,
     chat_completion,
     merge_delta_extra,
@@ -34,7 +34,6 @@ from gateway.protocol import (
     sse_error,
     text_completion,
 )
-from gateway.replicas import CACHED_TOKENS_HEADER, QUEUE_TIME_HEADER
 from gateway.upstream import USAGE_ALL
 from gateway.usage import UsageSum
 

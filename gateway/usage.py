@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.request import GenerationOutput, Usage
-from gateway.protocol import usage_dict
+from gateway.shapes import usage_dict
 from gateway.upstream import USAGE_ALL
 
 if TYPE_CHECKING:

@@ -11,7 +11,8 @@ from gateway.classify import Classifier, Principal
 from gateway.config import ClassifierConfig, ClassifierRule, KvgateConfig, LimitsConfig, RouterConfig
 from gateway.errors import ApiError
 from gateway.prefix import PrefixHasher
-from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, StreamFormatter, merge_delta_extra, parse_json, parse_request
+from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, parse_json, parse_request
+from gateway.shapes import StreamFormatter, merge_delta_extra
 from gateway.router import ApproxIndex, ExactIndex, Router
 from bench.instant_engine import ByteTokenizer  # a byte-per-token stub is all hashing tests need
 
@@ -219,7 +220,7 @@ def test_stream_formatter_fast_frames_are_json_dumps_bytes(text, finish, stop_re
     chunk gives; a choice's last chunk carries vLLM's stop_reason."""
     import json
 
-    from gateway.protocol import ChoiceState
+    from gateway.shapes import ChoiceState
 
     for endpoint in (CHAT, COMPLETIONS):
         fmt = StreamFormatter(endpoint, rid, 1700000000, model, include_usage)

@@ -8,7 +8,7 @@ from tokenizers import pre_tokenizers
 
 from engine.request import TokenLogprob
 from engine.token_pieces import TokenPieces, byte_level_alphabet, token_bytes
-from gateway.protocol import TokenOffsets, chat_logprobs, completion_logprobs
+from gateway.shapes import TokenOffsets, chat_logprobs, completion_logprobs
 from tests.tiny_model import make_tiny_tokenizer
 from tests.tokenizer_families import FAMILIES
 
