@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 
 import aiohttp
 import openai
@@ -651,9 +652,16 @@ async def test_gateways_sharing_engines_see_each_others_load(tiny_model_dir):
     (e1, s1), (e2, s2) = [await _engine_server(tiny_model_dir) for _ in range(2)]
     gate = threading.Event()
     run = e1.runner.run
+    on_e1 = record_requests(e1)
 
     def held_run(batch):
-        # Prompts are computed (so each request's second choice joins), decoding waits.
+        # No step until the four requests are all in: under load they arrive spread out,
+        # and a step held at the gate would keep the late ones out of the batch (CI saw
+        # fewer than eight running).  Then prompts are computed (so each request's second
+        # choice joins), and decoding waits.
+        deadline = time.monotonic() + 30
+        while len(on_e1) < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
         if all(seq.num_computed >= seq.num_prompt_tokens for seq, _ in batch):
             gate.wait(30)
         return run(batch)
