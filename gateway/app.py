@@ -765,12 +765,13 @@ def _log_client_gone(request: web.Request, start: float, exc: BaseException) -> 
     nor for a write that failed part way.  (A write failing before any byte went
     gets aiohttp's own line, as a 500.)"""
     protocol = request.protocol
+    if protocol is None or protocol.access_logger is None:
+        return  # access_log off, the usual case
     sent = request.writer.output_size
     if isinstance(exc, ConnectionResetError) and not sent:
         return
-    if protocol is not None and protocol.access_logger is not None:
-        began = asyncio.get_running_loop().time() - (time.perf_counter() - start)
-        protocol.log_access(request, _ClientLeft(sent), began)
+    began = asyncio.get_running_loop().time() - (time.perf_counter() - start)
+    protocol.log_access(request, _ClientLeft(sent), began)
 
 
 def _mm_hashes(raw) -> list[tuple[int, bytes]]:

@@ -113,10 +113,11 @@ class StatsHistory:
 
     def snapshot(self, replicas: list[dict], now: float) -> dict:
         running = any(r["inflight"] for r in replicas)
-        # Marked on both sides of the roll: the period it closes had them too.
-        self._running = self._running or running
+        if running:
+            self._running = True  # in the period the roll may close...
         self._roll(now)
-        self._running = self._running or running
+        if running:
+            self._running = True  # ...and in the one under way
         history = list(self.history)
         if self._busy():
             history.append(self._point(now, partial=True))
