@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 
 import aiohttp
 import openai
@@ -652,17 +651,14 @@ async def test_gateways_sharing_engines_see_each_others_load(tiny_model_dir):
     (e1, s1), (e2, s2) = [await _engine_server(tiny_model_dir) for _ in range(2)]
     gate = threading.Event()
     run = e1.runner.run
-    on_e1 = record_requests(e1)
 
     def held_run(batch):
-        # No step until the four requests are all in: under load they arrive spread out,
-        # and a step held at the gate would keep the late ones out of the batch (CI saw
-        # fewer than eight running).  Then prompts are computed (so each request's second
-        # choice joins), and decoding waits.
-        deadline = time.monotonic() + 30
-        while len(on_e1) < 4 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        if all(seq.num_computed >= seq.num_prompt_tokens for seq, _ in batch):
+        # Decoding waits once all eight sequences (four requests, two choices each)
+        # are in the batch with their prompts computed.  Under load the requests
+        # arrive spread out: a step held before the last one joined kept it out
+        # (CI saw fewer than eight running), so the early ones decode meanwhile,
+        # with room to spare (max_tokens 400, no EOS) before the last joins.
+        if len(batch) == 8 and all(seq.num_computed >= seq.num_prompt_tokens for seq, _ in batch):
             gate.wait(30)
         return run(batch)
 
@@ -680,8 +676,8 @@ async def test_gateways_sharing_engines_see_each_others_load(tiny_model_dir):
         await wait_for(lambda: all(r.healthy for r in replicas), what="replicas healthy")
         # The other gateway's four requests of two choices each, straight to e1 (as a
         # gateway sends them): four requests, not eight.
-        others = [asyncio.create_task(theirs.completions.create(model=MODEL, prompt=f"elsewhere {i}", max_tokens=4,
-                                                                n=2))
+        others = [asyncio.create_task(theirs.completions.create(model=MODEL, prompt=f"elsewhere {i}", max_tokens=400,
+                                                                n=2, extra_body={"ignore_eos": True}))
                   for i in range(4)]
         router = app[GATEWAY].router
         mean = router._mean_request_tokens
