@@ -249,6 +249,9 @@ class Dispatcher:
                             usage.completion[0] if exhausted else max(usage.completion[0], received),
                             arrival, parsed.user, generated, parsed.cache_salt,
                         )
+                        if unrecorded is not None:
+                            # An earlier cut attempt this one supersedes: the figures count its work.
+                            self.observer.finished(unrecorded, record=False)
                         if restart:
                             unrecorded = done
                         else:

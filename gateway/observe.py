@@ -132,7 +132,10 @@ class Observer:
         status line's request count, in kvgate_requests_total's unit."""
         self.history.answered()
 
-    def finished(self, done: Finished) -> None:
+    def finished(self, done: Finished, record: bool = True) -> None:
+        """An engine request ended.  Every one counts in the figures (as on
+        /metrics: its replica did the prefill); ``record`` False for an attempt a
+        restart elsewhere superseded, as the recording has one line a request."""
         ctx = done.ctx
         # The replica's load counts every engine request; the hit ratio only those whose hits are known.
         self.history.finished(ctx.workload, done.replica, done.prompt_tokens, done.cached_tokens, time.monotonic())
@@ -141,7 +144,7 @@ class Observer:
             user = user_identity(done.user, ctx.tenant)
             if user is not None:
                 self.user_share.record(user, done.cached_tokens, time.monotonic())
-        if self.recorder is not None:
+        if record and self.recorder is not None:
             prompt = done.prompt
             # Token ids come back from in-process engines only; remote streams carry text.
             output_keys = generated_keys(prompt.token_ids, prompt.keys, done.generated, self._block_size,

@@ -2346,3 +2346,59 @@ async def test_a_model_list_of_another_shape_is_said_once_and_requests_still_go(
     said = [r.getMessage() for r in caplog.records if "/v1/models" in r.getMessage()]
     assert said == [f"replica ext: cannot read its model name from /v1/models (an answer of another shape); the "
                     f"gateway serves '{MODEL}' meanwhile (set replicas[].model or model.served_name)"], said
+
+
+async def test_a_failed_attempt_counts_on_the_dashboard_as_on_metrics(tiny_model_dir, tmp_path):
+    """A non-streaming answer cut mid-answer starts over elsewhere.  The first
+    replica did its prefill and said its hits (vLLM's continuous usage stats),
+    and /metrics counts that work; the
+    dashboard's totals left it out (its figures drifted from Prometheus's after a
+    failover), while the recording keeps one record for the one request."""
+    calls = []
+
+    async def scripted(request):
+        await request.read()
+        calls.append(1)
+        first = len(calls) == 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        # vLLM's continuous usage stats: the hits come with the first chunk.
+        await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}],
+                               "usage": {"prompt_tokens": 48, "completion_tokens": 1,
+                                         "prompt_tokens_details": {"cached_tokens": 32 if first else 16}}}))
+        if first:  # cut mid-answer
+            await asyncio.sleep(0.1)
+            request.transport.close()
+            return resp
+        await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}],
+                               "usage": {"prompt_tokens": 48, "completion_tokens": 2,
+                                         "prompt_tokens_details": {"cached_tokens": 16}}}, b"[DONE]"))
+        return resp
+
+    upstreams = [await _scripted_upstream(_models_while({"healthy": True}), scripted) for _ in range(2)]
+    path = tmp_path / "served.jsonl"
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=u.url, name=f"r{i}")
+                                          for i, u in enumerate(upstreams)],
+                         router=RouterConfig(health_interval_s=60), record_trace=str(path))
+    try:
+        async with serving(create_app(config)) as (app, gw, client):
+            await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}])
+            assert len(calls) == 2
+            async with aiohttp.ClientSession() as session:
+                async with session.get(gw.url + "/stats") as resp:
+                    totals = (await resp.json())["totals"]
+                async with session.get(gw.url + "/metrics") as resp:
+                    scrape = await resp.text()
+    finally:
+        for upstream in upstreams:
+            await upstream.stop()
+
+    def summed(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in scrape.splitlines() if line.startswith(name + "{"))
+
+    queries, hits = summed("kvgate_prefix_cache_queries_tokens_total"), summed("kvgate_prefix_cache_hits_tokens_total")
+    assert (queries, hits) == (48 + 48, 32 + 16)
+    assert (totals["prompt_tokens"], totals["cached_tokens"]) == (queries, hits)
+    assert totals["engine_requests"] == 2 and totals["requests"] == 1
+    assert len(path.read_text().splitlines()) == 1
