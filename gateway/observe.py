@@ -73,7 +73,7 @@ class Observer:
     def __init__(self, config: KvgateConfig, metrics: GatewayMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.history = StatsHistory()
+        self.history = StatsHistory(started=time.time())
         self.reuse = MinuteReuse()
         self.user_share = UserHitShare()
         self.recorder: TraceRecorder | None = None

@@ -17,7 +17,7 @@ point has the replicas' rates and no hit ratio or TTFT of its own.
 
 Schema (the dashboard's ``render()`` reads exactly this)::
 
-    {"now": t, "sample_s": s,
+    {"now": t, "sample_s": s, "started": wall-clock time (Unix seconds) the gateway started,
      "history": [{"t", "partial", "idle", "hit_ratio": {workload: r}, "ttft_p50", "ttft_p99",
                   "rps": {replica: engine requests/s}}],
      "replicas": [{"name", "healthy", "inflight",
@@ -25,6 +25,8 @@ Schema (the dashboard's ``render()`` reads exactly this)::
                    "policy": {"name", "active", "fallbacks", "reuse_alarm", "traffic_spike"}}],
      "totals": {"requests", "engine_requests", "prompt_tokens", "cached_tokens", "hit_ratio"}}
 
+``now`` and the history's ``t`` are monotonic seconds (differences only); ``started``
+lets the page tell a restart (whose history starts over) from a quiet spell.
 ``requests`` counts client requests answered in full (kvgate_requests_total's
 200s); ``engine_requests`` what the replicas ran for them (a completions
 request with three prompts is three), and the token figures those engine
@@ -71,8 +73,9 @@ def replica_entry(name: str, healthy: bool, inflight: int, engine: Mapping | Non
 
 
 class StatsHistory:
-    def __init__(self, sample_s: float = 5.0, keep: int = 120) -> None:
+    def __init__(self, sample_s: float = 5.0, keep: int = 120, started: float = 0.0) -> None:
         self.sample_s = sample_s
+        self.started = started
         self.history: deque[dict] = deque(maxlen=keep)
         self._period_start: float | None = None
         self._tokens: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -129,6 +132,7 @@ class StatsHistory:
         return {
             "now": now,
             "sample_s": self.sample_s,
+            "started": self.started,
             "history": history,
             "replicas": replicas,
             "totals": {

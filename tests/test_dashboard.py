@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import aiohttp
@@ -49,7 +50,7 @@ async def run_chromium(tmp_path, url: str, *extra: str) -> str:
         "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--virtual-time-budget=6000", *extra, url,
     ]
     proc = await asyncio.create_subprocess_exec(
-        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "HOME": str(tmp_path)}
+        *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "HOME": str(tmp_path), "TZ": "UTC"}
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
@@ -99,6 +100,7 @@ async def test_stats_json_has_what_the_page_draws(served):
     # Self-contained: no script, style or font from anywhere but the page itself.
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
     assert stats["totals"]["requests"] == 7
+    assert 0 < time.time() - stats["started"] < 300  # wall clock: the page tells a restart by it
     point = stats["history"][-1]
     assert set(point["hit_ratio"]) == {"to-c", "to-b"} and point["ttft_p50"] > 0
     assert set(point["rps"]) <= {"alpha", "beta"} and sum(point["rps"].values()) > 0
@@ -159,15 +161,7 @@ async def test_an_idle_stretch_breaks_the_lines_and_the_axis_runs_to_now(tmp_pat
              "replicas": [{"name": "r", "healthy": True, "inflight": 0, "cache": {}, "policy": {}}],
              "totals": {"requests": 3, "engine_requests": 3, "prompt_tokens": 30, "cached_tokens": 15,
                         "hit_ratio": 0.5}}
-    page = aiohttp.web.Application()
-    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
-    page.router.add_get("/stats", lambda request: aiohttp.web.json_response(stats))
-    server = await start_server(page)
-    try:
-        dom = await run_chromium(tmp_path, server.url + "/dashboard", "--dump-dom")
-    finally:
-        await server.stop()
-    assert 'id="error"></span>' in dom, dom[-2000:]
+    dom = await _dashboard_over(tmp_path, lambda request: aiohttp.web.json_response(stats))
 
     def canvas(chart: str, attribute: str) -> str:
         return re.search(rf'<canvas id="{chart}"[^>]*data-{attribute}="([^"]*)"', dom).group(1)
@@ -177,6 +171,58 @@ async def test_an_idle_stretch_breaks_the_lines_and_the_axis_runs_to_now(tmp_pat
     assert canvas("hit", "span") == canvas("load", "span") == "195"
     # The x axis says what it spans, the same for every line chart.
     assert canvas("hit", "xlabels") == canvas("ttft", "xlabels") == canvas("load", "xlabels") == "3 min ago|98 s ago|now"
+
+
+async def test_a_workload_absent_for_a_while_breaks_its_line(tmp_path):
+    """Periods with only another workload's traffic break a workload's hit-ratio
+    line: it joined its figures either side, as if measured in between."""
+    def busy(t, hit_ratio):
+        return {"t": t, "partial": False, "idle": False, "hit_ratio": hit_ratio, "ttft_p50": 0.1,
+                "ttft_p99": 0.2, "rps": {"r": 1.0}}
+
+    stats = {"now": 20.0, "sample_s": 5.0, "started": 1.0e9,
+             "history": [busy(5, {"to-c": 0.5}), busy(10, {"to-b": 0.3}), busy(15, {"to-c": 0.6, "to-b": 0.4})],
+             "replicas": [{"name": "r", "healthy": True, "inflight": 0, "cache": {}, "policy": {}}],
+             "totals": {"requests": 3, "engine_requests": 3, "prompt_tokens": 30, "cached_tokens": 15,
+                        "hit_ratio": 0.5}}
+    dom = await _dashboard_over(tmp_path, lambda request: aiohttp.web.json_response(stats))
+    assert re.search(r'<canvas id="hit"[^>]*data-runs="([^"]*)"', dom).group(1) == "3"  # to-c in two, to-b in one
+
+
+async def test_a_restarted_gateway_is_said_to_have_restarted(tmp_path):
+    """A restart empties the history and totals; the page said nothing, so its
+    short charts read as a quiet spell.  It now says when the gateway (re)started."""
+    answers = []
+
+    async def stats(request):
+        answers.append(request)
+        started = 1.7e9 if len(answers) == 1 else 1.7e9 + 3600  # the second poll finds it restarted
+        return aiohttp.web.json_response({
+            "now": 10.0, "sample_s": 5.0, "started": started, "history": [],
+            "replicas": [{"name": "r", "healthy": True, "inflight": 0, "cache": {}, "policy": {}}],
+            "totals": {"requests": 0, "engine_requests": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                       "hit_ratio": 0.0}})
+
+    dom = await _dashboard_over(tmp_path, stats)
+    assert len(answers) >= 2
+    summary = re.search(r'id="summary">([^<]*)</span>', dom).group(1)
+    again = time.strftime("%H:%M:%S", time.gmtime(1.7e9 + 3600))  # Chromium runs in UTC (run_chromium)
+    assert summary == f"0 requests · hit ratio - since {again} · 1/1 replicas healthy · " \
+                      f"restarted at {again}, figures start over"
+
+
+async def _dashboard_over(tmp_path, stats_handler) -> str:
+    """The page's DOM in Chromium, its /stats answered by ``stats_handler``."""
+    page = aiohttp.web.Application()
+    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
+    page.router.add_get("/stats", stats_handler)
+    server = await start_server(page)
+    try:
+        dom = await run_chromium(tmp_path, server.url + "/dashboard", "--dump-dom")
+    finally:
+        await server.stop()
+    assert 'id="error"></span>' in dom, dom[-2000:]
+    return dom
 
 
 async def test_a_gateway_that_stops_answering_leaves_the_page_greyed_and_saying_since_when(tmp_path):
