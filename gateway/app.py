@@ -117,6 +117,9 @@ class Gateway:
         self.live: set[asyncio.Task] = set()
         self.drain_hooks: list[Callable[[], None]] = []
         self._identity_known = True
+        # The block identity (block size, hash salt) each `kvgate engine` last said:
+        # once all of them agree on one, the gateway hashes with it.
+        self._identities: dict[str, tuple[int, str | bytes]] = {}
         # The context length each replica last said it serves: requests are held to
         # the shortest of these (a replica restarted longer raises it again).
         self._lengths: dict[str, int] = {}
@@ -250,20 +253,30 @@ class Gateway:
                 self.model_name = self.responder.model_name = info.model
             self._hold_to_shortest(replica, info.max_model_len)
             return
-        if not self._identity_known:
-            self._identity_known = True
-            self.hasher.block_size = self.router.block_size = info.block_size
-            self.hasher.salt = info.hash_salt
-            self.observer.block_identity(info.block_size, info.hash_salt)
-            self._hold_to_shortest(replica, info.max_model_len)
-            log.info("replica %s answered: hashing blocks as it does (%d tokens, salt %r)", replica.name,
-                     info.block_size, info.hash_salt)
-        else:
-            if (info.block_size, info.hash_salt) != (self.hasher.block_size, self.hasher.salt):
+        identity = (info.block_size, info.hash_salt)
+        self._identities[replica.name] = identity
+        current = (self.hasher.block_size, self.hasher.salt)
+        if identity != current or not self._identity_known:
+            # An in-process engine's identity is fixed; otherwise the engines' own,
+            # once they all say the same (after a rolling restart onto another
+            # engine.block_size, the gateway's hashes would match none of them).
+            local = any(r.kind == "inprocess" for r in self.replicas)
+            if not local and set(self._identities.values()) == {identity}:
+                again, self._identity_known = self._identity_known, True
+                self.hasher.block_size = self.router.block_size = info.block_size
+                self.hasher.salt = info.hash_salt
+                self.observer.block_identity(info.block_size, info.hash_salt)
+                if again:
+                    log.warning("every engine now hashes blocks of %d tokens salted %r (the gateway hashed %d salted "
+                                "%r): hashing as they do", info.block_size, info.hash_salt, *current)
+                else:
+                    log.info("replica %s answered: hashing blocks as it does (%d tokens, salt %r)", replica.name,
+                             info.block_size, info.hash_salt)
+            else:
                 log.error("replica %s hashes blocks of %d tokens salted %r, the gateway %d salted %r: its prefix index "
                           "cannot match (run every engine on the same model and engine.block_size)", replica.name,
-                          info.block_size, info.hash_salt, self.hasher.block_size, self.hasher.salt)
-            self._hold_to_shortest(replica, info.max_model_len)
+                          info.block_size, info.hash_salt, *current)
+        self._hold_to_shortest(replica, info.max_model_len)
         expected = default_model_name(self.config)
         if info.model != expected and self.config.model.served_name is None:
             log.error("replica %s runs model %r but the gateway tokenises prompts for %r (model.path): give the "

@@ -441,29 +441,52 @@ async def test_a_stream_left_before_an_external_servers_usage_is_no_miss_on_the_
         await upstream.stop()
 
 
-async def test_an_engine_restarted_with_another_block_size_is_noticed(tiny_model_dir, unused_tcp_port_factory, caplog):
-    """A restarted engine answers a new /kv_events snapshot: the gateway learns its
-    block identity again and says when its hashes can no longer match."""
-    port = unused_tcp_port_factory()
-    engine = await start_server(create_app(tiny_config(tiny_model_dir), engine_mode=True), port=port)
-    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine.url)],
+async def test_engines_restarted_with_another_block_size_are_followed(tiny_model_dir, unused_tcp_port_factory, caplog):
+    """A rolling restart onto another engine.block_size: while the engines
+    disagree the gateway keeps its hashes and says which engine's index cannot
+    match; once every engine hashes the new way, so does the gateway (it kept the
+    old identity for good, and no prompt ever matched an index again)."""
+    ports = [unused_tcp_port_factory() for _ in range(2)]
+    engines = [await start_server(create_app(tiny_config(tiny_model_dir), engine_mode=True), port=p) for p in ports]
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=e.url) for e in engines],
                          router=RouterConfig(health_interval_s=0.1, breaker_reset_s=0.2))
     app = create_app(config)
     gw = await start_server(app)
+    gateway = app[GATEWAY]
+    client = _client(gw.url)
     try:
-        replica = app[GATEWAY].replicas[0]
-        await wait_for(lambda: replica.healthy and replica.info.block_size == 16, what="engine joined")
-        await engine.stop()
+        replicas = gateway.replicas
+        await wait_for(lambda: all(r.healthy and r.info.block_size == 16 for r in replicas), what="engines joined")
         other = tiny_config(tiny_model_dir)
         other.engine.block_size = 32
-        with caplog.at_level(logging.ERROR, logger="gateway.app"):
-            engine = await start_server(create_app(other, engine_mode=True), port=port)
-            await wait_for(lambda: replica.info.block_size == 32, timeout=20, what="new identity learnt")
-            await wait_for(lambda: replica.healthy, timeout=20, what="back in routing")
-        assert any("blocks of 32 tokens" in r.getMessage() for r in caplog.records)
+        caplog.set_level(logging.INFO, logger="gateway.app")
+        for i, port in enumerate(ports):
+            await engines[i].stop()
+            engines[i] = await start_server(create_app(other, engine_mode=True), port=port)
+            await wait_for(lambda: replicas[i].healthy and replicas[i].info.block_size == 32, timeout=20,
+                           what="new identity learnt")
+            if i == 0:  # the engines disagree: the gateway keeps 16 and names the odd one out
+                assert gateway.hasher.block_size == 16
+                said = [r for r in caplog.records if "blocks of 32 tokens" in r.getMessage()]
+                assert said and said[-1].levelname == "ERROR" and replicas[0].name in said[-1].getMessage()
+        assert gateway.hasher.block_size == gateway.router.block_size == 32
+        assert any(r.levelname == "WARNING" and "every engine now hashes blocks of 32 tokens" in r.getMessage()
+                   for r in caplog.records)
+        # Prompts match the engines' indexes again: a repeat is predicted to hit.
+        messages = [{"role": "user", "content": "Tell me about caches and their blocks. " * 12}]
+        for _ in range(2):
+            await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(gw.url + "/metrics") as resp:
+                scrape = await resp.text()
+        predicted = sum(float(line.rsplit(" ", 1)[1]) for line in scrape.splitlines()
+                        if line.startswith("kvgate_router_predicted_hit_tokens_total{"))
+        assert predicted >= 64
     finally:
+        await client.close()
         await gw.stop()
-        await engine.stop()
+        for engine in engines:
+            await engine.stop()
 
 
 @contextlib.asynccontextmanager
