@@ -103,174 +103,137 @@ class Dispatcher:
                                     parsed.cache_salt)
         job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens)
         load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
-        workload = sub.context.workload
-        arrival = time.monotonic()
-        tried: list[int] = []
-        busy: ReplicaBusy | None = None
-        # Replicas that failed this request with a server error: their failure is
-        # counted once another replica serves it (the request was not the cause).
-        answer_failed: list[tuple[Replica, ReplicaAnswerFailed]] = []
-        restart = False
-        # An attempt cut for a restart, until a later one that produced (or ended) records itself.
-        unrecorded: Finished | None = None
-        # A request only an external server can honour (tools, JSON output) goes to one.
-        external_only = parsed.engine_unsupported is not None
+        prompt_len = len(sub.prompt.token_ids)
+        tries = _Tries(time.monotonic())
         try:
             while True:
-                if external_only:
-                    usable = [r.healthy and r.kind == "openai" for r in self.replicas]
-                else:
-                    usable = [r.healthy for r in self.replicas]
-                decision = router.choose(sub.prompt.keys, self._indexes, usable, sub.context.session, tried)
-                if decision is None:
-                    if busy is not None:  # every replica that could take it refused: at capacity
-                        raise errors.relayed(429, busy.body, "Every replica is at capacity; retry shortly.",
-                                             "rate_limit_error", "server_overloaded")
-                    if answer_failed:  # every replica failed it: the client gets what the last one said
-                        failed = answer_failed[-1][1]
-                        raise errors.relayed(failed.status, failed.body, "The model server failed the request.",
-                                             "api_error") from None
-                    raise errors.no_replica()
+                decision = self._choose(sub, parsed, tries)
                 replica = self.replicas[decision.replica]
                 sub.replica = replica.name
                 ticket = router.acquire(decision.replica, load, sub.prompt.keys, decision.matched_blocks)
                 self.metrics.decisions.labels(replica.name, decision.reason).inc()
-                series = self.metrics.request_series(workload, replica.name)
                 # The engine never serves the block holding the prompt's last token from
                 # cache (its logits must be computed), so neither is it predicted.
                 bs = router.block_size
-                predicted = min(decision.matched_blocks, (len(sub.prompt.token_ids) - 1) // bs) * bs
-                produced = exhausted = False
-                usage = UsageSum(1)
-                # What the replica did for this attempt, counted once when it ends, however
-                # it ends (client gone, error, retried elsewhere): as vLLM counts the tokens
-                # of requests aborted after their prefill.
-                received = 0  # generated tokens that arrived
-                prefilled = 0  # prompt tokens counted at the first output
-                cached: int | None = None  # prompt tokens the replica served from its cache, once it says
-                last_token: float | None = None
-                # The recorder also wants the blocks the engine fills with generated tokens.
-                generated: list[int] | None = [] if self.observer.recording else None
+                predicted = min(decision.matched_blocks, (prompt_len - 1) // bs) * bs
+                attempt = _Attempt(replica, self.metrics.request_series(sub.context.workload, replica.name),
+                                   predicted, [] if self.observer.recording else None)
+                restart = False
                 gen = replica.generate(job)
                 try:
                     async for batch in gen:
-                        if not produced:
-                            if answer_failed:
-                                for failed_replica, _ in answer_failed:
-                                    failed_replica.note_request_failure()
-                                answer_failed.clear()
-                            if replica.kind != "openai":
-                                # The prefill is done, as vLLM counts it; a kvgate engine's prompt
-                                # is these very tokens (an external server's count comes at the end).
-                                prefilled = len(sub.prompt.token_ids)
-                                series.prompt_tokens.inc(prefilled)
-                        produced = True
-                        # Tokens that arrived together leave as one delta per choice (one
-                        # frame), and the inter-token gap is measured between deltas:
-                        # what the client sees.
-                        batch = coalesce(batch)
-                        now = time.perf_counter()
-                        arrived = received
-                        for out in batch:
-                            if out.index == 0 and (out.token_ids or out.text):
-                                if last_token is not None:
-                                    series.itl.observe(now - last_token)
-                                last_token = now
-                                if generated is not None:
-                                    generated.extend(out.token_ids)
-                            if out.token_ids:
-                                received += len(out.token_ids)
-                            elif out.text or out.extra:
-                                received += 1  # an external server's delta: no token ids, one token at least
-                            if out.cached_tokens is not None:
-                                cached = out.cached_tokens
-                            if out.usage is not None:
-                                usage.add(0, out)
-                                if out.index == 0 or out.index == USAGE_ALL:
-                                    cached = out.usage.cached_tokens
-                            if out.queue_time_s is not None:
-                                series.queue_time.observe(out.queue_time_s)
-                        if received > arrived:  # as they come (a long stream's rate shows while it runs)
-                            series.generation_tokens.inc(received - arrived)
-                        yield batch
-                    exhausted = True
+                        if not attempt.produced and tries.answer_failed:
+                            # Another replica serves it: the ones that failed it count it now.
+                            for failed_replica, _ in tries.answer_failed:
+                                failed_replica.note_request_failure()
+                            tries.answer_failed.clear()
+                        yield attempt.take(batch, prompt_len)
+                    attempt.exhausted = True
                     return
                 except ValueError as exc:
                     # The engine refuses requests it cannot run (prompt too long for its
                     # pool, token ids outside the vocabulary): the caller's problem.
-                    if produced:
+                    if attempt.produced:
                         raise
                     raise bad_request(str(exc), parsed.prompt_param) from None
                 except ReplicaBusy as exc:
-                    busy = exc  # at capacity (429) before any output: another replica may take it
-                    tried.append(decision.replica)
+                    tries.busy = exc  # at capacity (429) before any output: another replica may take it
+                    tries.tried.append(decision.replica)
                 except ReplicaUnavailable as exc:
-                    stopping = isinstance(exc, ReplicaStopping)  # a rolling restart, not a failure
-                    if not stopping:
-                        self.metrics.replica_failures.labels(
-                            replica.name, "mid_stream" if produced else "before_first_token").inc()
-                    if produced and parsed.stream:
-                        log.warning("%s failed mid-response: %s", parsed.id, exc)
-                        if stopping:  # its code tells the client that a retry will be served
-                            raise errors.shutting_down("The model server is shutting down; the output is "
-                                                       "incomplete.") from None
-                        # What went wrong, in words, but not where: a replica's name is by
-                        # default its address, which is the operator's business.
-                        reason = str(exc).replace(f"replica {replica.name}", "the model server")
-                        raise errors.upstream_error(f"{reason[:1].upper()}{reason[1:]}; the output is incomplete.") from None
-                    # Before its first output, or mid-answer for a non-streaming
-                    # request (its client has had nothing yet): another replica.
-                    log.warning("%s: replica %s %s, trying another: %s", parsed.id, replica.name,
-                                "stopping" if stopping else "failed mid-response" if produced else "unavailable", exc)
-                    restart = produced
-                    tried.append(decision.replica)
+                    self._failed(exc, attempt, parsed)  # raises when the client has had output
+                    restart = attempt.produced
+                    tries.tried.append(decision.replica)
                     if isinstance(exc, ReplicaAnswerFailed):
-                        answer_failed.append((replica, exc))
+                        tries.answer_failed.append((replica, exc))
                 except UpstreamError as exc:
                     status = exc.status if 400 <= exc.status < 600 else 502
-                    if produced and status >= 500:
+                    if attempt.produced and status >= 500:
                         # The replica's own error event after output (vLLM's way when
                         # generation fails): its failure, though it still talks HTTP.
                         self.metrics.replica_failures.labels(replica.name, "mid_stream").inc()
                     raise errors.relayed(status, exc.body, str(exc),
                                          "invalid_request_error" if status < 500 else "api_error") from None
                 finally:
-                    if produced:  # the replica did the prefill (and generated what came)
-                        _count_work(series, usage, len(sub.prompt.token_ids), prefilled, received, cached, predicted)
-                    if exhausted or produced:
-                        # Run to its end, or cut short after its prefill (client gone, error
-                        # mid-stream): the replica cached its prompt all the same, which a
-                        # recording and the reuse figures must show (a restart elsewhere is
-                        # the request's one record, once it produces).  Cut short, it has
-                        # usage for its finished choices only.
-                        done = Finished(
-                            sub.context, replica.name, sub.prompt, usage.prompt[0] or len(sub.prompt.token_ids),
-                            usage.cached[0] if exhausted else cached,
-                            usage.completion[0] if exhausted else max(usage.completion[0], received),
-                            arrival, parsed.user, generated, parsed.cache_salt,
-                        )
-                        if unrecorded is not None:
-                            # An earlier cut attempt this one supersedes: the figures count its work.
-                            self.observer.finished(unrecorded, record=False)
-                        if restart:
-                            unrecorded = done
-                        else:
-                            unrecorded = None  # this attempt is the record (one that ended empty, too)
-                            self.observer.finished(done)
                     try:
-                        if not exhausted:
-                            await aclose(gen)
+                        try:
+                            self._settle(attempt, sub, parsed, tries, restart, prompt_len)
+                        finally:
+                            if not attempt.exhausted:
+                                await aclose(gen)
                     finally:
                         # Even when a second cancellation lands while the replica's stream closes.
                         router.release(ticket)
                 if restart:
-                    restart = False
                     yield RESTART
         finally:
-            if unrecorded is not None:
+            if tries.unrecorded is not None:
                 # Cut mid-answer, and no restart elsewhere produced anything: the
                 # first replica did the prefill and cached the prompt all the same.
-                self.observer.finished(unrecorded)
+                self.observer.finished(tries.unrecorded)
+
+    def _choose(self, sub: Sub, parsed: ParsedRequest, tries: _Tries):
+        """The router's pick among the usable replicas not tried yet; none left:
+        the error the tries so far call for."""
+        if parsed.engine_unsupported is not None:
+            # A request only an external server can honour (tools, JSON output) goes to one.
+            usable = [r.healthy and r.kind == "openai" for r in self.replicas]
+        else:
+            usable = [r.healthy for r in self.replicas]
+        decision = self.router.choose(sub.prompt.keys, self._indexes, usable, sub.context.session, tries.tried)
+        if decision is not None:
+            return decision
+        if tries.busy is not None:  # every replica that could take it refused: at capacity
+            raise errors.relayed(429, tries.busy.body, "Every replica is at capacity; retry shortly.",
+                                 "rate_limit_error", "server_overloaded")
+        if tries.answer_failed:  # every replica failed it: the client gets what the last one said
+            failed = tries.answer_failed[-1][1]
+            raise errors.relayed(failed.status, failed.body, "The model server failed the request.",
+                                 "api_error") from None
+        raise errors.no_replica()
+
+    def _failed(self, exc: ReplicaUnavailable, attempt: _Attempt, parsed: ParsedRequest) -> None:
+        """A replica failed an attempt: counted, and the client's error if it has had
+        output (a stream under way); otherwise another replica is to be tried."""
+        replica = attempt.replica
+        stopping = isinstance(exc, ReplicaStopping)  # a rolling restart, not a failure
+        if not stopping:
+            self.metrics.replica_failures.labels(
+                replica.name, "mid_stream" if attempt.produced else "before_first_token").inc()
+        if attempt.produced and parsed.stream:
+            log.warning("%s failed mid-response: %s", parsed.id, exc)
+            if stopping:  # its code tells the client that a retry will be served
+                raise errors.shutting_down("The model server is shutting down; the output is "
+                                           "incomplete.") from None
+            # What went wrong, in words, but not where: a replica's name is by
+            # default its address, which is the operator's business.
+            reason = str(exc).replace(f"replica {replica.name}", "the model server")
+            raise errors.upstream_error(f"{reason[:1].upper()}{reason[1:]}; the output is incomplete.") from None
+        # Before its first output, or mid-answer for a non-streaming request (its
+        # client has had nothing yet): another replica.
+        log.warning("%s: replica %s %s, trying another: %s", parsed.id, replica.name,
+                    "stopping" if stopping else "failed mid-response" if attempt.produced else "unavailable", exc)
+
+    def _settle(self, attempt: _Attempt, sub: Sub, parsed: ParsedRequest, tries: _Tries, restart: bool,
+                prompt_len: int) -> None:
+        """An attempt ended, however it ended: its work counted, and its record
+        (or, when it is to start over elsewhere, held until a later attempt's)."""
+        if not (attempt.exhausted or attempt.produced):
+            return  # no output: the replica did nothing the figures count
+        # Run to its end, or cut short after its prefill (client gone, error
+        # mid-stream): the replica cached its prompt all the same, which a
+        # recording and the reuse figures must show (a restart elsewhere is the
+        # request's one record, once it produces).
+        if attempt.produced:  # the replica did the prefill (and generated what came)
+            attempt.count_work(prompt_len)
+        done = attempt.finished(sub, parsed, tries.arrival, prompt_len)
+        if tries.unrecorded is not None:
+            # An earlier cut attempt this one supersedes: the figures count its work.
+            self.observer.finished(tries.unrecorded, record=False)
+        if restart:
+            tries.unrecorded = done
+        else:
+            tries.unrecorded = None  # this attempt is the record (one that ended empty, too)
+            self.observer.finished(done)
 
     async def merged(
         self, subs: list[Sub], parsed: ParsedRequest
@@ -322,26 +285,113 @@ class Dispatcher:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _count_work(series: RequestSeries, usage: UsageSum, prompt_len: int, prefilled: int, received: int,
-                cached: int | None, predicted: int) -> None:
-    """The token counters of an attempt that produced output (so the replica did
-    its prefill), whether it ran to its end or not.  Prompt tokens were counted
-    at the first output (``prefilled``, none for an external server) and
-    generated ones as they arrived; the usage adds what those missed (an
-    external server's delta counts as one token).  A stream cut short has no usage for its
-    unfinished choices: their tokens are those that arrived.  The
-    router's prediction counts with the cache hits it is compared to, so an
-    attempt whose replica never said its hits (an external server cut short
-    before its usage) counts on neither, and the ratio stays a ratio."""
-    prompt = usage.prompt[0] or prompt_len
-    if prompt > prefilled:
-        series.prompt_tokens.inc(prompt - prefilled)
-    if usage.completion[0] > received:  # ``received`` were counted as they came
-        series.generation_tokens.inc(usage.completion[0] - received)
-    if cached is not None:
-        series.prefix_queries.inc(prompt)
-        series.prefix_hits.inc(cached)
-        series.predicted_hits.inc(predicted)
+class _Tries:
+    """A sub-request's attempts so far, on one replica after another."""
+
+    __slots__ = ("arrival", "tried", "busy", "answer_failed", "unrecorded")
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival  # time.monotonic() when it was first routed
+        self.tried: list[int] = []  # replicas excluded from the next choice
+        self.busy: ReplicaBusy | None = None  # the last at-capacity refusal
+        # Replicas that failed it with a server error: their failure is counted
+        # once another replica serves it (the request was not the cause).
+        self.answer_failed: list[tuple[Replica, ReplicaAnswerFailed]] = []
+        # An attempt cut for a restart, until a later one that produced (or ended) records itself.
+        self.unrecorded: Finished | None = None
+
+
+class _Attempt:
+    """One try of a sub-request on one replica.  What the replica did is counted
+    once, when the attempt ends, however it ends (client gone, error, retried
+    elsewhere): as vLLM counts the tokens of requests aborted after their prefill."""
+
+    __slots__ = ("replica", "series", "predicted", "generated", "produced", "exhausted", "usage", "received",
+                 "prefilled", "cached", "last_token")
+
+    def __init__(self, replica: Replica, series: RequestSeries, predicted: int, generated: list[int] | None) -> None:
+        self.replica = replica
+        self.series = series
+        self.predicted = predicted  # prompt tokens the router expected to hit
+        self.generated = generated  # choice 0's token ids, collected only while recording
+        self.produced = False  # some output came (so the replica did the prefill)
+        self.exhausted = False  # ran to its end
+        self.usage = UsageSum(1)
+        self.received = 0  # generated tokens that arrived
+        self.prefilled = 0  # prompt tokens counted at the first output
+        self.cached: int | None = None  # prompt tokens the replica served from its cache, once it says
+        self.last_token: float | None = None
+
+    def take(self, batch: list[GenerationOutput], prompt_len: int) -> list[GenerationOutput]:
+        """A batch as the replica delivered it, counted, its tokens that arrived
+        together as one delta per choice (one frame to the client)."""
+        series = self.series
+        if not self.produced:
+            self.produced = True
+            if self.replica.kind != "openai":
+                # The prefill is done, as vLLM counts it; a kvgate engine's prompt
+                # is these very tokens (an external server's count comes at the end).
+                self.prefilled = prompt_len
+                series.prompt_tokens.inc(prompt_len)
+        batch = coalesce(batch)
+        # The inter-token gap is measured between deltas: what the client sees.
+        now = time.perf_counter()
+        received = arrived = self.received
+        for out in batch:
+            if out.index == 0 and (out.token_ids or out.text):
+                if self.last_token is not None:
+                    series.itl.observe(now - self.last_token)
+                self.last_token = now
+                if self.generated is not None:
+                    self.generated.extend(out.token_ids)
+            if out.token_ids:
+                received += len(out.token_ids)
+            elif out.text or out.extra:
+                received += 1  # an external server's delta: no token ids, one token at least
+            if out.cached_tokens is not None:
+                self.cached = out.cached_tokens
+            if out.usage is not None:
+                self.usage.add(0, out)
+                if out.index == 0 or out.index == USAGE_ALL:
+                    self.cached = out.usage.cached_tokens
+            if out.queue_time_s is not None:
+                series.queue_time.observe(out.queue_time_s)
+        if received > arrived:  # as they come (a long stream's rate shows while it runs)
+            series.generation_tokens.inc(received - arrived)
+            self.received = received
+        return batch
+
+    def count_work(self, prompt_len: int) -> None:
+        """The token counters of an attempt that produced output, whether it ran
+        to its end or not.  Prompt tokens were counted at the first output
+        (``prefilled``, none for an external server) and generated ones as they
+        arrived; the usage adds what those missed (an external server's delta
+        counts as one token).  A stream cut short has no usage for its unfinished
+        choices: their tokens are those that arrived.  The router's prediction
+        counts with the cache hits it is compared to, so an attempt whose replica
+        never said its hits (an external server cut short before its usage)
+        counts on neither, and the ratio stays a ratio."""
+        series, usage = self.series, self.usage
+        prompt = usage.prompt[0] or prompt_len
+        if prompt > self.prefilled:
+            series.prompt_tokens.inc(prompt - self.prefilled)
+        if usage.completion[0] > self.received:  # ``received`` were counted as they came
+            series.generation_tokens.inc(usage.completion[0] - self.received)
+        if self.cached is not None:
+            series.prefix_queries.inc(prompt)
+            series.prefix_hits.inc(self.cached)
+            series.predicted_hits.inc(self.predicted)
+
+    def finished(self, sub: Sub, parsed: ParsedRequest, arrival: float, prompt_len: int) -> Finished:
+        """The observer's record of this attempt.  Cut short, it has usage for its
+        finished choices only."""
+        usage, whole = self.usage, self.exhausted
+        return Finished(
+            sub.context, self.replica.name, sub.prompt, usage.prompt[0] or prompt_len,
+            usage.cached[0] if whole else self.cached,
+            usage.completion[0] if whole else max(usage.completion[0], self.received),
+            arrival, parsed.user, self.generated, parsed.cache_salt,
+        )
 
 
 async def aclose(gen) -> None:
