@@ -598,7 +598,10 @@ class Gateway:
                 ctx = self.classifier.classify(
                     parsed, principal, request.headers, len(prompt.token_ids), len(prompt.keys), prompt.token_ids
                 )
-            subs.append(Sub(prompt, source, ctx, p * n, max_tokens[p]))
+            # A default that is the context's room by the gateway's count: an external
+            # server counts the prompt with its own tokenizer and fills its room itself.
+            fills_room = parsed.max_tokens is None and max_tokens[p] < self._default_max_tokens(parsed)
+            subs.append(Sub(prompt, source, ctx, p * n, max_tokens[p], fills_room=fills_room))
         return subs
 
     def _check_token_ids(self, parsed: ParsedRequest, prompts: list[Prompt]) -> None:
@@ -706,16 +709,19 @@ class Gateway:
         if parsed.max_tokens is None:
             if room < 1:
                 raise errors.context_too_long(self.max_model_len, f"your {param} resulted in {prompt_len} tokens", param)
-            default = self.limits.max_tokens
-            if parsed.endpoint != CHAT:  # OpenAI's 16, within the server's bound
-                default = min(_COMPLETIONS_DEFAULT_MAX_TOKENS, default)
             # Past the context by the estimate: the server, which counts exactly, judges.
-            return min(default, room - uncounted if room - uncounted >= 1 else room)
+            return min(self._default_max_tokens(parsed), room - uncounted if room - uncounted >= 1 else room)
         if parsed.max_tokens > room:
             raise errors.context_too_long(
                 self.max_model_len, f"you requested {prompt_len + parsed.max_tokens} tokens ({prompt_len} in the "
                 f"{param}, {parsed.max_tokens} in the completion)", param, reduce=f"{param} or completion")
         return parsed.max_tokens
+
+    def _default_max_tokens(self, parsed: ParsedRequest) -> int:
+        """max_tokens for a request without one, the context's room aside."""
+        if parsed.endpoint != CHAT:  # OpenAI's 16, within the server's bound
+            return min(_COMPLETIONS_DEFAULT_MAX_TOKENS, self.limits.max_tokens)
+        return self.limits.max_tokens
 
     def engine_context(self, body: dict) -> RequestContext | None:
         """`kvgate engine`: the calling gateway's classification, used as is."""

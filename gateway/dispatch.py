@@ -57,6 +57,7 @@ class Sub:
     shift: int  # choice index offset of this prompt's choices
     max_tokens: int  # resolved for this prompt: a default fills the room its own length leaves
     replica: str = ""  # the replica serving it now (set by the dispatcher), for latency series
+    fills_room: bool = False  # max_tokens is a default that fills the context's room (see Job)
 
 
 class Dispatcher:
@@ -101,7 +102,7 @@ class Dispatcher:
             s = dataclasses.replace(s, max_tokens=max_tokens)
         request = GenerationRequest(new_id("req-"), sub.prompt.token_ids, s, sub.context, sub.prompt.mm_hashes,
                                     parsed.cache_salt)
-        job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens)
+        job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens, sub.fills_room)
         load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
         prompt_len = len(sub.prompt.token_ids)
         tries = _Tries(time.monotonic())

@@ -131,6 +131,10 @@ class Job:
     # completions with several prompts: which one this job carries.
     prompt: Any = None
     max_tokens: int = 16
+    # The client set no max_tokens and ``max_tokens`` is the context's room by the
+    # gateway's count of the prompt: an external server is sent none, and fills the
+    # room by its own count (with another tokenizer, the gateway's may run past it).
+    fills_room: bool = False
 
 
 class Replica:
@@ -774,7 +778,10 @@ class RemoteReplica(Replica):
             body["model"] = self.cfg.model or (self.info.model if self.info_known else parsed.model)
             if parsed.cache_salt and self.cfg.send_cache_salt:
                 body["cache_salt"] = parsed.cache_salt  # vLLM (V1) keeps salted prompts' blocks apart too
-            body["max_tokens"] = job.max_tokens
+            if job.fills_room:
+                body.pop("max_tokens", None)
+            else:
+                body["max_tokens"] = job.max_tokens
             body.pop("max_completion_tokens", None)
             if parsed.endpoint != CHAT:
                 body["prompt"] = job.prompt

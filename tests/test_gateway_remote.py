@@ -2425,3 +2425,36 @@ async def test_a_failed_attempt_counts_on_the_dashboard_as_on_metrics(tiny_model
     assert (totals["prompt_tokens"], totals["cached_tokens"]) == (queries, hits)
     assert totals["engine_requests"] == 2 and totals["requests"] == 1
     assert len(path.read_text().splitlines()) == 1
+
+
+async def test_an_external_server_fills_the_room_a_request_without_max_tokens_leaves(tiny_model_dir):
+    """A client that sets no max_tokens gets up to the context's end.  The
+    gateway sent an external server the room by its own count of the prompt,
+    which another tokenizer (vLLM's model, not the bundled one) may put past the
+    server's count: a 400 for a request the server takes sent directly.  Now the
+    server is sent no max_tokens then; the gateway's own limit, where it is the
+    smaller, and the client's are sent as before."""
+    bodies: list[dict] = []
+
+    async def chat(request):
+        bodies.append(await request.json())
+        return await _answer_fine(request)
+
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), chat)
+    replicas = [ReplicaConfig(kind="openai", url=upstream.url, name="ext")]
+    long_prompt = [{"role": "user", "content": "word " * 300}]  # ~900 of the 1024 tokens: the room binds
+    try:
+        async with serving(create_app(tiny_config(tiny_model_dir, replicas))) as (app, _, client):
+            await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+            await client.chat.completions.create(model=MODEL, messages=long_prompt)
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+            await client.chat.completions.create(model=MODEL, messages=long_prompt, max_completion_tokens=7)
+        limited = tiny_config(tiny_model_dir, replicas)
+        limited.server.limits.max_tokens = 64  # the gateway's limit binds: sent, as the server's bound
+        async with serving(create_app(limited)) as (app, _, client):
+            await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+            await client.chat.completions.create(model=MODEL, messages=long_prompt)
+    finally:
+        await upstream.stop()
+    assert "max_tokens" not in bodies[0] and "max_completion_tokens" not in bodies[0]
+    assert [b.get("max_tokens") for b in bodies[1:]] == [5, 7, 64]
