@@ -139,6 +139,8 @@ class Dispatcher:
                     raise bad_request(str(exc), parsed.prompt_param) from None
                 except ReplicaBusy as exc:
                     tries.busy = exc  # at capacity (429) before any output: another replica may take it
+                    if exc.retry_after is not None and (tries.retry_after is None or exc.retry_after < tries.retry_after):
+                        tries.retry_after = exc.retry_after
                     tries.tried.append(decision.replica)
                 except ReplicaUnavailable as exc:
                     self._failed(exc, attempt, parsed)  # raises when the client has had output
@@ -184,8 +186,11 @@ class Dispatcher:
         if decision is not None:
             return decision
         if tries.busy is not None:  # every replica that could take it refused: at capacity
-            raise errors.relayed(429, tries.busy.body, "Every replica is at capacity; retry shortly.",
-                                 "rate_limit_error", "server_overloaded")
+            busy = errors.relayed(429, tries.busy.body, "Every replica is at capacity; retry shortly.",
+                                  "rate_limit_error", "server_overloaded")
+            if tries.retry_after is not None:  # the soonest a replica that refused it said to come back
+                busy.retry_after = tries.retry_after
+            raise busy
         if tries.answer_failed:  # every replica failed it: the client gets what the last one said
             failed = tries.answer_failed[-1][1]
             raise errors.relayed(failed.status, failed.body, "The model server failed the request.",
@@ -289,12 +294,13 @@ class Dispatcher:
 class _Tries:
     """A sub-request's attempts so far, on one replica after another."""
 
-    __slots__ = ("arrival", "tried", "busy", "answer_failed", "unrecorded")
+    __slots__ = ("arrival", "tried", "busy", "retry_after", "answer_failed", "unrecorded")
 
     def __init__(self, arrival: float) -> None:
         self.arrival = arrival  # time.monotonic() when it was first routed
         self.tried: list[int] = []  # replicas excluded from the next choice
         self.busy: ReplicaBusy | None = None  # the last at-capacity refusal
+        self.retry_after: int | None = None  # the soonest Retry-After of those refusals
         # Replicas that failed it with a server error: their failure is counted
         # once another replica serves it (the request was not the cause).
         self.answer_failed: list[tuple[Replica, ReplicaAnswerFailed]] = []

@@ -31,6 +31,7 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after = 1  # seconds, on a 429 or 503 (an upstream server's own, when relayed)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -44,7 +45,7 @@ class ApiError(Exception):
         if self.status in (429, 503):
             # A hint for any client (OpenAI's SDKs wait this long before their retry):
             # at capacity, no healthy replica yet, or this instance stopping.
-            resp.headers["Retry-After"] = "1"
+            resp.headers["Retry-After"] = str(self.retry_after)
         elif self.status == 415:
             resp.headers["Accept-Encoding"] = "gzip, deflate"  # what to send instead (RFC 9110)
         elif self.status == 408:

@@ -79,9 +79,10 @@ class ReplicaBusy(ReplicaUnavailable):
     take it, and the replica is not failing.  ``body`` is its OpenAI error, for the
     client when every replica refuses."""
 
-    def __init__(self, message: str, body: dict) -> None:
+    def __init__(self, message: str, body: dict, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.body = body
+        self.retry_after = retry_after  # its Retry-After, in seconds, when it gave one
 
 
 class ReplicaAnswerFailed(ReplicaUnavailable):
@@ -838,7 +839,8 @@ class RemoteReplica(Replica):
                     err = {}
                 err = openai_error_body(err)
                 if resp.status == 429:
-                    raise ReplicaBusy(f"replica {self.name} is at capacity", err or {})
+                    raise ReplicaBusy(f"replica {self.name} is at capacity", err or {},
+                                      header_count(resp.headers.get("Retry-After")))
                 if err is None:
                     if resp.status in (502, 503, 504):  # a proxy's page: the server behind it is not there
                         raise ReplicaUnavailable(f"replica {self.name} answered {resp.status}")  # counted below

@@ -955,14 +955,14 @@ async def _gateway_over_pair(model_dir, first, second, names: tuple[str, str], r
 async def test_a_replica_at_capacity_passes_the_request_on(tiny_model_dir):
     """A 429 before any output (a replica shedding load) sends the request to
     another replica, without counting against the first; when every replica
-    refuses, the client gets the 429."""
+    refuses, the client gets the 429, with the replica's Retry-After."""
     state = {"busy": 0}
 
     async def refuse(request):
         await request.read()
         state["busy"] += 1
         body = {"error": {"message": "at capacity", "type": "rate_limit_error", "param": None, "code": "server_overloaded"}}
-        return web.json_response(body, status=429)
+        return web.json_response(body, status=429, headers={"Retry-After": "7"})
 
     router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=1)
     messages = [{"role": "user", "content": "hi"}]
@@ -977,6 +977,7 @@ async def test_a_replica_at_capacity_passes_the_request_on(tiny_model_dir):
         with pytest.raises(openai.RateLimitError) as info:
             await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
         assert info.value.code == "server_overloaded"
+        assert info.value.response.headers["Retry-After"] == "7"  # the server's own (the gateway's is 1)
 
 
 async def test_long_sse_frames_pass_and_endless_ones_go_to_another_replica(tiny_model_dir):
