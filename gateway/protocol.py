@@ -311,10 +311,12 @@ def _parse_completion_extras(req: ParsedRequest, body: dict) -> None:
     elif suffix:
         req.engine_unsupported = ("suffix is not supported by the kvgate engine.", "suffix")
     elif best_of is not None and best_of > n:
+        # Ranking needs every sample finished first (OpenAI: "Results cannot be streamed"),
+        # and kvgate streams from every server, external ones too: refused whatever the fleet.
         if req.stream:
-            # Ranking needs every sample finished first (OpenAI: "Results cannot be streamed").
             raise bad_request("best_of greater than n cannot be used with stream.", "best_of")
-        req.engine_unsupported = ("best_of greater than n is not supported by the kvgate engine.", "best_of")
+        raise bad_request("best_of greater than n is not supported here: kvgate streams from its model servers, "
+                          "and best_of results cannot be streamed.", "best_of")
 
 
 def _parse_sampling(req: ParsedRequest, body: dict, limits: LimitsConfig, max_logprobs: int) -> None:

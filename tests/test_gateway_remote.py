@@ -2314,6 +2314,24 @@ async def test_prompt_logprobs_are_refused_with_the_reason_and_a_refusal_has_nul
         assert out.choices[0].message.content is None
 
 
+async def test_best_of_is_refused_in_front_of_external_servers_too(tiny_model_dir):
+    """best_of > n went to the external servers, streamed as every request is, and
+    came back as their 400 "cannot be used with stream", which the client never
+    asked for; the gateway now refuses it itself, saying why."""
+    calls = []
+
+    async def chat(request):
+        calls.append(await request.read())
+        return await _answer_fine(request)
+
+    async with _gateway_over_pair(tiny_model_dir, chat, chat, ("a", "b"), RouterConfig(health_interval_s=0.1)) as (
+            _, _, client, _):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=2, best_of=3)
+        assert info.value.param == "best_of" and "best_of results cannot be streamed" in info.value.message
+        assert not calls
+
+
 async def test_an_external_server_that_does_not_say_its_cache_hits_leaves_them_unknown(tiny_model_dir):
     """vLLM reports cached prompt tokens only with --enable-prompt-tokens-details
     (its usage otherwise has null details): the client gets null details as vLLM
