@@ -385,6 +385,7 @@ class RemoteReplica(Replica):
         self.kv_usage: float | None = None
         self._metrics_unknown = False  # warned that its metrics page has no load figures
         self._models_unread = False  # warned that its /v1/models could not be read
+        self._model_unlisted = False  # warned that its /v1/models does not list replicas[].model
 
     # -- lifecycle
 
@@ -490,10 +491,31 @@ class RemoteReplica(Replica):
                     return False
                 if self.kind == "engine":
                     self._note_engine_load(await resp.read())
+                    return True
+                listed = _listed_models(await resp.read())
+                if listed == []:
+                    # Nothing to serve: another kvgate gateway with no replica in routing
+                    # answers so (its requests would all be 503s).
+                    self._probe_failure = f"{path} lists no model"
+                    return False
+                self._check_model_listed(listed)
                 return True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             self._probe_failure = _plain_reason(exc)
             return False
+
+    def _check_model_listed(self, listed: list[str] | None) -> None:
+        """replicas[].model names what the server is sent: one it does not list
+        makes every request a 404, which clients would read as their own mistake.
+        Said once while it lasts."""
+        model = self.cfg.model
+        if model is None or listed is None:
+            return
+        missing = model not in listed
+        if missing and not self._model_unlisted:
+            log.warning("replica %s: its /v1/models lists %s, not %r (replicas[].model), so requests sent to it as %r "
+                        "will fail", self.name, ", ".join(repr(m) for m in listed[:5]), model, model)
+        self._model_unlisted = missing
 
     def _note_engine_load(self, body: bytes) -> None:
         """A `kvgate engine`'s probe answer holds every request it has, so several
@@ -1014,3 +1036,13 @@ def load_tokenizer(config: KvgateConfig):
     from engine.model_loader import load_tokenizer as load
 
     return load(config.model)
+
+
+def _listed_models(body: bytes) -> list[str] | None:
+    """The model ids of an OpenAI /v1/models answer; None for another shape (a
+    server whose listing says nothing the probe can use)."""
+    try:
+        cards = json.loads(body)["data"]
+        return [card["id"] for card in cards]
+    except (ValueError, TypeError, KeyError):
+        return None

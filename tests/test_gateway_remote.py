@@ -2477,3 +2477,50 @@ async def test_an_external_server_fills_the_room_a_request_without_max_tokens_le
         await upstream.stop()
     assert "max_tokens" not in bodies[0] and "max_completion_tokens" not in bodies[0]
     assert [b.get("max_tokens") for b in bodies[1:]] == [5, 7, 64]
+
+
+async def test_a_server_that_lists_no_model_leaves_routing_until_it_lists_one(tiny_model_dir):
+    """A kvgate gateway in front of another: the one behind, with no engine left,
+    answers /v1/models with an empty list and every request with a 503, but
+    stayed healthy in front (its /ready and model list said all was well)."""
+    state = {"models": [MODEL]}
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in state["models"]]})
+
+    upstream = await _scripted_upstream(models, _answer_fine)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="behind")],
+                         router=RouterConfig(health_interval_s=0.1, breaker_failures=1, breaker_reset_s=0.2))
+    try:
+        async with serving(create_app(config)) as (app, gw, client):
+            replica = app[GATEWAY].replicas[0]
+            await wait_for(lambda: replica.healthy, what="healthy")
+            state["models"] = []
+            await wait_for(lambda: not replica.healthy, what="out of routing")
+            async with aiohttp.ClientSession() as session:
+                async with session.get(gw.url + "/ready") as resp:
+                    assert resp.status == 503
+            state["models"] = [MODEL]
+            await wait_for(lambda: replica.healthy, what="back in routing")
+            out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            assert out.choices[0].message.content == "Fine"
+    finally:
+        await upstream.stop()
+
+
+async def test_a_replica_model_its_server_does_not_list_is_said_once(tiny_model_dir, caplog):
+    """replicas[].model is the name the server is sent: one it does not list made
+    every request a 404 for a model the gateway itself lists, without a word."""
+    caplog.set_level(logging.WARNING, logger="gateway.replicas")
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), _answer_fine)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="ext", model="other")],
+                         router=RouterConfig(health_interval_s=0.1))
+    try:
+        async with serving(create_app(config)) as (app, _, _):
+            await wait_for(lambda: any("not 'other'" in r.getMessage() for r in caplog.records), what="the warning")
+            await asyncio.sleep(0.5)  # probes later
+    finally:
+        await upstream.stop()
+    said = [r.getMessage() for r in caplog.records if "not 'other'" in r.getMessage()]
+    assert said == [f"replica ext: its /v1/models lists '{MODEL}', not 'other' (replicas[].model), so requests sent "
+                    "to it as 'other' will fail"]
