@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import AsyncIterator, Callable
@@ -494,6 +495,9 @@ class Gateway:
                 self.tenant_admitted[principal.tenant] = held + 1
                 tenant_admitted = principal.tenant
             parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
+            given_id = request.headers.get("X-Request-Id")
+            if given_id is not None:
+                parsed.id = _named_completion_id(given_id, parsed.id)
             if self.engine_mode:
                 endpoint = forwarded_endpoint(parsed.body, endpoint)
             if parsed.model != self.model_name:
@@ -804,6 +808,24 @@ def _is_json_media_type(content_type: str) -> bool:
     """application/json or any +json type, parameters aside (charset=utf-8)."""
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+# A client's X-Request-Id (or the completion id of a gateway in front) names the
+# completion, as vLLM takes it: one id in every hop's log and answer.  Visible
+# ASCII only, as it goes into logs and headers; anything else is ignored.
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+def _named_completion_id(given: str, default: str) -> str:
+    """``default``'s prefix (chatcmpl-, cmpl-) before the id given, once: a chat
+    completion forwarded to an engine's completions endpoint keeps its own part."""
+    if not _REQUEST_ID.fullmatch(given):
+        return default
+    for prefix in ("chatcmpl-", "cmpl-"):
+        if given.startswith(prefix) and len(given) > len(prefix):
+            given = given[len(prefix):]
+            break
+    return default[:default.index("-") + 1] + given
 
 
 def _key_digest(key: str) -> bytes:

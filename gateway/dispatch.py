@@ -102,7 +102,8 @@ class Dispatcher:
             s = dataclasses.replace(s, max_tokens=max_tokens)
         request = GenerationRequest(new_id("req-"), sub.prompt.token_ids, s, sub.context, sub.prompt.mm_hashes,
                                     parsed.cache_salt)
-        job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens, sub.fills_room)
+        job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens, sub.fills_room,
+                  parsed.id if not sub.shift else f"{parsed.id}-{sub.shift}")
         load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
         prompt_len = len(sub.prompt.token_ids)
         tries = _Tries(time.monotonic())

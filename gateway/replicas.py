@@ -136,6 +136,9 @@ class Job:
     # gateway's count of the prompt: an external server is sent none, and fills the
     # room by its own count (with another tokenizer, the gateway's may run past it).
     fills_room: bool = False
+    # X-Request-Id for the server: the client request's completion id (each of
+    # several prompts its own), so that every hop's log names the same request.
+    forwarded_id: str | None = None
 
 
 class Replica:
@@ -821,6 +824,8 @@ class RemoteReplica(Replica):
         path, body = self._payload(job)
         chat = self.kind != "engine" and job.parsed.endpoint == CHAT
         headers = self.auth_headers()
+        if job.forwarded_id is not None:
+            headers["X-Request-Id"] = job.forwarded_id
         rid = job.request.request_id
         started = time.monotonic()
         # A replica that accepts the connection but never answers (stopped, hung

@@ -2241,7 +2241,8 @@ async def test_a_default_max_tokens_leaves_room_for_the_tools(tiny_model_dir):
     """Tools are rendered into the server's prompt, but the gateway counts the
     messages only: a default max_tokens that filled the rest of the context by
     that count overflowed it, and vLLM answered 400 to a request it would have
-    served without kvgate.  The default now leaves room for the tools' tokens."""
+    served without kvgate.  The gateway's limit is sent only where it leaves room
+    for the tools' tokens too; past that the server fills the room itself."""
     received = []
 
     async def models(request):
@@ -2252,20 +2253,23 @@ async def test_a_default_max_tokens_leaves_room_for_the_tools(tiny_model_dir):
         return await _answer_fine(request)
 
     upstream = await _scripted_upstream(models, chat)
-    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
-                                 router=RouterConfig(health_interval_s=0.1)))
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                         router=RouterConfig(health_interval_s=0.1))
+    config.server.limits.max_tokens = 1500
+    app = create_app(config)
     tool = {"type": "function", "function": {"name": "lookup", "description": "a long manual " * 150,
                                              "parameters": {"type": "object", "properties": {}}}}
     try:
         async with serving(app) as (app, _, client):
             gateway = app[GATEWAY]
             await wait_for(lambda: gateway.replicas[0].healthy and gateway.max_model_len == 2048, what="learnt")
+            tool_tokens = len(gateway.hasher.tokenizer.encode(str(tool)))
+            assert 2048 - tool_tokens < 1500
             messages = [{"role": "user", "content": "hi"}]
             await client.chat.completions.create(model=MODEL, messages=messages, tools=[tool])
-            tool_tokens = len(gateway.hasher.tokenizer.encode(str(tool)))
-            assert 0 < received[0]["max_tokens"] <= 2048 - tool_tokens
-            await client.chat.completions.create(model=MODEL, messages=messages)  # no tools: the whole rest
-            assert received[1]["max_tokens"] > 2048 - 50
+            assert "max_tokens" not in received[0]  # the limit would overflow: the server's own default
+            await client.chat.completions.create(model=MODEL, messages=messages)  # no tools: the limit fits
+            assert received[1]["max_tokens"] == 1500
     finally:
         await upstream.stop()
 
@@ -2524,3 +2528,45 @@ async def test_a_replica_model_its_server_does_not_list_is_said_once(tiny_model_
     said = [r.getMessage() for r in caplog.records if "not 'other'" in r.getMessage()]
     assert said == [f"replica ext: its /v1/models lists '{MODEL}', not 'other' (replicas[].model), so requests sent "
                     "to it as 'other' will fail"]
+
+
+async def test_a_request_id_is_the_same_in_every_hop(tiny_model_dir):
+    """A client's X-Request-Id names its completion (as vLLM takes it), and the
+    gateway sends its completion id on to the server as X-Request-Id (each of
+    several prompts its own): a request is found by one id in every hop's log.
+    The servers got none, and a client's was ignored."""
+    seen: list[str | None] = []
+
+    async def chat(request):
+        seen.append(request.headers.get("X-Request-Id"))
+        return await _answer_fine(request)
+
+    async def completions(request):
+        seen.append(request.headers.get("X-Request-Id"))
+        await request.read()
+        chunk = {"choices": [{"index": 0, "text": "Fine", "finish_reason": "stop"}]}
+        return web.Response(body=_sse(chunk, b"[DONE]"), content_type="text/event-stream")
+
+    stub = web.Application()
+    stub.router.add_get("/v1/models", _models_while({"healthy": True}))
+    stub.router.add_post("/v1/chat/completions", chat)
+    stub.router.add_post("/v1/completions", completions)
+    upstream = await start_server(stub)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="ext")])
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        async with serving(create_app(config)) as (app, _, client):
+            await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, extra_headers={"X-Request-Id": "trace-42"})
+            assert raw.headers["x-request-id"] == raw.parse().id == "chatcmpl-trace-42" == seen[-1]
+            # A gateway in front sends its own completion id: its prefix is not doubled.
+            raw = await client.completions.with_raw_response.create(
+                model=MODEL, prompt=["a", "b"], max_tokens=2, extra_headers={"X-Request-Id": "chatcmpl-abc"})
+            assert raw.parse().id == "cmpl-abc" and sorted(seen[-2:]) == ["cmpl-abc", "cmpl-abc-1"]
+            # No id, or one unfit for a log line: the gateway's own, sent on.
+            for headers in ({}, {"X-Request-Id": "has space"}, {"X-Request-Id": "x" * 129}):
+                out = await client.chat.completions.create(model=MODEL, messages=messages, extra_headers=headers)
+                assert out.id.startswith("chatcmpl-") and len(out.id) < 60 and " " not in out.id and out.id == seen[-1]
+    finally:
+        await upstream.stop()
