@@ -383,6 +383,9 @@ def _parse_sampling(req: ParsedRequest, body: dict, limits: LimitsConfig, max_lo
             if len(stop) > _MAX_STOP:
                 raise bad_request(f"'stop' may hold at most {_MAX_STOP} sequences, got {len(stop)}.", "stop")
             s.stop = [x for x in stop if x]
+        elif isinstance(stop, list):  # OpenAI names the element: 'stop[1]'
+            i, bad = next((i, x) for i, x in enumerate(stop) if not isinstance(x, str))
+            raise bad_request(_type_msg(f"stop[{i}]", "a string", bad), "stop")
         else:
             raise bad_request(_type_msg("stop", "a string or an array of strings", stop), "stop")
     if req.endpoint == CHAT:

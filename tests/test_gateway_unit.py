@@ -41,6 +41,15 @@ def test_image_parts_must_be_fetchable_and_from_the_user():
             image("https://example.com/a.png", role)
 
 
+def test_a_stop_list_with_a_non_string_names_the_element():
+    """As OpenAI: "Invalid type for 'stop[1]'", not "expected ... an array of
+    strings, but got an array instead"."""
+    with pytest.raises(ApiError) as info:
+        chat(stop=["a", 2])
+    assert info.value.message == "Invalid type for 'stop[1]': expected a string, but got a number instead."
+    assert info.value.param == "stop"
+
+
 def test_fields_nothing_reads_are_named():
     assert chat().ignored is None
     assert chat(top_k=2, seed=1, cache_salt="s").ignored is None  # vLLM's, and read
