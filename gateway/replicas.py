@@ -46,7 +46,6 @@ from gateway.startup_thread import in_daemon_thread
 from gateway.upstream import (
     DONE_EVENT,
     KNOWN_LOAD_METRICS,
-    USAGE_ALL,
     chunk_outputs,
     header_count,
     header_seconds,
@@ -828,60 +827,12 @@ class RemoteReplica(Replica):
             headers["X-Request-Id"] = job.forwarded_id
         rid = job.request.request_id
         started = time.monotonic()
-        # A replica that accepts the connection but never answers (stopped, hung
-        # in prefill) would hold this request forever: it gives up when the
-        # breaker opens, and, having produced nothing, is retried elsewhere.
-        if self._cut is None:
-            self._cut = asyncio.get_running_loop().create_future()
-        post = asyncio.ensure_future(
-            self._session.post(self.base + path, json=body, headers=headers, timeout=self._request_timeout)
-        )
-        try:
-            await asyncio.wait((post, self._cut), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            post.cancel()  # the client went away meanwhile
-            if post.done() and not post.cancelled() and post.exception() is None:
-                post.result().close()  # it answered in the same moment: let the connection go
-            raise
-        if not post.done():
-            post.cancel()
-            raise ReplicaUnavailable(f"replica {self.name} stopped answering")
-        try:
-            resp = post.result()
-        except aiohttp.ServerTimeoutError as exc:
-            if isinstance(exc, aiohttp.ConnectionTimeoutError) or self._last_output < started:
-                # No connection at all, or silence from the whole replica (see below).
-                self._note_failure()
-            raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            self._note_failure()
-            raise ReplicaUnavailable(f"replica {self.name}: {_plain_reason(exc)}") from exc
+        resp = await self._post(path, body, headers, started)
         self._live[resp] = 0.0
         produced = False
         try:
             if resp.status != 200:
-                try:
-                    err = await resp.json(content_type=None)
-                except Exception:  # noqa: BLE001
-                    err = {}
-                err = openai_error_body(err)
-                if resp.status == 429:
-                    raise ReplicaBusy(f"replica {self.name} is at capacity", err or {},
-                                      header_count(resp.headers.get("Retry-After")))
-                if err is None:
-                    if resp.status in (502, 503, 504):  # a proxy's page: the server behind it is not there
-                        raise ReplicaUnavailable(f"replica {self.name} answered {resp.status}")  # counted below
-                    # An answer all the same, in plain text: a refusal (a proxy's 413 page) is
-                    # the request's, passed on; a failure (a bare 500) is judged as OpenAI-shaped ones are.
-                    reason = resp.reason or ("Client Error" if resp.status < 500 else "Server Error")
-                    err = {"error": {"message": f"The model server {'refused' if resp.status < 500 else 'failed'} "
-                                                f"the request: {resp.status} {reason}.",
-                                     "type": "invalid_request_error" if resp.status < 500 else "api_error"}}
-                if is_stopping(err):
-                    raise ReplicaStopping(f"replica {self.name} is shutting down")  # refusing new work: no failure
-                if resp.status >= 500:
-                    raise ReplicaAnswerFailed(f"replica {self.name} answered {resp.status}", resp.status, err)
-                raise UpstreamError(resp.status, err)
+                raise await self._refusal(resp)
             if isinstance(self.index, ApproxIndex):
                 # Only a prompt the server accepted can be in its cache.
                 self.index.record(job.keys)
@@ -962,6 +913,64 @@ class RemoteReplica(Replica):
             # Closing the connection is what aborts the request upstream.
             resp.close()
 
+
+    async def _post(self, path: str, body: dict, headers: dict, started: float) -> aiohttp.ClientResponse:
+        """The request sent, and the replica's answer (its head); a failure to get
+        one is ReplicaUnavailable, counted toward the breaker where it is the replica's."""
+        # A replica that accepts the connection but never answers (stopped, hung
+        # in prefill) would hold this request forever: it gives up when the
+        # breaker opens, and, having produced nothing, is retried elsewhere.
+        if self._cut is None:
+            self._cut = asyncio.get_running_loop().create_future()
+        post = asyncio.ensure_future(
+            self._session.post(self.base + path, json=body, headers=headers, timeout=self._request_timeout)
+        )
+        try:
+            await asyncio.wait((post, self._cut), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            post.cancel()  # the client went away meanwhile
+            if post.done() and not post.cancelled() and post.exception() is None:
+                post.result().close()  # it answered in the same moment: let the connection go
+            raise
+        if not post.done():
+            post.cancel()
+            raise ReplicaUnavailable(f"replica {self.name} stopped answering")
+        try:
+            return post.result()
+        except aiohttp.ServerTimeoutError as exc:
+            if isinstance(exc, aiohttp.ConnectionTimeoutError) or self._last_output < started:
+                # No connection at all, or silence from the whole replica (see generate).
+                self._note_failure()
+            raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            self._note_failure()
+            raise ReplicaUnavailable(f"replica {self.name}: {_plain_reason(exc)}") from exc
+
+    async def _refusal(self, resp: aiohttp.ClientResponse) -> Exception:
+        """What an answer other than 200 means: at capacity, stopping, the
+        replica failing, or the request refused (the client's, passed on)."""
+        try:
+            err = await resp.json(content_type=None)
+        except Exception:  # noqa: BLE001
+            err = {}
+        err = openai_error_body(err)
+        if resp.status == 429:
+            return ReplicaBusy(f"replica {self.name} is at capacity", err or {},
+                               header_count(resp.headers.get("Retry-After")))
+        if err is None:
+            if resp.status in (502, 503, 504):  # a proxy's page: the server behind it is not there
+                return ReplicaUnavailable(f"replica {self.name} answered {resp.status}")  # counted by generate
+            # An answer all the same, in plain text: a refusal (a proxy's 413 page) is
+            # the request's, passed on; a failure (a bare 500) is judged as OpenAI-shaped ones are.
+            reason = resp.reason or ("Client Error" if resp.status < 500 else "Server Error")
+            err = {"error": {"message": f"The model server {'refused' if resp.status < 500 else 'failed'} "
+                                        f"the request: {resp.status} {reason}.",
+                             "type": "invalid_request_error" if resp.status < 500 else "api_error"}}
+        if is_stopping(err):
+            return ReplicaStopping(f"replica {self.name} is shutting down")  # refusing new work: no failure
+        if resp.status >= 500:
+            return ReplicaAnswerFailed(f"replica {self.name} answered {resp.status}", resp.status, err)
+        return UpstreamError(resp.status, err)
 
     def _timeout_reason(self, exc: aiohttp.ServerTimeoutError) -> str:
         if isinstance(exc, aiohttp.ConnectionTimeoutError):
