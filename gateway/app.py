@@ -474,6 +474,7 @@ class Gateway:
         self.live.add(task)
         admitted = False
         tenant_admitted: str | None = None
+        parsed: ParsedRequest | None = None
         try:
             principal = self.authenticate(request)
             # A key that fixes the workload names it before classification, so a
@@ -530,7 +531,7 @@ class Gateway:
                 status = "503"
                 raise errors.shutting_down() from None
             status = CLIENT_GONE
-            _log_client_gone(request, start, exc)
+            _log_client_gone(request, start, exc, parsed.id if parsed is not None else None)
             raise
         finally:
             self.live.discard(task)
@@ -776,13 +777,13 @@ class _ClientLeft:
     nginx's 499 and the bytes sent (head included, as aiohttp counts them)."""
 
     status = int(CLIENT_GONE)
-    headers: dict[str, str] = {}
 
-    def __init__(self, sent: int) -> None:
+    def __init__(self, sent: int, request_id: str | None) -> None:
         self.body_length = sent
+        self.headers = {"x-request-id": request_id} if request_id else {}
 
 
-def _log_client_gone(request: web.Request, start: float, exc: BaseException) -> None:
+def _log_client_gone(request: web.Request, start: float, exc: BaseException, request_id: str | None) -> None:
     """server.access_log writes one line a request, but aiohttp writes none for a
     handler cancelled by its client leaving (a stream closed, a request given up),
     nor for a write that failed part way.  (A write failing before any byte went
@@ -794,7 +795,7 @@ def _log_client_gone(request: web.Request, start: float, exc: BaseException) -> 
     if isinstance(exc, ConnectionResetError) and not sent:
         return
     began = asyncio.get_running_loop().time() - (time.perf_counter() - start)
-    protocol.log_access(request, _ClientLeft(sent), began)
+    protocol.log_access(request, _ClientLeft(sent, request_id), began)
 
 
 def _mm_hashes(raw) -> list[tuple[int, bytes]]:

@@ -27,6 +27,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from gateway.access_log import AccessLine
 from gateway.app import GATEWAY, create_app
 from gateway.config import KvgateConfig, LimitsConfig, ServerConfig
 from gateway.http_protocol import KvgateRunner
@@ -239,11 +240,16 @@ async def _serve(app: web.Application, sockets: list[socket.socket], cfg: Server
     describes: out of rotation, still serving for shutdown_delay_s, port closed,
     drain_timeout_s for what is in flight, then the rest ended with an error."""
     app.on_startup.append(freeze_startup_objects)  # after the app's own startup (model loading)
-    access_log = logging.getLogger("aiohttp.access") if cfg.access_log else None
+    access_log = None
+    if cfg.access_log:
+        access_log = logging.getLogger("aiohttp.access")
+        # Asked for in the config: its lines are INFO, and a log_level of warning
+        # must not drop them all without a word.
+        access_log.setLevel(logging.INFO)
     runner = KvgateRunner(app, header_timeout_s=cfg.limits.header_timeout_s, send_timeout_s=cfg.limits.send_timeout_s,
                           keepalive_timeout=cfg.limits.keepalive_timeout_s, handler_cancellation=True,
-                          access_log=access_log, handle_signals=False, shutdown_timeout=_CLEANUP_TIMEOUT_S,
-                          on_refused=_refusal_counter(app))
+                          access_log=access_log, access_log_class=AccessLine, handle_signals=False,
+                          shutdown_timeout=_CLEANUP_TIMEOUT_S, on_refused=_refusal_counter(app))
     await _start_or_stop(runner)
     signals = _Signals()
     try:

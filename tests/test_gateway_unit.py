@@ -738,3 +738,28 @@ async def test_in_flight_load_is_released_when_a_second_cancel_lands_during_clos
         await task
     await asyncio.sleep(0.1)
     assert router.inflight_requests == [0] and router.inflight_tokens == [0]
+
+
+def test_the_access_line_says_a_failed_stream_its_id_and_its_time(caplog):
+    """server.access_log: a stream that failed after its first byte reads as its
+    error's status (as kvgate_requests_total counts it), with its request id and
+    duration; a client's header cannot break the line."""
+    import logging
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.access_log import AccessLine
+
+    request = make_mocked_request("POST", "/v1/chat/completions",
+                                  headers={"User-Agent": 'evil"\n2026-01-01 forged line'})
+
+    class FailedStream:
+        status, failed_status, body_length = 200, 502, 1234
+        headers = {"x-request-id": "chatcmpl-abc"}
+
+    line = AccessLine(logging.getLogger("test.access"), "")
+    with caplog.at_level(logging.INFO, logger="test.access"):
+        line.log(request, FailedStream(), 0.4123)
+    (record,) = caplog.records
+    assert record.getMessage().split(" ", 1)[1] == \
+        '"POST /v1/chat/completions HTTP/1.1" 502 1234 0.412s chatcmpl-abc "evil\\"\\n2026-01-01 forged line"'
