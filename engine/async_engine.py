@@ -342,7 +342,7 @@ class AsyncEngine:
             self._in_flight = True
             self._step_started = time.monotonic()
             try:
-                outputs = await loop.run_in_executor(self._executor, self._step)
+                outputs = await self._watched(loop.run_in_executor(self._executor, self._step))
             except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("engine step failed")
                 outputs = []
@@ -353,6 +353,25 @@ class AsyncEngine:
             self._flush_events()
             self._deliver(outputs)
         self._idle.set()
+
+    async def _watched(self, step: asyncio.Future) -> list[GenerationOutput]:
+        """The step's outputs; a step past engine.step_timeout_s is said in the log
+        once, and its end too: /health answers 503 meanwhile, and an operator
+        (or a liveness probe's restart) should learn why from the log."""
+        limit = self.engine_cfg.step_timeout_s
+        if not limit:
+            return await step
+        done, _ = await asyncio.wait((step,), timeout=limit)
+        if done:
+            return step.result()
+        log.error("a model step has run for %g s, past engine.step_timeout_s, with %d sequences in it: the engine "
+                  "is hung (a stuck kernel or device?); /health answers 503 until the step ends", limit,
+                  len(self.scheduler.running))
+        try:
+            return await step
+        finally:
+            if step.done():  # not when the engine is stopping under it
+                log.warning("the stalled model step ended after %.1f s", self.step_running_s())
 
     def _apply_pending(self) -> None:
         adds, self._pending_adds = self._pending_adds, []

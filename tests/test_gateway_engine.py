@@ -439,11 +439,14 @@ async def test_one_tenant_cannot_hold_more_than_its_share_in_flight(tiny_model_d
             await globex.close()
 
 
-async def test_a_hung_in_process_model_step_fails_health_and_readiness(tiny_model_dir):
+async def test_a_hung_in_process_model_step_fails_health_and_readiness(tiny_model_dir, caplog):
     """`kvgate serve` with its engines in-process (the image's default): a model
     step running past engine.step_timeout_s is a hung engine that only a restart
     frees, so /health (the image's HEALTHCHECK, a liveness probe) answers 503,
-    and /ready drops that replica, until the step ends."""
+    and /ready drops that replica, until the step ends.  The log says so, and
+    when it ends (it said nothing: a pod restarted by its liveness probe left
+    no reason in its log)."""
+    caplog.set_level(logging.WARNING, logger="engine.async_engine")
     config = _config(tiny_model_dir, replicas=1)
     config.engine.step_timeout_s = 0.3
     async with serving(create_app(config)) as (app, server, _):
@@ -456,12 +459,15 @@ async def test_a_hung_in_process_model_step_fails_health_and_readiness(tiny_mode
                     assert list(body["stalled_replicas"].values())[0] > 0.3
                 async with session.get(server.url + "/ready") as resp:
                     assert resp.status == 503 and (await resp.json())["healthy_replicas"] == []
+                said = [r for r in caplog.records if "past engine.step_timeout_s" in r.getMessage()]
+                assert len(said) == 1 and said[0].levelname == "ERROR", said
                 release.set()
                 async with await post as resp:
                     assert resp.status == 200
                 for path in ("/health", "/ready"):
                     async with session.get(server.url + path) as resp:
                         assert resp.status == 200, path
+        assert any(r.getMessage().startswith("the stalled model step ended after") for r in caplog.records)
 
 
 async def test_a_hung_in_process_replica_leaves_routing_until_its_step_ends(tiny_model_dir):
