@@ -181,10 +181,13 @@ class GatewayMetrics:
             )
         return series
 
-    def errors_total(self) -> int:
-        """Responses other than 200 since start (the status line's error count), but
-        for 499s: a client that left before its answer is no error of the server's."""
-        return self._answered_with(lambda status: status not in ("200", "499"))
+    def errors_total(self) -> tuple[int, int, int]:
+        """Responses other than 200 since start, for the status line: refused
+        (4xx but 429), over limits (429) and failed (5xx).  A 499, a client that
+        left before its answer, is no error of the server's."""
+        return (self._answered_with(lambda status: status[0] == "4" and status not in ("429", "499")),
+                self._answered_with(lambda status: status == "429"),
+                self._answered_with(lambda status: status[0] == "5"))
 
     def left_total(self) -> int:
         """Requests whose client went away before their end (499) since start."""

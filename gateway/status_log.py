@@ -1,7 +1,7 @@
 """A periodic status line in the log, as vLLM prints one: what the server did
 since the last line and what its engines hold now.
 
-    last 10 s: 12 requests, 2 errors, prompt 310 tok/s (62% cached), generation 45 tok/s; inprocess-0: 3 running, 1 waiting, KV 45% in use; vllm-1: down
+    last 10 s: 12 requests, 2 refused (4xx), 1 failed (5xx), prompt 310 tok/s (62% cached), generation 45 tok/s; inprocess-0: 3 running, 1 waiting, KV 45% in use; vllm-1: down
 
 Written only when something happened or is under way, so an idle server's
 log stays quiet.  Requests (client requests answered in full, as
@@ -12,8 +12,10 @@ generation tokens are counted as they arrive, as vLLM counts them per step, so
 a long stream shows its rate while it runs rather than all at its end; queue and KV figures
 come from each replica's engine stats (none for external servers: their own
 logs have them).  Errors are the responses other than 200 and 499 in the
-interval (refused or failed) and "left" the requests whose client went away
-before the end (499), each shown when there are any; a replica out of routing
+interval, apart as a reader at 3 a.m. wants them: refused (the clients' 4xx),
+over limits (429: the gateway or its engines at capacity) and failed (5xx);
+"left" counts the requests whose client went away before the end (499); each
+is shown when there are any; a replica out of routing
 shows as down.  Tokens alone (a stream whose client left) make a line too.
 """
 
@@ -34,20 +36,21 @@ class StatusLog:
     __slots__ = ("_seen",)
 
     def __init__(self) -> None:
-        self._seen = (0, 0, 0, 0, 0, 0)  # the totals at the last line
+        self._seen = (0, 0, 0, 0, 0, 0, 0, 0)  # the totals at the last line
 
     def line(self, seconds: float, totals: Totals, replicas: Iterable[tuple[str, int, Mapping | None, bool]],
-             errors: int = 0, generated: int = 0, left: int = 0) -> str | None:
-        """The line for the last ``seconds``: ``totals``, ``errors`` (responses
-        other than 200 and 499 since start), ``generated`` (tokens generated
-        since start) and ``left`` (499s since start) against the last line's, and
-        the replicas' (name, requests in flight, engine stats, healthy); None
-        when idle."""
-        now = (totals.requests, totals.prompt_tokens, totals.cached_tokens, generated, errors, left)
-        requests, prompt, cached, completion, failed, gone = (a - b for a, b in zip(now, self._seen))
+             errors: tuple[int, int, int] = (0, 0, 0), generated: int = 0, left: int = 0) -> str | None:
+        """The line for the last ``seconds``: ``totals``, ``errors`` (refused,
+        over limits and failed responses since start), ``generated`` (tokens
+        generated since start) and ``left`` (499s since start) against the last
+        line's, and the replicas' (name, requests in flight, engine stats,
+        healthy); None when idle."""
+        now = (totals.requests, totals.prompt_tokens, totals.cached_tokens, generated, *errors, left)
+        requests, prompt, cached, completion, refused, limited, failed, gone = (
+            a - b for a, b in zip(now, self._seen))
         self._seen = now
         parts = []
-        busy = requests > 0 or failed > 0 or gone > 0 or prompt > 0 or completion > 0
+        busy = requests > 0 or refused or limited or failed or gone > 0 or prompt > 0 or completion > 0
         for name, inflight, stats, healthy in replicas:
             if not healthy:
                 busy = busy or inflight
@@ -66,7 +69,8 @@ class StatusLog:
         if not busy:
             return None
         share = f" ({100 * cached / prompt:.0f}% cached)" if prompt else ""
-        errs = (f", {_count(failed, 'error')}" if failed else "") + (f", {gone} left" if gone else "")
+        errs = "".join(f", {n} {what}" for n, what in ((refused, "refused (4xx)"), (limited, "over limits (429)"),
+                                                        (failed, "failed (5xx)"), (gone, "left")) if n)
         head = (f"last {round(seconds, 1):g} s: {_count(requests, 'request')}{errs}, prompt {prompt / seconds:.0f} tok/s{share}, "
                 f"generation {completion / seconds:.0f} tok/s")
         return "; ".join([head, *parts])

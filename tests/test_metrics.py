@@ -726,16 +726,19 @@ def test_status_line_reports_the_interval_then_starts_over():
     # Tokens of a stream still running count as they come, before any request ends.
     assert status.line(10, history, [("r0", 1, {"running": 1}, True)], generated=400).startswith(
         "last 10 s: 0 requests, prompt 0 tok/s, generation 30 tok/s")
-    # Refused or failed requests alone make a line: errors are the non-200 responses since the last one.
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7, generated=400).startswith(
-        "last 10 s: 0 requests, 7 errors,")
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7, generated=400) is None
+    # Refused or failed requests alone make a line: the non-200 responses since the last one, by
+    # whose they are (a flood of bad requests read as "176 errors", as if the server were failing).
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=(5, 38, 2), generated=400).startswith(
+        "last 10 s: 0 requests, 5 refused (4xx), 38 over limits (429), 2 failed (5xx),")
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=(5, 38, 2), generated=400) is None
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=(5, 38, 3), generated=400).startswith(
+        "last 10 s: 0 requests, 1 failed (5xx),")
     # Streams whose clients left (499s) are no errors but make a line, with the tokens they generated.
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7, generated=460, left=2) == (
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=(5, 38, 3), generated=460, left=2) == (
         "last 10 s: 0 requests, 2 left, prompt 0 tok/s, generation 6 tok/s; r0: 0 running, 0 waiting")
     # Tokens alone, too (the 499s counted at the last line).
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=7, generated=480, left=2).startswith(
-        "last 10 s: 0 requests, prompt 0 tok/s, generation 2 tok/s")
+    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=(5, 38, 3), generated=480,
+                       left=2).startswith("last 10 s: 0 requests, prompt 0 tok/s, generation 2 tok/s")
 
 
 def test_the_dashboards_rate_of_a_period_under_way_is_over_the_sample_span():
@@ -853,14 +856,14 @@ async def test_a_long_streams_tokens_count_while_it_runs(tiny_model_dir, caplog)
 
 def test_the_status_lines_errors_leave_out_clients_that_left():
     """A 499 is a client that hung up (a closed stream, a Ctrl-C): the status
-    line's error count is the server's failures, 4xx refusals and 5xx."""
+    line's errors are refusals (4xx), over limits (429) and failures (5xx)."""
     from gateway.metrics import GatewayMetrics
 
     metrics = GatewayMetrics()
-    for status, times in (("200", 5), ("499", 3), ("400", 1), ("502", 2)):
+    for status, times in (("200", 5), ("499", 3), ("400", 1), ("401", 1), ("429", 4), ("502", 2), ("503", 1)):
         for _ in range(times):
             metrics.requests.labels("chat", "to-c", status).inc()
-    assert metrics.errors_total() == 3
+    assert metrics.errors_total() == (2, 4, 3)
 
 
 def test_a_long_request_in_flight_is_no_idle_stretch():
