@@ -388,6 +388,7 @@ class RemoteReplica(Replica):
         self._metrics_unknown = False  # warned that its metrics page has no load figures
         self._models_unread = False  # warned that its /v1/models could not be read
         self._model_unlisted = False  # warned that its /v1/models does not list replicas[].model
+        self._stream_lost_said = False  # said the KV event stream was lost, since its last snapshot
 
     # -- lifecycle
 
@@ -681,6 +682,7 @@ class RemoteReplica(Replica):
                             except Exception as exc:  # noqa: BLE001
                                 raise ReplicaUnavailable(f"/kvgate/info failed: {_plain_reason(exc)}") from None
                             self._following = True
+                            self._stream_lost_said = False
                             self._forgive(probes=True, requests=True)  # a (re)started engine
                             self._maybe_rejoin()
                             backoff = 0.2
@@ -702,8 +704,11 @@ class RemoteReplica(Replica):
                     self._trip(f"unreachable ({exc})")
             except Exception as exc:  # noqa: BLE001 - any other failure means: resync
                 if not (self.draining or self._key_refused or self._no_events):  # each said already, or on purpose
-                    log.info("replica %s: kv event stream lost (%s); resyncing", self.name,
-                             exc if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc))
+                    # Once an outage (a hung engine's stream fails every 20 s): then at DEBUG.
+                    log.log(logging.DEBUG if self._stream_lost_said else logging.INFO,
+                            "replica %s: kv event stream lost (%s); resyncing", self.name,
+                            exc if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc))
+                    self._stream_lost_said = True
             finally:
                 self._events_resp = None
             self._following = False

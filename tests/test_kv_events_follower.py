@@ -39,6 +39,7 @@ class ScriptedEngine:
     def __init__(self) -> None:
         self.keys: list[int] = []
         self.up = True
+        self.hung = False  # its streams send nothing at all, not even the snapshot
         self.opened = 0
         self.server = None
 
@@ -62,8 +63,9 @@ class ScriptedEngine:
         self.opened += 1
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        snapshot = {"seq": 0, "model": MODEL, "keys": {"device": list(self.keys)}, "draining": False}
-        await resp.write(b"event: snapshot\ndata: " + json.dumps(snapshot).encode() + b"\n\n")
+        if not self.hung:
+            snapshot = {"seq": 0, "model": MODEL, "keys": {"device": list(self.keys)}, "draining": False}
+            await resp.write(b"event: snapshot\ndata: " + json.dumps(snapshot).encode() + b"\n\n")
         await asyncio.sleep(3600)
         return resp
 
@@ -189,3 +191,27 @@ def _fed(chunks: list[bytes]) -> aiohttp.StreamReader:
         stream.feed_data(chunk)
     stream.feed_eof()
     return stream
+
+
+async def test_a_stream_that_keeps_going_silent_is_said_lost_once_an_outage(scripted, monkeypatch, caplog):
+    """A hung engine's stream goes silent again and again (a SIGSTOPped process
+    keeps its port): "kv event stream lost" was logged at every reopening, every
+    20 s for as long as it lasted.  Once at INFO, then at DEBUG until a snapshot
+    is followed again, after which a new loss is said again."""
+    monkeypatch.setattr(replicas, "_KV_EVENTS_SILENT_S", 0.3)
+    monkeypatch.setattr(replicas, "_KV_EVENTS_MAX_BACKOFF_S", 0.1)
+    engine, follow = scripted
+    caplog.set_level(logging.DEBUG, logger="gateway.replicas")
+    replica = await follow(health_interval_s=0.1)
+    await wait_for(lambda: replica._following, what="following")
+    engine.hung = True
+    await wait_for(lambda: engine.opened >= 5, timeout=10, what="four silent reopenings")
+    lost = [r.levelname for r in caplog.records if "kv event stream lost" in r.getMessage()]
+    assert lost[0] == "INFO" and set(lost[1:]) == {"DEBUG"} and len(lost) >= 3, lost
+    engine.hung = False
+    await wait_for(lambda: replica._following, timeout=5, what="following again")
+    caplog.clear()
+    engine.hung = True
+    await wait_for(lambda: any("kv event stream lost" in r.getMessage() for r in caplog.records), timeout=5,
+                   what="the next loss")
+    assert [r.levelname for r in caplog.records if "kv event stream lost" in r.getMessage()][0] == "INFO"
