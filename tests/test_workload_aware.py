@@ -724,12 +724,18 @@ def test_reuse_alarm_raised_and_logged(caplog):
     cfg = WorkloadAwareConfig.model_validate({
         "fallback": {"enabled": False, "check_interval_s": 10.0}, "alarm": {"window_s": 30.0, "threshold": 0.4}})
     pool = BlockPool(50, 0, "wa", CacheConfig(workload_aware=cfg))
-    with caplog.at_level("WARNING", logger="kvgate.cache"):
+    with caplog.at_level("INFO", logger="kvgate.cache"):
         for i in range(200):
             now = i * 0.5
             request(pool, [i * 10 + 1, i * 10 + 2], ctx(blocks=2, ts=now, chat_id=i), now)
-    assert pool.device_policy.state()["reuse_alarm"] is True
-    assert any("reuse alarm raised" in r.getMessage() for r in caplog.records)
+        assert pool.device_policy.state()["reuse_alarm"] is True
+        # Idle past the window: cleared, at INFO, for lack of lookups, not for a ratio recovered.
+        request(pool, [1, 2], ctx(blocks=2, ts=500.0, chat_id=999), 500.0)
+    assert pool.device_policy.state()["reuse_alarm"] is False
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "reuse alarm" in r.getMessage()]
+    assert said == [("WARNING", "reuse alarm raised: prefix hit ratio 0.000 over 30 s, under alarm.threshold 0.40 "
+                                "(a KV cache too small for the traffic's reuse, or traffic with little to reuse)"),
+                    ("INFO", "reuse alarm cleared: no prompt blocks looked up over 30 s")]
 
 
 def test_reuse_alarm_catching_up_after_idle_time_logs_only_a_change_that_stands(caplog):
@@ -740,7 +746,7 @@ def test_reuse_alarm_catching_up_after_idle_time_logs_only_a_change_that_stands(
     cfg = WorkloadAwareConfig.model_validate({
         "fallback": {"enabled": False, "check_interval_s": 10.0}, "alarm": {"window_s": 30.0, "threshold": 0.4}})
     pool = BlockPool(1000, 0, "wa", CacheConfig(workload_aware=cfg))
-    with caplog.at_level("WARNING", logger="kvgate.cache"):
+    with caplog.at_level("INFO", logger="kvgate.cache"):
         for i in range(60):  # 0-30 s: one prompt again and again, all hits
             request(pool, [1, 2], ctx(blocks=2, ts=i * 0.5, chat_id=i), i * 0.5)
         for i in range(100):  # 30-40 s: new prompts, all misses

@@ -643,7 +643,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
         )
         self.spiking = False
         self.reuse_alarm = False
-        self._alarm_ratio = 0.0  # the hit ratio the alarm last judged
+        self._alarm_ratio: float | None = None  # the hit ratio the alarm last judged (None: no accesses)
         # False on the host tier: its state changes are not logged (see make_workload_aware).
         self.announce = True
         self.topic_switches = 0
@@ -945,7 +945,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
         self.table.relax = self.cfg.rhythm.relax_factor if spiking else 1.0
         self.table.refresh()
         if self.announce:
-            log.info("kvgate.cache: to-B traffic spike %s (relax x%.1f)", "started" if spiking else "ended",
+            log.info("to-B traffic spike %s (relax x%.1f)", "started" if spiking else "ended",
                      self.table.relax)
 
     # ---- shadow comparison, fallback and alarm ------------------------------
@@ -975,16 +975,23 @@ class WorkloadAwarePolicy(EvictionPolicy):
             # Said once, as things stand now: catching up on idle intervals may
             # raise the alarm at one and clear it at the next, all at this instant.
             if self.reuse_alarm != alarm_before and self.announce:
-                log.warning("kvgate.cache: reuse alarm %s (hit ratio %.3f over %.0f s, threshold %.2f)",
-                            "raised" if self.reuse_alarm else "cleared", self._alarm_ratio, self.cfg.alarm.window_s,
-                            self.cfg.alarm.threshold)
+                alarm = self.cfg.alarm
+                if self.reuse_alarm:
+                    log.warning("reuse alarm raised: prefix hit ratio %.3f over %.0f s, under alarm.threshold %.2f "
+                                "(a KV cache too small for the traffic's reuse, or traffic with little to reuse)",
+                                self._alarm_ratio, alarm.window_s, alarm.threshold)
+                elif self._alarm_ratio is None:
+                    log.info("reuse alarm cleared: no prompt blocks looked up over %.0f s", alarm.window_s)
+                else:
+                    log.info("reuse alarm cleared: prefix hit ratio %.3f over %.0f s (alarm.threshold %.2f)",
+                             self._alarm_ratio, alarm.window_s, alarm.threshold)
         self._bucket_end = (math.floor(now / interval) + 1) * interval
 
     def _evaluate(self, now: float) -> None:
         cfg = self.cfg
         if len(self._buckets) >= self._alarm_buckets:
             *_, acc, hits = self._window_sums(self._alarm_buckets)
-            self._alarm_ratio = hits / acc if acc else 0.0
+            self._alarm_ratio = hits / acc if acc else None
             self.reuse_alarm = acc > 0 and hits / acc < cfg.alarm.threshold
         fb = cfg.fallback
         if self.shadow_lru is None:
@@ -1011,14 +1018,14 @@ class WorkloadAwarePolicy(EvictionPolicy):
             self.lru = OrderedDict.fromkeys(self.core.evictable_keys())
             self.fallbacks += 1
             self.shadow_wa = _SimCache(self.core.clone(), self.capacity)
-            log.warning("kvgate.cache: falling back to LRU (hit ratio %.4f vs shadow LRU %.4f over %d blocks)",
+            log.warning("falling back to LRU (hit ratio %.4f vs shadow LRU %.4f over %d blocks)",
                         hits / acc, lru_hits / acc, acc)
         else:
             self.active = "wa"
             self.lru_active = False
             self.lru = OrderedDict()
             self.shadow_wa = None
-            log.info("kvgate.cache: back to workload-aware order (shadow %.4f vs LRU %.4f over %d blocks)",
+            log.info("back to workload-aware order (shadow %.4f vs LRU %.4f over %d blocks)",
                      wa_hits / acc, lru_hits / acc, acc)
 
 
