@@ -168,7 +168,24 @@ class AsyncEngine:
         if engine_cfg.threads:
             torch.set_num_threads(engine_cfg.threads)
         torch.manual_seed(engine_cfg.seed)
-        return cls(load_model(model_cfg), engine_cfg, cache_cfg, model_cfg.max_model_len, model_cfg.tokenize_cache_tokens)
+        began = time.monotonic()
+        engine = cls(load_model(model_cfg), engine_cfg, cache_cfg, model_cfg.max_model_len,
+                     model_cfg.tokenize_cache_tokens)
+        engine.log_ready(time.monotonic() - began)
+        return engine
+
+    def log_ready(self, load_s: float) -> None:
+        """What an operator checks first in a new pod's log: which model, where,
+        and how much KV cache it got (vLLM says as much at start)."""
+        loaded, kv, cfg = self.loaded, self.kv, self.engine_cfg
+        per_block = kv.shape.bytes_per_block
+        host = (f" + {kv.num_host} host blocks ({kv.num_host * per_block / 2**30:.2f} GiB)"
+                if kv.num_host else "")
+        log.info("engine ready in %.1f s: %s (%s, %s) from %s; KV %d device blocks (%.2f GiB)%s of %d tokens; "
+                 "max_model_len %d, max_num_seqs %d, eviction %s", load_s, loaded.name, loaded.device,
+                 str(loaded.dtype).removeprefix("torch."), loaded.source, kv.num_device,
+                 kv.num_device * per_block / 2**30, host, cfg.block_size, self._max_model_len, cfg.max_num_seqs,
+                 self.pool.policy_name)
 
     # ---- properties the gateway reads --------------------------------------
 

@@ -173,7 +173,7 @@ async def freeze_startup_objects(app: web.Application) -> None:
     """
     gc.collect()
     gc.freeze()
-    log.info("moved %d startup objects out of the garbage collector's scans", gc.get_freeze_count())
+    log.debug("moved %d startup objects out of the garbage collector's scans", gc.get_freeze_count())
 
 
 class ListenError(OSError):

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from engine.block_hash import block_hashes
 from engine.request import GenerationRequest, SamplingParams
 from tests.engine_helpers import (
+    DEVICE,
     assert_no_references,
     collect,
     greedy,
@@ -594,3 +596,18 @@ def test_the_engine_limits_torchs_cpu_kernel_caches_unless_the_operator_set_them
     make_engine(tiny_model_dir)
     assert os.environ["LRU_CACHE_CAPACITY"] == KERNEL_CACHE_LIMITS["LRU_CACHE_CAPACITY"] == "1"
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
+
+
+def test_a_loaded_engine_says_what_it_runs_and_its_kv_cache(tiny_model_dir, caplog):
+    """The first thing an operator checks in a new pod's log, as vLLM prints it:
+    the model, device and dtype, and the KV cache it got.  Start-up said only
+    how many objects it moved out of the garbage collector's scans."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="engine.async_engine"):
+        make_engine(tiny_model_dir, device_blocks=64, host_blocks_multiplier=2.0, block_size=16, max_num_seqs=4)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine ready in")]
+    assert re.fullmatch(
+        rf"engine ready in \d+\.\d s: \S+ \({DEVICE}, float32\) from {re.escape(tiny_model_dir)}; KV 64 device blocks "
+        r"\(\d+\.\d\d GiB\) \+ 128 host blocks \(\d+\.\d\d GiB\) of 16 tokens; max_model_len \d+, max_num_seqs 4, "
+        r"eviction lru", line), line
