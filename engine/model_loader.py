@@ -9,6 +9,8 @@ dequantises it (~14 s), so it is converted once into
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import glob
 import importlib.util
 import json
@@ -16,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -153,7 +156,9 @@ def convert_gguf(gguf_file: str, target: str) -> None:
     # Reading the GGUF's vocabulary into a tokenizer and a config takes most of it
     # (~35 s for the bundled model on two cores), before and after the dequantisation's bar.
     log.info("converting %s into %s (once; the bundled model takes about half a minute)", gguf_file, target)
-    model, tokenizer = load_gguf(gguf_file)
+    began = time.monotonic()
+    with _no_bar_off_a_terminal():
+        model, tokenizer = load_gguf(gguf_file)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     # Write into a temporary sibling and rename, so a crash never leaves a half model.
     tmp = tempfile.mkdtemp(prefix=".convert-", dir=os.path.dirname(target))
@@ -169,6 +174,23 @@ def convert_gguf(gguf_file: str, target: str) -> None:
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converted %s in %.0f s", gguf_file, time.monotonic() - began)
+
+
+@contextlib.contextmanager
+def _no_bar_off_a_terminal():
+    """transformers' GGUF dequantisation draws a tqdm bar whatever stderr is: in a
+    pod's log it is one ~1 KB line of carriage returns.  tqdm's own
+    ``disable=None`` draws it on a terminal only.  (Its TQDM_DISABLE variable is
+    read once, at import.)"""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(bar, disable=None)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
 
 
 def served_name(cfg: ModelConfig) -> str:

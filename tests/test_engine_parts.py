@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -344,3 +345,32 @@ def test_coalesce_joins_each_choices_deltas_in_order():
     alone = [GenerationOutput("r", 0, [1], "a"), GenerationOutput("r", 1, [2], "b")]
     assert coalesce(alone) is alone
     assert coalesce([GenerationOutput("r", 0, [1], "a"), GenerationOutput("r", 0, [2], "b")])[0].logprobs is None
+
+
+def test_the_conversion_draws_no_bar_into_a_log_and_says_how_long_it_took(tiny_model_dir, tmp_path, monkeypatch,
+                                                                          caplog):
+    """transformers' dequantisation bar went into a pod's log (stderr no terminal)
+    as one long line of carriage returns; the conversion now draws it on a
+    terminal only, and its end is said with the time it took."""
+    import logging
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import engine.model_loader as model_loader
+
+    drawn = []
+
+    def load_with_a_bar(gguf_file):
+        bar = gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors...")
+        drawn.append(bar.disable)
+        list(bar)
+        return AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    monkeypatch.setattr(model_loader, "load_gguf", load_with_a_bar)
+    original = gguf_utils.tqdm
+    with caplog.at_level(logging.INFO, logger="engine.model_loader"):
+        model_loader.convert_gguf("tiny.gguf", str(tmp_path / "model"))
+    assert drawn == [True]  # pytest's stderr is no terminal
+    assert gguf_utils.tqdm is original
+    assert any(re.fullmatch(r"converted tiny\.gguf in \d+ s", r.getMessage()) for r in caplog.records)
