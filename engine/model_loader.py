@@ -114,6 +114,16 @@ def default_model_dir(cache_dir: str) -> str:
     """The converted default model, converting it on first use."""
     target = os.path.join(os.path.expanduser(cache_dir), DEFAULT_CACHE_SUBDIR)
     if not _is_complete(target):
+        # Said now, not after half a minute of conversion as a bare OSError (a
+        # read-only root filesystem in a pod, the usual case).
+        parent = os.path.dirname(target)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            os.rmdir(tempfile.mkdtemp(prefix=".writable-", dir=parent))
+        except OSError as exc:
+            raise ModelLoadError("<default>", f"cannot write the converted model into {parent} "
+                                 f"({exc.strerror or exc}); give model.cache_dir a writable folder",
+                                 key="model.cache_dir") from None
         convert_gguf(default_gguf_path(), target)
     return target
 

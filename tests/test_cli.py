@@ -544,6 +544,22 @@ def test_a_model_path_that_does_not_load_is_named_at_its_line(tmp_path, capsys, 
     assert err == f"kvgate: {path}:4: cannot load model '{tmp_path / 'no-model'}': directory not found\n"
 
 
+def test_a_cache_dir_the_default_model_cannot_be_converted_into_is_named_at_once(tmp_path, capsys, monkeypatch):
+    """A read-only root (a pod's) as model.cache_dir: the first start failed after
+    half a minute of conversion with "cannot start: [Errno 2] ...", no line, no setting."""
+    import engine.model_loader as model_loader
+
+    monkeypatch.setattr(model_loader, "convert_gguf", lambda *args: pytest.fail("converted anyway"))
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    path = tmp_path / "config.yaml"
+    path.write_text(f"engine:\n  threads: 1\nmodel:\n  cache_dir: {blocked / 'cache'}\n")
+    assert main(["engine", "--config", str(path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"kvgate: {path}:4: cannot load model '<default>': cannot write the converted model into "
+                   f"{blocked / 'cache'} (Not a directory); give model.cache_dir a writable folder\n")
+
+
 def test_a_listen_address_is_named_at_its_line_unless_a_flag_gave_it(tmp_path, capsys, monkeypatch):
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the address was checked")
