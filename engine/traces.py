@@ -205,7 +205,9 @@ def _parse_line(raw: bytes, where: str, first: bool) -> dict:
             raise TraceError(f"{where}: this looks like a CSV header; kvgate reads JSONL traces (Bailian or Mooncake "
                              "format), one JSON object per line, not CSV") from None
         # The line was read alone: json's own "line 1" would only muddle FILE:LINE.
-        raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        # json's message may end in "at" already ("Unterminated string starting at").
+        at = " " if exc.msg.endswith(" at") else " at "
+        raise TraceError(f"{where}: not valid JSON ({exc.msg}{at}column {exc.colno})") from None
     except (ValueError, RecursionError) as exc:  # bad UTF-8, absurd numbers or nesting
         raise TraceError(f"{where}: not valid JSON ({str(exc)[:200]})") from None
     if not isinstance(record, dict):

@@ -9,6 +9,11 @@ client left); bytes sent, head included; seconds since the request arrived;
 its x-request-id (the completion id, which each hop's log names); the user
 agent.  The record's own time is when the request ended.  aiohttp's default
 line has neither the duration nor the id, and dates the request twice.
+
+Monitoring that succeeds is left out (nginx's ``access_log off`` on a
+location): health probes, scrapes, the dashboard's polls and a gateway's polls
+and event stream on its engines came every few seconds each and buried the
+clients' lines.  Their failures are logged.
 """
 
 from __future__ import annotations
@@ -20,8 +25,15 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web import BaseRequest, StreamResponse
 
 
+# Paths polled by machines: /health and /ready (probes), /metrics (Prometheus),
+# /stats (the dashboard, every 2 s), a `kvgate engine`'s to its gateways.
+_MONITORING = frozenset({"/health", "/ready", "/metrics", "/stats", "/kv_events", "/kvgate/info", "/kvgate/stats"})
+
+
 class AccessLine(AbstractAccessLogger):
     def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+        if response.status < 400 and request.method in ("GET", "HEAD") and request.path in _MONITORING:
+            return
         status = getattr(response, "failed_status", None) or response.status
         major, minor = request.version
         self.logger.info('%s "%s %s HTTP/%d.%d" %s %d %.3fs %s "%s"', request.remote or "-", request.method,

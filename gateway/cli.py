@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Iterator, Sequence
 
 EXIT_USAGE = 2
@@ -137,6 +138,16 @@ _MEMORY_HINTS = {"serve": _SERVER_MEMORY_HINT, "engine": _SERVER_MEMORY_HINT, "r
                  "tune": _REPLAY_MEMORY_HINT, "synth": "a shorter --duration or a lower --rate needs less"}
 
 
+class _ServerLogFormat(logging.Formatter):
+    """Times as ISO 8601 with the UTC offset and milliseconds
+    (2026-12-07T01:19:32.123+0000): logs from hosts in other time zones, or
+    read after a DST change, sort and compare without guessing."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", self.converter(record.created))
+        return f"{stamp}.{int(record.msecs):03d}{time.strftime('%z', self.converter(record.created))}"
+
+
 def _setup_logging(level: str | None, server: bool = True) -> None:
     name = (level if level is not None else os.environ.get("KVGATE_LOG_LEVEL") or "info").upper()
     if name not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -144,8 +155,12 @@ def _setup_logging(level: str | None, server: bool = True) -> None:
         raise CliError(f"{source}: log level {name.lower()!r}: choose debug, info, warning or error")
     # A server's log is read later, by time and source; a tool's warnings (a trace's
     # odd lines) are read now, beside its one-line errors, in the same voice.
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if server else "kvgate: %(message)s"
-    logging.basicConfig(level=name, format=fmt)
+    if server:
+        handler = logging.StreamHandler()
+        handler.setFormatter(_ServerLogFormat("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.basicConfig(level=name, handlers=[handler])
+    else:
+        logging.basicConfig(level=name, format="kvgate: %(message)s")
     # Libraries' INFO lines are not the user's business: matplotlib announces building
     # its font cache (the first --plot), torch dumps cache statistics at exit.
     for library in ("matplotlib", "torch"):

@@ -217,7 +217,7 @@ class Dispatcher:
             raise errors.upstream_error(f"{reason[:1].upper()}{reason[1:]}; the output is incomplete.") from None
         # Before its first output, or mid-answer for a non-streaming request (its
         # client has had nothing yet): another replica.
-        log.warning("%s: replica %s %s, trying another: %s", parsed.id, replica.name,
+        log.warning("%s: replica %s %s, trying another if one is left: %s", parsed.id, replica.name,
                     "stopping" if stopping else "failed mid-response" if attempt.produced else "unavailable", exc)
 
     def _settle(self, attempt: _Attempt, sub: Sub, parsed: ParsedRequest, tries: _Tries, restart: bool,

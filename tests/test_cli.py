@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -795,3 +796,13 @@ def test_a_dash_is_no_file_name_and_dev_stdout_is_written_in_place(tmp_path, cap
     finally:
         read.kill()
         read.wait()
+
+
+def test_server_log_times_carry_their_utc_offset():
+    """asctime had no offset: logs of hosts in other zones (or across a DST change)
+    could not be compared without guessing."""
+    from gateway.cli import _ServerLogFormat
+
+    record = logging.LogRecord("kvgate", logging.INFO, __file__, 1, "hello", None, None)
+    line = _ServerLogFormat("%(asctime)s %(levelname)s %(name)s: %(message)s").format(record)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d{4} INFO kvgate: hello", line), line

@@ -763,3 +763,18 @@ def test_the_access_line_says_a_failed_stream_its_id_and_its_time(caplog):
     (record,) = caplog.records
     assert record.getMessage().split(" ", 1)[1] == \
         '"POST /v1/chat/completions HTTP/1.1" 502 1234 0.412s chatcmpl-abc "evil\\"\\n2026-01-01 forged line"'
+    # Monitoring that succeeds is no client traffic: probes and polls every few seconds buried it.
+
+    class Answer:
+        body_length, headers = 10, {}
+
+        def __init__(self, status):
+            self.status = status
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="test.access"):
+        for path in ("/health", "/ready", "/metrics", "/stats", "/kvgate/stats", "/kv_events"):
+            line.log(make_mocked_request("GET", path), Answer(200), 0.001)
+        line.log(make_mocked_request("GET", "/health"), Answer(503), 0.001)  # a failing probe is said
+        line.log(make_mocked_request("GET", "/v1/models"), Answer(200), 0.001)  # a client's call
+    assert [r.getMessage().split('"')[1] for r in caplog.records] == ["GET /health HTTP/1.1", "GET /v1/models HTTP/1.1"]

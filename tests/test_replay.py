@@ -484,6 +484,14 @@ def test_cli_corrupt_line_error_has_no_second_position(tmp_path, capsys):
     assert err == f"kvgate: {path}:2: not valid JSON (Expecting ',' delimiter at column 35)\n"
 
 
+def test_cli_an_unterminated_string_is_said_in_plain_words(tmp_path, capsys):
+    """json's own message ends in "at": "starting at at column 2" read as a typo."""
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "hash_ids": [1]}\n{"timest\n')
+    assert main(["replay", str(path), "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"kvgate: {path}:2: not valid JSON (Unterminated string starting at column 2)\n"
+
+
 def test_cli_csv_is_named_as_such(tmp_path, capsys):
     path = tmp_path / "trace.csv"
     path.write_text("timestamp,input_length,output_length,hash_ids\n0,1024,4,\"[1,2]\"\n")
