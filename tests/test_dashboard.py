@@ -212,17 +212,22 @@ async def test_a_restarted_gateway_is_said_to_have_restarted(tmp_path):
 
 
 async def _dashboard_over(tmp_path, stats_handler) -> str:
-    """The page's DOM in Chromium, its /stats answered by ``stats_handler``."""
+    """The page's DOM in Chromium, its /stats answered by ``stats_handler``, which
+    the page read without an error."""
+    dom = await _page_dom(tmp_path, stats_handler)
+    assert 'id="error"></span>' in dom, dom[-2000:]
+    return dom
+
+
+async def _page_dom(tmp_path, stats_handler) -> str:
     page = aiohttp.web.Application()
     page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
     page.router.add_get("/stats", stats_handler)
     server = await start_server(page)
     try:
-        dom = await run_chromium(tmp_path, server.url + "/dashboard", "--dump-dom")
+        return await run_chromium(tmp_path, server.url + "/dashboard", "--dump-dom")
     finally:
         await server.stop()
-    assert 'id="error"></span>' in dom, dom[-2000:]
-    return dom
 
 
 async def test_a_gateway_that_stops_answering_leaves_the_page_greyed_and_saying_since_when(tmp_path):
@@ -249,14 +254,7 @@ async def test_a_gateway_that_stops_answering_leaves_the_page_greyed_and_saying_
             return aiohttp.web.json_response({"error": {"message": "gone"}}, status=503)
         return aiohttp.web.json_response(stats)
 
-    page = aiohttp.web.Application()
-    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
-    page.router.add_get("/stats", stats_once)
-    server = await start_server(page)
-    try:
-        dom = await run_chromium(tmp_path, server.url + "/dashboard", "--dump-dom")
-    finally:
-        await server.stop()
+    dom = await _page_dom(tmp_path, stats_once)
     assert len(answers) >= 2
     assert re.search(r'<body[^>]*data-stale="1"', dom), dom[:1500]
     error = re.search(r'id="error">([^<]*)</span>', dom).group(1)

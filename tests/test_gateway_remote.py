@@ -1911,20 +1911,28 @@ async def test_a_restart_that_ends_empty_leaves_one_record(tiny_model_dir, tmp_p
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    upstreams = [await _scripted_upstream(_models_while({"healthy": True}), scripted) for _ in range(2)]
     path = tmp_path / "served.jsonl"
-    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=u.url, name=f"r{i}")
-                                          for i, u in enumerate(upstreams)],
+    async with _recording_over_two(tiny_model_dir, scripted, path) as (_, _, client):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}])
+        assert len(calls) == 2
+    assert len(path.read_text().splitlines()) == 1
+
+
+@contextlib.asynccontextmanager
+async def _recording_over_two(model_dir, chat, path):
+    """A gateway recording to ``path`` over two scripted upstreams answering with
+    ``chat``, both in routing: (app, gateway server, client)."""
+    upstreams = [await _scripted_upstream(_models_while({"healthy": True}), chat) for _ in range(2)]
+    config = tiny_config(model_dir, [ReplicaConfig(kind="openai", url=u.url, name=f"r{i}")
+                                     for i, u in enumerate(upstreams)],
                          router=RouterConfig(health_interval_s=60), record_trace=str(path))
     try:
-        async with serving(create_app(config)) as (app, _, client):
+        async with serving(create_app(config)) as (app, gw, client):
             await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}])
-            assert len(calls) == 2
+            yield app, gw, client
     finally:
         for upstream in upstreams:
             await upstream.stop()
-    assert len(path.read_text().splitlines()) == 1
 
 
 def test_a_breaker_trip_spares_streams_by_the_run_of_failures_that_tripped_it(monkeypatch):
@@ -2421,24 +2429,15 @@ async def test_a_failed_attempt_counts_on_the_dashboard_as_on_metrics(tiny_model
                                          "prompt_tokens_details": {"cached_tokens": 16}}}, b"[DONE]"))
         return resp
 
-    upstreams = [await _scripted_upstream(_models_while({"healthy": True}), scripted) for _ in range(2)]
     path = tmp_path / "served.jsonl"
-    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=u.url, name=f"r{i}")
-                                          for i, u in enumerate(upstreams)],
-                         router=RouterConfig(health_interval_s=60), record_trace=str(path))
-    try:
-        async with serving(create_app(config)) as (app, gw, client):
-            await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
-            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}])
-            assert len(calls) == 2
-            async with aiohttp.ClientSession() as session:
-                async with session.get(gw.url + "/stats") as resp:
-                    totals = (await resp.json())["totals"]
-                async with session.get(gw.url + "/metrics") as resp:
-                    scrape = await resp.text()
-    finally:
-        for upstream in upstreams:
-            await upstream.stop()
+    async with _recording_over_two(tiny_model_dir, scripted, path) as (_, gw, client):
+        await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}])
+        assert len(calls) == 2
+        async with aiohttp.ClientSession() as session:
+            async with session.get(gw.url + "/stats") as resp:
+                totals = (await resp.json())["totals"]
+            async with session.get(gw.url + "/metrics") as resp:
+                scrape = await resp.text()
 
     def summed(name: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in scrape.splitlines() if line.startswith(name + "{"))
