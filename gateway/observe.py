@@ -188,7 +188,7 @@ class Observer:
                 now = time.monotonic()
                 window, last = now - last, now
                 line = self.status.line(window, self.history, (
-                    (r.name, int(self._inflight(i)), self._engine_stats(r), r.healthy) for i, r in enumerate(self._replicas)
+                    (r.name, int(self._inflight(i)), self._engine_stats(r), _state(r)) for i, r in enumerate(self._replicas)
                 ), self.metrics.errors_total(), self.metrics.generated_total(), self.metrics.left_total())
             except Exception:  # noqa: BLE001 - a status line must never stop the server
                 log.exception("status line failed")
@@ -267,3 +267,16 @@ def user_identity(user: str | None, tenant: str | None) -> str | None:
     if tenant:
         return f"\x01{tenant}"
     return None
+
+
+def _state(replica) -> str:
+    """A replica as the status line names it: up, or why it is out of routing
+    (a rolling restart's draining engine, a hung model step) where that is known."""
+    if replica.healthy:
+        return "up"
+    if getattr(replica, "draining", False):
+        return "draining"
+    stalled_for = getattr(replica, "stalled_for", None)
+    if stalled_for is not None and stalled_for() > 0:
+        return "stalled"
+    return "down"

@@ -16,7 +16,7 @@ interval, apart as a reader at 3 a.m. wants them: refused (the clients' 4xx),
 over limits (429: the gateway or its engines at capacity) and failed (5xx);
 "left" counts the requests whose client went away before the end (499); each
 is shown when there are any; a replica out of routing
-shows as down.  Tokens alone (a stream whose client left) make a line too.
+shows as down, or as draining (stopping) or stalled (a hung model step).  Tokens alone (a stream whose client left) make a line too.
 """
 
 from __future__ import annotations
@@ -38,23 +38,23 @@ class StatusLog:
     def __init__(self) -> None:
         self._seen = (0, 0, 0, 0, 0, 0, 0, 0)  # the totals at the last line
 
-    def line(self, seconds: float, totals: Totals, replicas: Iterable[tuple[str, int, Mapping | None, bool]],
+    def line(self, seconds: float, totals: Totals, replicas: Iterable[tuple[str, int, Mapping | None, str]],
              errors: tuple[int, int, int] = (0, 0, 0), generated: int = 0, left: int = 0) -> str | None:
         """The line for the last ``seconds``: ``totals``, ``errors`` (refused,
         over limits and failed responses since start), ``generated`` (tokens
         generated since start) and ``left`` (499s since start) against the last
         line's, and the replicas' (name, requests in flight, engine stats,
-        healthy); None when idle."""
+        state: "up", or "down", "draining", "stalled"); None when idle."""
         now = (totals.requests, totals.prompt_tokens, totals.cached_tokens, generated, *errors, left)
         requests, prompt, cached, completion, refused, limited, failed, gone = (
             a - b for a, b in zip(now, self._seen))
         self._seen = now
         parts = []
         busy = requests > 0 or refused or limited or failed or gone > 0 or prompt > 0 or completion > 0
-        for name, inflight, stats, healthy in replicas:
-            if not healthy:
+        for name, inflight, stats, state in replicas:
+            if state != "up":
                 busy = busy or inflight
-                part = f"{name}: down" + (f", {inflight} in flight" if inflight else "")
+                part = f"{name}: {state}" + (f", {inflight} in flight" if inflight else "")
             elif stats and "running" in stats:
                 running, waiting = int(stats["running"]), int(stats.get("waiting", 0))
                 busy = busy or running or waiting

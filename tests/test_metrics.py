@@ -706,39 +706,52 @@ def test_loop_series_export_what_prometheus_client_exports():
 
 def test_status_line_reports_the_interval_then_starts_over():
     history, status = StatsHistory(), StatusLog()
-    assert status.line(10, history, [("r0", 0, {"running": 0, "waiting": 0}, True)]) is None  # idle: no line
+    assert status.line(10, history, [("r0", 0, {"running": 0, "waiting": 0}, "up")]) is None  # idle: no line
     history.finished("to-c", "r0", 1000, 600, now=1.0)
     history.finished("to-b", "r0", 1000, 200, now=2.0)
     history.answered()
     history.answered()
     stats = {"running": 2, "waiting": 1, "blocks": {"device": {"total": 200, "in_use": 90}}}
-    line = status.line(10, history, [("r0", 3, stats, True), ("vllm", 4, None, True), ("old", 0, None, False)],
-                       generated=100)
+    replicas = [("r0", 3, stats, "up"), ("vllm", 4, None, "up"), ("old", 0, None, "down"), ("e1", 2, None, "draining")]
+    line = status.line(10, history, replicas, generated=100)
     assert line == ("last 10 s: 2 requests, prompt 200 tok/s (40% cached), generation 10 tok/s; "
-                    "r0: 2 running, 1 waiting, KV 45% in use; vllm: 4 in flight; old: down")
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], generated=100) is None  # nothing new since
+                    "r0: 2 running, 1 waiting, KV 45% in use; vllm: 4 in flight; old: down; e1: draining, 2 in flight")
+    assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], generated=100) is None  # nothing new since
     # One client request whose three prompts were three engine requests is one request.
     for _ in range(3):
         history.finished("to-c", "r0", 100, 0, now=3.0)
     history.answered()
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], generated=100).startswith(
+    assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], generated=100).startswith(
         "last 10 s: 1 request, prompt 30 tok/s")
     # Tokens of a stream still running count as they come, before any request ends.
-    assert status.line(10, history, [("r0", 1, {"running": 1}, True)], generated=400).startswith(
+    assert status.line(10, history, [("r0", 1, {"running": 1}, "up")], generated=400).startswith(
         "last 10 s: 0 requests, prompt 0 tok/s, generation 30 tok/s")
     # Refused or failed requests alone make a line: the non-200 responses since the last one, by
     # whose they are (a flood of bad requests read as "176 errors", as if the server were failing).
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=(5, 38, 2), generated=400).startswith(
+    assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], errors=(5, 38, 2), generated=400).startswith(
         "last 10 s: 0 requests, 5 refused (4xx), 38 over limits (429), 2 failed (5xx),")
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=(5, 38, 2), generated=400) is None
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=(5, 38, 3), generated=400).startswith(
+    assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], errors=(5, 38, 2), generated=400) is None
+    assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], errors=(5, 38, 3), generated=400).startswith(
         "last 10 s: 0 requests, 1 failed (5xx),")
     # Streams whose clients left (499s) are no errors but make a line, with the tokens they generated.
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=(5, 38, 3), generated=460, left=2) == (
+    assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], errors=(5, 38, 3), generated=460, left=2) == (
         "last 10 s: 0 requests, 2 left, prompt 0 tok/s, generation 6 tok/s; r0: 0 running, 0 waiting")
     # Tokens alone, too (the 499s counted at the last line).
-    assert status.line(10, history, [("r0", 0, {"running": 0}, True)], errors=(5, 38, 3), generated=480,
+    assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], errors=(5, 38, 3), generated=480,
                        left=2).startswith("last 10 s: 0 requests, prompt 0 tok/s, generation 2 tok/s")
+
+
+def test_the_status_line_says_why_a_replica_is_out_of_routing():
+    """A draining engine (a rolling restart) and a hung in-process step read "down"
+    like a dead replica."""
+    from types import SimpleNamespace
+
+    from gateway.observe import _state
+
+    assert _state(SimpleNamespace(healthy=True)) == "up"
+    assert _state(SimpleNamespace(healthy=False, draining=True)) == "draining"
+    assert _state(SimpleNamespace(healthy=False, stalled_for=lambda: 75.0)) == "stalled"
+    assert _state(SimpleNamespace(healthy=False, draining=False, stalled_for=lambda: 0.0)) == "down"
 
 
 def test_the_dashboards_rate_of_a_period_under_way_is_over_the_sample_span():
