@@ -381,9 +381,10 @@ class AsyncEngine:
         done, _ = await asyncio.wait((step,), timeout=limit)
         if done:
             return step.result()
-        log.error("a model step has run for %g s, past engine.step_timeout_s, with %d sequences in it: the engine "
-                  "is hung (a stuck kernel or device?); /health answers 503 until the step ends", limit,
-                  len(self.scheduler.running))
+        running = len(self.scheduler.running)
+        log.error("a model step has run for %g s, past engine.step_timeout_s, with %d %s in it: the engine is hung "
+                  "(a stuck kernel or device?); /health answers 503 until the step ends", limit, running,
+                  "sequence" if running == 1 else "sequences")
         try:
             return await step
         finally:

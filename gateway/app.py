@@ -817,6 +817,15 @@ def _is_json_media_type(content_type: str) -> bool:
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 
+def _answered_for(request: web.Request, response: web.Response) -> web.Response:
+    """An error answer carries the client's own X-Request-Id, as it was sent,
+    when it gave one fit for a log line (its access line then names it too)."""
+    given = request.headers.get("X-Request-Id")
+    if given is not None and _REQUEST_ID.fullmatch(given):
+        response.headers["x-request-id"] = given
+    return response
+
+
 def _named_completion_id(given: str, default: str) -> str:
     """``default``'s prefix (chatcmpl-, cmpl-) before the id given, once: a chat
     completion forwarded to an engine's completions endpoint keeps its own part."""
@@ -878,20 +887,20 @@ def openai_errors(handler):
         try:
             return await handler(request)
         except ApiError as exc:
-            response = exc.response()
+            response = _answered_for(request, exc.response())
             if request.app[GATEWAY].draining:
                 response.force_close()  # see Gateway.serve
             return response
         except web.HTTPRequestEntityTooLarge:
-            return errors.too_large(request.app[GATEWAY].limits.max_body_bytes).response()
+            return _answered_for(request, errors.too_large(request.app[GATEWAY].limits.max_body_bytes).response())
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return ApiError(exc.status, exc.reason or "error").response()
+            return _answered_for(request, ApiError(exc.status, exc.reason or "error").response())
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
-            response = errors.internal_error().response()
+            response = _answered_for(request, errors.internal_error().response())
             log.exception("unhandled error on %s %s (x-request-id %s)", request.method, request.path,
                           response.headers["x-request-id"])
             return response

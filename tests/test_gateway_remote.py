@@ -2567,5 +2567,10 @@ async def test_a_request_id_is_the_same_in_every_hop(tiny_model_dir):
             for headers in ({}, {"X-Request-Id": "has space"}, {"X-Request-Id": "x" * 129}):
                 out = await client.chat.completions.create(model=MODEL, messages=messages, extra_headers=headers)
                 assert out.id.startswith("chatcmpl-") and len(out.id) < 60 and " " not in out.id and out.id == seen[-1]
+            # A refused request's answer carries the client's id as sent (it had a random one).
+            with pytest.raises(openai.NotFoundError) as info:
+                await client.chat.completions.create(model="nope", messages=messages,
+                                                     extra_headers={"X-Request-Id": "trace-bad-1"})
+            assert info.value.response.headers["x-request-id"] == "trace-bad-1"
     finally:
         await upstream.stop()
