@@ -12,8 +12,9 @@ line has neither the duration nor the id, and dates the request twice.
 
 Monitoring that succeeds is left out (nginx's ``access_log off`` on a
 location): health probes, scrapes, the dashboard's polls and a gateway's polls
-and event stream on its engines came every few seconds each and buried the
-clients' lines.  Their failures are logged.
+and event stream on its engines (and its probes of /v1/models on a kvgate
+gateway behind it, told by its User-Agent) came every few seconds each and
+buried the clients' lines.  Their failures are logged.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ _MONITORING = frozenset({"/health", "/ready", "/metrics", "/stats", "/kv_events"
 
 class AccessLine(AbstractAccessLogger):
     def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
-        if response.status < 400 and request.method in ("GET", "HEAD") and request.path in _MONITORING:
-            return
+        if response.status < 400 and request.method in ("GET", "HEAD") and (
+                request.path in _MONITORING or (request.path == "/v1/models" and _from_a_gateway(request))):
+            return  # a gateway in front probes /v1/models every health_interval_s
         status = getattr(response, "failed_status", None) or response.status
         major, minor = request.version
         self.logger.info('%s "%s %s HTTP/%d.%d" %s %d %.3fs %s "%s"', request.remote or "-", request.method,
@@ -50,3 +52,7 @@ def _printable(text: str) -> str:
     """``text`` escaped as in a JSON string, quotes kept out: a client's header
     cannot end the line or forge a field."""
     return json.dumps(text)[1:-1]
+
+
+def _from_a_gateway(request: BaseRequest) -> bool:
+    return request.headers.get("User-Agent", "").startswith("kvgate-gateway/")

@@ -43,6 +43,7 @@ from gateway.config import (
 from gateway.protocol import CHAT, ParsedRequest
 from gateway.router import ApproxIndex, BackendLoad, ExactIndex
 from gateway.startup_thread import in_daemon_thread
+from gateway.version import kvgate_version
 from gateway.upstream import (
     DONE_EVENT,
     KNOWN_LOAD_METRICS,
@@ -67,6 +68,7 @@ QUEUE_TIME_HEADER = "x-kvgate-queue-time"
 # And the prompt tokens it served from its prefix cache: what the gateway counts
 # for a stream cut short before its usage (the client left).
 CACHED_TOKENS_HEADER = "x-kvgate-cached-tokens"
+GATEWAY_USER_AGENT = f"kvgate-gateway/{kvgate_version()}"
 
 
 class ReplicaUnavailable(RuntimeError):
@@ -395,6 +397,9 @@ class RemoteReplica(Replica):
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s),
+            # Named, so that a server's logs tell a gateway's polls from clients (a
+            # kvgate gateway behind leaves its probes of /v1/models out of its access log).
+            headers={"User-Agent": GATEWAY_USER_AGENT},
         )
         if self.kind == "engine":
             # The hash salt and block size must come from the engine itself, or the

@@ -2538,6 +2538,7 @@ async def test_a_request_id_is_the_same_in_every_hop(tiny_model_dir):
 
     async def chat(request):
         seen.append(request.headers.get("X-Request-Id"))
+        assert request.headers["User-Agent"].startswith("kvgate-gateway/")  # a server's logs tell it from clients
         return await _answer_fine(request)
 
     async def completions(request):

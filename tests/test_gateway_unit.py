@@ -749,6 +749,7 @@ def test_the_access_line_says_a_failed_stream_its_id_and_its_time(caplog):
     from aiohttp.test_utils import make_mocked_request
 
     from gateway.access_log import AccessLine
+    from gateway.replicas import GATEWAY_USER_AGENT
 
     request = make_mocked_request("POST", "/v1/chat/completions",
                                   headers={"User-Agent": 'evil"\n2026-01-01 forged line'})
@@ -777,4 +778,7 @@ def test_the_access_line_says_a_failed_stream_its_id_and_its_time(caplog):
             line.log(make_mocked_request("GET", path), Answer(200), 0.001)
         line.log(make_mocked_request("GET", "/health"), Answer(503), 0.001)  # a failing probe is said
         line.log(make_mocked_request("GET", "/v1/models"), Answer(200), 0.001)  # a client's call
+        # A gateway in front probing this one's /v1/models (replicas send GATEWAY_USER_AGENT).
+        line.log(make_mocked_request("GET", "/v1/models", headers={"User-Agent": GATEWAY_USER_AGENT}), Answer(200),
+                 0.001)
     assert [r.getMessage().split('"')[1] for r in caplog.records] == ["GET /health HTTP/1.1", "GET /v1/models HTTP/1.1"]
