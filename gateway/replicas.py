@@ -43,7 +43,6 @@ from gateway.config import (
 from gateway.protocol import CHAT, ParsedRequest
 from gateway.router import ApproxIndex, BackendLoad, ExactIndex
 from gateway.startup_thread import in_daemon_thread
-from gateway.version import kvgate_version
 from gateway.upstream import (
     DONE_EVENT,
     KNOWN_LOAD_METRICS,
@@ -56,6 +55,7 @@ from gateway.upstream import (
     parse_backend_metrics,
     sse_events,
 )
+from gateway.version import kvgate_version
 
 log = logging.getLogger(__name__)
 
