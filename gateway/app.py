@@ -208,6 +208,22 @@ class Gateway:
                 lambda i=i: self.router.external_tokens[i],
             )
         self.observer.start(self.replicas, lambda i: self.router.inflight_requests[i], self.hasher.block_size, self.hasher.salt)
+        if not self.engine_mode:
+            self._log_fleet()
+
+    def _log_fleet(self) -> None:
+        """What a gateway serves and over which replicas, once, at start: an
+        engine says what it runs, but a gateway over remote replicas said
+        nothing but "listening"."""
+        def named(r: Replica) -> str:
+            if r.kind == "inprocess":
+                return f"{r.name} (in-process)"
+            return f"{r.name} ({r.kind}, {'in routing' if r.healthy else 'not in routing yet'})"
+
+        log.info("serving %r (context %d tokens) over %d %s: %s; routing %s; client API keys %s", self.model_name,
+                 self.max_model_len, len(self.replicas), "replica" if len(self.replicas) == 1 else "replicas",
+                 ", ".join(named(r) for r in self.replicas), self.config.router.policy,
+                 f"on ({len(self.principals)})" if self.principals else "off")
 
     def _warn_if_tenants_share_an_external_cache(self) -> None:
         """Tenants are kept apart in an external server's cache only by the salt

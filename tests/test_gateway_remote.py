@@ -2575,3 +2575,24 @@ async def test_a_request_id_is_the_same_in_every_hop(tiny_model_dir):
             assert info.value.response.headers["x-request-id"] == "trace-bad-1"
     finally:
         await upstream.stop()
+
+
+async def test_a_gateway_says_what_it_serves_over_which_replicas(tiny_model_dir, caplog):
+    """An engine says what it runs once loaded; a gateway over remote replicas said
+    only "listening": nothing of its model, context, replicas or keys."""
+    from gateway.config import ApiKeyConfig
+
+    caplog.set_level(logging.INFO, logger="gateway.app")
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), _answer_fine)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="ext"),
+                                          ReplicaConfig(kind="openai", url="http://127.0.0.1:9", name="gone",
+                                                        connect_timeout_s=0.5)],
+                         api_keys=[ApiKeyConfig(key="sk-a")])
+    try:
+        async with serving(create_app(config)):
+            pass
+    finally:
+        await upstream.stop()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving ")]
+    assert said == [f"serving '{MODEL}' (context 1024 tokens) over 2 replicas: ext (openai, in routing), "
+                    "gone (openai, not in routing yet); routing prefix-aware; client API keys on (1)"]
