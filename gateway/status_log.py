@@ -1,7 +1,7 @@
 """A periodic status line in the log, as vLLM prints one: what the server did
 since the last line and what its engines hold now.
 
-    last 10 s: 12 requests, 2 refused (4xx), 1 failed (5xx), prompt 310 tok/s (62% cached), generation 45 tok/s; inprocess-0: 3 running, 1 waiting, KV 45% in use; vllm-1: down
+    last 10 s: 12 answered, 2 refused (4xx), 1 failed (5xx), prompt 310 tok/s (62% cached), generation 45 tok/s; inprocess-0: 3 running, 1 waiting, KV 45% in use; vllm-1: down
 
 Written only when something happened or is under way, so an idle server's
 log stays quiet.  Requests (client requests answered in full, as
@@ -71,7 +71,7 @@ class StatusLog:
         share = f" ({100 * cached / prompt:.0f}% cached)" if prompt else ""
         errs = "".join(f", {n} {what}" for n, what in ((refused, "refused (4xx)"), (limited, "over limits (429)"),
                                                         (failed, "failed (5xx)"), (gone, "left")) if n)
-        head = (f"last {round(seconds, 1):g} s: {_count(requests, 'request')}{errs}, prompt {prompt / seconds:.0f} tok/s{share}, "
+        head = (f"last {round(seconds, 1):g} s: {requests} answered{errs}, prompt {prompt / seconds:.0f} tok/s{share}, "
                 f"generation {completion / seconds:.0f} tok/s")
         return "; ".join([head, *parts])
 

@@ -714,7 +714,7 @@ def test_status_line_reports_the_interval_then_starts_over():
     stats = {"running": 2, "waiting": 1, "blocks": {"device": {"total": 200, "in_use": 90}}}
     replicas = [("r0", 3, stats, "up"), ("vllm", 4, None, "up"), ("old", 0, None, "down"), ("e1", 2, None, "draining")]
     line = status.line(10, history, replicas, generated=100)
-    assert line == ("last 10 s: 2 requests, prompt 200 tok/s (40% cached), generation 10 tok/s; "
+    assert line == ("last 10 s: 2 answered, prompt 200 tok/s (40% cached), generation 10 tok/s; "
                     "r0: 2 running, 1 waiting, KV 45% in use; vllm: 4 in flight; old: down; e1: draining, 2 in flight")
     assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], generated=100) is None  # nothing new since
     # One client request whose three prompts were three engine requests is one request.
@@ -722,23 +722,23 @@ def test_status_line_reports_the_interval_then_starts_over():
         history.finished("to-c", "r0", 100, 0, now=3.0)
     history.answered()
     assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], generated=100).startswith(
-        "last 10 s: 1 request, prompt 30 tok/s")
+        "last 10 s: 1 answered, prompt 30 tok/s")
     # Tokens of a stream still running count as they come, before any request ends.
     assert status.line(10, history, [("r0", 1, {"running": 1}, "up")], generated=400).startswith(
-        "last 10 s: 0 requests, prompt 0 tok/s, generation 30 tok/s")
+        "last 10 s: 0 answered, prompt 0 tok/s, generation 30 tok/s")
     # Refused or failed requests alone make a line: the non-200 responses since the last one, by
     # whose they are (a flood of bad requests read as "176 errors", as if the server were failing).
     assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], errors=(5, 38, 2), generated=400).startswith(
-        "last 10 s: 0 requests, 5 refused (4xx), 38 over limits (429), 2 failed (5xx),")
+        "last 10 s: 0 answered, 5 refused (4xx), 38 over limits (429), 2 failed (5xx),")
     assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], errors=(5, 38, 2), generated=400) is None
     assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], errors=(5, 38, 3), generated=400).startswith(
-        "last 10 s: 0 requests, 1 failed (5xx),")
+        "last 10 s: 0 answered, 1 failed (5xx),")
     # Streams whose clients left (499s) are no errors but make a line, with the tokens they generated.
     assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], errors=(5, 38, 3), generated=460, left=2) == (
-        "last 10 s: 0 requests, 2 left, prompt 0 tok/s, generation 6 tok/s; r0: 0 running, 0 waiting")
+        "last 10 s: 0 answered, 2 left, prompt 0 tok/s, generation 6 tok/s; r0: 0 running, 0 waiting")
     # Tokens alone, too (the 499s counted at the last line).
     assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], errors=(5, 38, 3), generated=480,
-                       left=2).startswith("last 10 s: 0 requests, prompt 0 tok/s, generation 2 tok/s")
+                       left=2).startswith("last 10 s: 0 answered, prompt 0 tok/s, generation 2 tok/s")
 
 
 def test_the_status_line_says_why_a_replica_is_out_of_routing():
@@ -806,8 +806,8 @@ async def test_status_line_in_the_log_while_busy(tiny_model_dir, caplog):
         await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3)
         await asyncio.sleep(0.7)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("last 0.3 s:")]
-    assert lines and "1 request," in lines[0] and "local: 0 running, 0 waiting, KV" in lines[0]
-    assert sum("1 request," in line for line in lines) == 1  # counted once, then quiet while idle
+    assert lines and "1 answered," in lines[0] and "local: 0 running, 0 waiting, KV" in lines[0]
+    assert sum("1 answered," in line for line in lines) == 1  # counted once, then quiet while idle
 
 
 async def test_status_line_rates_are_over_the_time_since_the_last_line(tiny_model_dir, caplog, monkeypatch):
@@ -826,8 +826,8 @@ async def test_status_line_rates_are_over_the_time_since_the_last_line(tiny_mode
 
         monkeypatch.setattr(observer, "refresh", slow_stats_poll)
         await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3)
-        await wait_for(lambda: any("1 request," in r.getMessage() for r in caplog.records), what="a status line")
-    line = next(r.getMessage() for r in caplog.records if "1 request," in r.getMessage())
+        await wait_for(lambda: any("1 answered," in r.getMessage() for r in caplog.records), what="a status line")
+    line = next(r.getMessage() for r in caplog.records if "1 answered," in r.getMessage())
     window = float(line.split()[1])
     assert 0.75 <= window < 1.5, line  # the 0.3 s interval and the 0.5 s poll
 
@@ -856,7 +856,7 @@ async def test_a_long_streams_tokens_count_while_it_runs(tiny_model_dir, caplog)
                         scrape = await resp.text()
                     counted, prompt = _tokens(scrape), _tokens(scrape, "kvgate_prompt_tokens_total")
                     assert 50 <= counted < 1000 and prompt > 0
-                    await wait_for(lambda: any("0 requests" in r.getMessage() and "generation 0 tok/s" not in
+                    await wait_for(lambda: any("0 answered" in r.getMessage() and "generation 0 tok/s" not in
                                                r.getMessage() for r in caplog.records), what="a status line")
                     await stream.close()
                     break
