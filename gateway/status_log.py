@@ -15,8 +15,9 @@ logs have them).  Errors are the responses other than 200 and 499 in the
 interval, apart as a reader at 3 a.m. wants them: refused (the clients' 4xx),
 over limits (429: the gateway or its engines at capacity) and failed (5xx);
 "left" counts the requests whose client went away before the end (499); each
-is shown when there are any; a replica out of routing
-shows as down, or as draining (stopping) or stalled (a hung model step).  Tokens alone (a stream whose client left) make a line too.
+is shown when there are any.  A replica out of routing shows as down, or as
+draining (stopping) or stalled (a hung model step).  Tokens alone (a stream
+whose client left) make a line too.
 """
 
 from __future__ import annotations
@@ -74,7 +75,3 @@ class StatusLog:
         head = (f"last {round(seconds, 1):g} s: {requests} answered{errs}, prompt {prompt / seconds:.0f} tok/s{share}, "
                 f"generation {completion / seconds:.0f} tok/s")
         return "; ".join([head, *parts])
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
