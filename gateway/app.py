@@ -598,8 +598,9 @@ class Gateway:
             self._check_token_ids(parsed, prompts)
         # Each prompt its own (vLLM's rule): a default fills what its own length leaves,
         # not what the longest prompt leaves.
+        default = self._default_max_tokens(parsed) if parsed.max_tokens is None else 0
         uncounted = self._uncounted_tokens(parsed) if parsed.max_tokens is None else 0
-        max_tokens = [self.resolve_max_tokens(parsed, len(prompt.token_ids), uncounted) for prompt in prompts]
+        max_tokens = [self.resolve_max_tokens(parsed, len(prompt.token_ids), default, uncounted) for prompt in prompts]
         parsed.sampling.max_tokens = max(max_tokens)
         if parsed.sampling.min_tokens > min(max_tokens):
             raise bad_request(f"min_tokens ({parsed.sampling.min_tokens}) must be at most max_tokens "
@@ -621,7 +622,7 @@ class Gateway:
                 )
             # A default that is the context's room by the gateway's count: an external
             # server counts the prompt with its own tokenizer and fills its room itself.
-            fills_room = parsed.max_tokens is None and max_tokens[p] < self._default_max_tokens(parsed)
+            fills_room = parsed.max_tokens is None and max_tokens[p] < default
             subs.append(Sub(prompt, source, ctx, p * n, max_tokens[p], fills_room=fills_room))
         return subs
 
@@ -721,17 +722,18 @@ class Gateway:
             return self.max_model_len  # more than the context, surely: no need to tokenise megabytes to say so
         return len(self.hasher.tokenizer.encode(text, add_special_tokens=False))
 
-    def resolve_max_tokens(self, parsed: ParsedRequest, prompt_len: int, uncounted: int = 0) -> int:
-        """The request's max_tokens, or the default that fits the context.
-        ``uncounted``: tokens the server's prompt holds beyond ``prompt_len`` by
-        estimate (tools): a default leaves room for them when it can."""
+    def resolve_max_tokens(self, parsed: ParsedRequest, prompt_len: int, default: int, uncounted: int = 0) -> int:
+        """The request's max_tokens, or ``default`` (_default_max_tokens) as far as
+        the context holds it.  ``uncounted``: tokens the server's prompt holds
+        beyond ``prompt_len`` by estimate (tools): a default leaves room for them
+        when it can."""
         room = self.max_model_len - prompt_len
         param = parsed.prompt_param
         if parsed.max_tokens is None:
             if room < 1:
                 raise errors.context_too_long(self.max_model_len, f"your {param} resulted in {prompt_len} tokens", param)
             # Past the context by the estimate: the server, which counts exactly, judges.
-            return min(self._default_max_tokens(parsed), room - uncounted if room - uncounted >= 1 else room)
+            return min(default, room - uncounted if room - uncounted >= 1 else room)
         if parsed.max_tokens > room:
             raise errors.context_too_long(
                 self.max_model_len, f"you requested {prompt_len + parsed.max_tokens} tokens ({prompt_len} in the "
@@ -903,16 +905,15 @@ def openai_errors(handler):
         try:
             return await handler(request)
         except ApiError as exc:
-            response = _answered_for(request, exc.response())
+            response = exc.response()
             if request.app[GATEWAY].draining:
                 response.force_close()  # see Gateway.serve
-            return response
         except web.HTTPRequestEntityTooLarge:
-            return _answered_for(request, errors.too_large(request.app[GATEWAY].limits.max_body_bytes).response())
+            response = errors.too_large(request.app[GATEWAY].limits.max_body_bytes).response()
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return _answered_for(request, ApiError(exc.status, exc.reason or "error").response())
+            response = ApiError(exc.status, exc.reason or "error").response()
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
@@ -920,6 +921,7 @@ def openai_errors(handler):
             log.exception("unhandled error on %s %s (x-request-id %s)", request.method, request.path,
                           response.headers["x-request-id"])
             return response
+        return _answered_for(request, response)
 
     guarded.__name__ = getattr(handler, "__name__", "handler")
     return guarded

@@ -144,8 +144,8 @@ class _ServerLogFormat(logging.Formatter):
     read after a DST change, sort and compare without guessing."""
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", self.converter(record.created))
-        return f"{stamp}.{int(record.msecs):03d}{time.strftime('%z', self.converter(record.created))}"
+        when = self.converter(record.created)
+        return f"{time.strftime('%Y-%m-%dT%H:%M:%S', when)}.{int(record.msecs):03d}{time.strftime('%z', when)}"
 
 
 def _setup_logging(level: str | None, server: bool = True) -> None:
