@@ -48,6 +48,7 @@ from gateway.prefix import PrefixHasher, Prompt
 from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, new_id, parse_json, parse_request
 from gateway.replicas import InProcessReplica, Replica, build_replicas, default_model_name, load_tokenizer
 from gateway.respond import Responder, uncancel
+from gateway.responses_api import RESPONSES, ResponsesCall, chat_request
 from gateway.router import Router
 from gateway.shapes import now_s
 from gateway.startup_thread import in_daemon_thread
@@ -491,6 +492,7 @@ class Gateway:
         admitted = False
         tenant_admitted: str | None = None
         parsed: ParsedRequest | None = None
+        call: ResponsesCall | None = None
         try:
             principal = self.authenticate(request)
             # A key that fixes the workload names it before classification, so a
@@ -511,7 +513,13 @@ class Gateway:
                     raise errors.tenant_overloaded(self.max_per_tenant)
                 self.tenant_admitted[principal.tenant] = held + 1
                 tenant_admitted = principal.tenant
-            parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
+            if endpoint == RESPONSES:
+                body, call = chat_request(body)
+                parsed = parse_request(CHAT, body, self.limits, engine_mode=self.engine_mode)
+                parsed.responses, parsed.id = call, new_id("resp_")
+                parsed.ignored = (parsed.ignored or set()) | call.ignored or None
+            else:
+                parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
             given_id = request.headers.get("X-Request-Id")
             if given_id is not None:
                 parsed.id = _named_completion_id(given_id, parsed.id)
@@ -527,7 +535,8 @@ class Gateway:
             workload = subs[0].context.workload
             gen, single = self.dispatcher.run(subs, parsed)
             if parsed.stream:
-                resp = await self.responder.stream(request, gen, single, parsed, subs, start)
+                stream = self.responder.stream if call is None else self.responder.stream_events
+                resp = await stream(request, gen, single, parsed, subs, start)
             else:
                 resp = await self.responder.complete(gen, single, parsed, subs, start)
             # A stream that failed after its first byte counts under its error's status.
@@ -539,6 +548,8 @@ class Gateway:
             return resp
         except ApiError as exc:
             status = str(exc.status)
+            if call is not None:
+                call.rename(exc)  # chat's field names, as this API calls them
             raise
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             if self.cutting and isinstance(exc, asyncio.CancelledError):
@@ -849,11 +860,14 @@ def _named_completion_id(given: str, default: str) -> str:
     completion forwarded to an engine's completions endpoint keeps its own part."""
     if not _REQUEST_ID.fullmatch(given):
         return default
-    for prefix in ("chatcmpl-", "cmpl-"):
+    for prefix in _ID_PREFIXES:
         if given.startswith(prefix) and len(given) > len(prefix):
             given = given[len(prefix):]
             break
-    return default[:default.index("-") + 1] + given
+    return next(p for p in _ID_PREFIXES if default.startswith(p)) + given
+
+
+_ID_PREFIXES = ("chatcmpl-", "cmpl-", "resp_")
 
 
 def _key_digest(key: str) -> bytes:
@@ -937,6 +951,8 @@ async def _unmatched(request: web.Request) -> web.Response:
         resp = ApiError(405, f"Method {request.method} not allowed for {request.path}.", code="method_not_allowed").response()
         resp.headers["Allow"] = ", ".join(sorted(allowed))  # a 405 says what is allowed (RFC 9110)
         return resp
+    if request.path.startswith("/v1/responses/"):  # retrieve, delete, cancel, input_items
+        raise errors.response_not_stored(request.path.split("/")[3])
     raise errors.not_found(request.path)
 
 
@@ -1024,6 +1040,7 @@ def create_app(
     routes = [
         ("POST", "/v1/chat/completions", functools.partial(gw.serve, endpoint=CHAT)),
         ("POST", "/v1/completions", functools.partial(gw.serve, endpoint=COMPLETIONS)),
+        ("POST", "/v1/responses", functools.partial(gw.serve, endpoint=RESPONSES)),
         ("GET", "/v1/models", gw.models),
         ("GET", "/v1/models/{model:.+}", gw.model),
         # An engine's probe answer carries its load, for the gateways in front of it.

@@ -19,6 +19,7 @@ from engine.context import REQUEST_TYPES, WORKLOADS, RequestContext
 from gateway.config import ClassifierConfig, ClassifierRule
 from gateway.prefix import PrefixHasher
 from gateway.protocol import CHAT, ParsedRequest
+from gateway.responses_api import RESPONSES
 
 WORKLOAD_HEADER = "X-KVGate-Workload"
 TYPE_HEADER = "X-KVGate-Type"
@@ -72,7 +73,7 @@ class Classifier:
         # Everything the rules can look at; their outcome is remembered per
         # combination (few: workloads, types and tenants are all bounded).
         facts = (principal.workload, principal.tenant, header_workload, header_type, bool(req.images), is_file,
-                 req.user_turns > 1, req.endpoint)
+                 req.user_turns > 1, req.endpoint, req.responses is not None)
         decided = self._decisions.get(facts)
         if decided is None:
             decided = self._decisions[facts] = self._decide(req, principal, header_workload, header_type, is_file)
@@ -145,7 +146,8 @@ class Classifier:
             return req.endpoint == CHAT and req.user_turns > 1, None
         if when == "endpoint":
             implied = self.cfg.completions_workload if req.endpoint != CHAT else self.cfg.default_workload
-            return req.endpoint == rule.endpoint, implied
+            # A Responses request is a chat one, but a rule may name it alone.
+            return req.endpoint == rule.endpoint or (rule.endpoint == RESPONSES and req.responses is not None), implied
         return True, None  # always
 
     def _is_file(self, req: ParsedRequest, prompt_tokens: int) -> bool:

@@ -415,14 +415,15 @@ class ClassifierRule(Section):
       image      - a message has image parts
       file       - a single very long document (classifier.file_min_tokens)
       multi_turn - a chat with more than one user message
-      endpoint   - the endpoint is ``endpoint`` (chat or completions)
+      endpoint   - the endpoint is ``endpoint`` (chat or completions; responses
+                   for /v1/responses only, which chat also matches)
       always     - unconditional (a catch-all at the end)
     """
 
     when: Literal["api_key", "tenant", "header", "image", "file", "multi_turn", "endpoint", "always"]
     # Condition arguments.
     tenant: str | None = None
-    endpoint: Literal["chat", "completions"] | None = None
+    endpoint: Literal["chat", "completions", "responses"] | None = None
     # Outcome; None keeps the value the request itself implies (the key's or the
     # header's workload, or the type derived from its content).
     workload: Literal["to-c", "to-b", "multimodal"] | None = None
@@ -433,7 +434,7 @@ class ClassifierRule(Section):
         if self.when == "tenant" and not self.tenant:
             raise ValueError("a rule with when: tenant needs tenant")
         if self.when == "endpoint" and not self.endpoint:
-            raise ValueError("a rule with when: endpoint needs endpoint (chat or completions)")
+            raise ValueError("a rule with when: endpoint needs endpoint (chat, completions or responses)")
         return self
 
 

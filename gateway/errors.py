@@ -104,6 +104,11 @@ def not_found(path: str) -> ApiError:
     return ApiError(404, f"Unknown request URL: {path}.", "invalid_request_error", None, "unknown_url")
 
 
+def response_not_stored(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id[:64]}' not found: kvgate stores no responses (each says "
+                    "store: false).", "invalid_request_error", None, "response_not_found")
+
+
 def too_large(limit: int) -> ApiError:
     return ApiError(413, f"Request body too large: the limit is {limit} bytes.", "invalid_request_error", None, "request_too_large")
 

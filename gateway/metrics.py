@@ -32,6 +32,7 @@ from prometheus_client.utils import floatToGoString
 
 from engine.context import WORKLOADS
 from gateway.protocol import CHAT, COMPLETIONS
+from gateway.responses_api import RESPONSES
 from gateway.router import DECISION_REASONS
 from gateway.version import kvgate_version
 
@@ -92,7 +93,7 @@ class GatewayMetrics:
         )
         # Exported from zero, so that rate() and alerts see the first error of a
         # kind (a series born at 1 shows no increase); rarer statuses appear as they come.
-        for endpoint in (CHAT, COMPLETIONS):
+        for endpoint in (CHAT, COMPLETIONS, RESPONSES):
             for workload in (*WORKLOADS, "unknown"):
                 for status in _COMMON_STATUSES:
                     self.requests.labels(endpoint, workload, status)

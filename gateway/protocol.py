@@ -14,11 +14,14 @@ import math
 import re
 from dataclasses import dataclass, field
 from random import getrandbits as _random_bits
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.request import SamplingParams
 from gateway.config import LimitsConfig
 from gateway.errors import bad_request
+
+if TYPE_CHECKING:
+    from gateway.responses_api import ResponsesCall
 
 CHAT, COMPLETIONS = "chat", "completions"
 
@@ -81,6 +84,8 @@ class ParsedRequest:
     # `kvgate engine`: each streamed choice chunk carries its token ids (the
     # calling gateway's kvgate_token_ids), for exact counts and output blocks.
     token_ids_out: bool = False
+    # POST /v1/responses: read as the chat request it asks for; this shapes the answer.
+    responses: ResponsesCall | None = None
 
     @property
     def prompt_param(self) -> str:
@@ -246,10 +251,10 @@ _ENGINE_UNSUPPORTED_COMPLETIONS = {
 
 
 def _check_engine_unsupported(req: ParsedRequest, body: dict, unsupported: dict) -> None:
-    for field, asks in unsupported.items():
-        if field in body and asks(body[field]):
-            req.engine_unsupported = (f"'{field}' is not supported by the kvgate engine; send it to a gateway in front "
-                                      "of a server that supports it (e.g. vLLM).", field)
+    for name, asks in unsupported.items():
+        if name in body and asks(body[name]):
+            req.engine_unsupported = (f"'{name}' is not supported by the kvgate engine; send it to a gateway in front "
+                                      "of a server that supports it (e.g. vLLM).", name)
             return
 
 

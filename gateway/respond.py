@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -24,6 +24,7 @@ from gateway.errors import ApiError
 from gateway.observe import Observer
 from gateway.protocol import CHAT, ParsedRequest
 from gateway.replicas import CACHED_TOKENS_HEADER, QUEUE_TIME_HEADER
+from gateway.responses_api import ResponseShaper
 from gateway.shapes import (
     DONE,
     ChoiceState,
@@ -102,7 +103,10 @@ class Responder:
         if parsed.echo_texts is not None:
             for i, choice in enumerate(choices):
                 choice.text.insert(0, parsed.echo_texts[i // n])
-        if parsed.endpoint == CHAT:
+        if parsed.responses is not None:
+            shaper = ResponseShaper(parsed.id, created, self.model_name, parsed.responses)
+            obj = shaper.whole("".join(choices[0].text), choices[0].finish_reason, usage.as_dict(subs), now_s())
+        elif parsed.endpoint == CHAT:
             obj = chat_completion(parsed.id, created, self.model_name, choices, usage.as_dict(subs))
         else:
             obj = text_completion(parsed.id, created, self.model_name, choices, usage.as_dict(subs),
@@ -142,15 +146,7 @@ class Responder:
                         if out.index == USAGE_ALL:
                             continue
                         if resp is None:
-                            # Headers go out with the first output so that failures before
-                            # it (no replica, upstream 4xx) still get a proper status code.
-                            resp = _SseResponse(headers=SSE_HEADERS)
-                            resp.headers["x-request-id"] = rid
-                            if self.engine_mode and out.queue_time_s is not None:
-                                resp.headers[QUEUE_TIME_HEADER] = f"{out.queue_time_s:.6f}"
-                            if self.engine_mode and out.cached_tokens is not None:
-                                resp.headers[CACHED_TOKENS_HEADER] = str(out.cached_tokens)
-                            await resp.prepare(request)
+                            resp = await self._open(request, rid, out)
                             self.observer.first_token(workload, subs[sub].replica, time.perf_counter() - start)
                         index = shift + out.index
                         state = states[index]
@@ -185,43 +181,115 @@ class Responder:
                     await resp.write(b"".join(frames))
             gen = None  # exhausted: nothing to close
             if resp is None:
-                resp = _SseResponse(headers=SSE_HEADERS)
-                resp.headers["x-request-id"] = rid
-                await resp.prepare(request)
+                resp = await self._open(request, rid)
             tail = fmt.usage(usage.as_dict(subs)) + DONE if parsed.include_usage else DONE
             await resp.write_eof(tail_frames + tail)  # one send for the last frames, the tail and the end
             return resp
-        except asyncio.CancelledError:
-            if resp is None or not self.cutting:
-                raise  # the client left (or nothing was sent: the caller answers)
+        except BaseException as exc:
+            # Mid-stream: the status is already sent; OpenAI clients raise on an error
+            # event, and [DONE] still ends the stream for clients that wait for it.
+            ended = await self._end_under_way(resp, exc, rid, lambda e: tail_frames + sse_error(e.body()) + DONE)
+            if ended is None:
+                raise
+            return ended
+        finally:
+            await aclose(gen)
+
+    async def stream_events(
+        self, request: web.Request, gen: AsyncIterator, single: bool, parsed: ParsedRequest, subs: list[Sub], start: float
+    ) -> web.StreamResponse:
+        """A Responses API stream: its opening events with the first output, a text
+        delta per output, then the done events and completed (or incomplete)."""
+        shaper = ResponseShaper(parsed.id, now_s(), self.model_name, parsed.responses)
+        usage = UsageSum(len(subs))
+        resp: _SseResponse | None = None
+        finish: str | None = None
+        tail_frames = b""
+        try:
+            async for group in gen:
+                if single:
+                    group = ((0, group),)
+                frames = []
+                try:
+                    for sub, _, out in _each_output(group, 1):
+                        usage.add(sub, out)
+                        if out.index == USAGE_ALL:
+                            continue
+                        if resp is None:
+                            resp = await self._open(request, parsed.id, out)
+                            self.observer.first_token(subs[0].context.workload, subs[sub].replica,
+                                                      time.perf_counter() - start)
+                            frames.append(shaper.opening())
+                        if out.text:
+                            frames.append(shaper.delta(out.text))
+                        if out.finish_reason is not None:
+                            _check_finish(out.finish_reason)
+                            finish = out.finish_reason
+                except ApiError:
+                    if frames:
+                        await resp.write(b"".join(frames))
+                    raise
+                if finish is not None:
+                    tail_frames += b"".join(frames)  # they leave with the closing events, in one send
+                elif frames:
+                    await resp.write(b"".join(frames))
+            gen = None  # exhausted: nothing to close
+            if resp is None:
+                resp = await self._open(request, parsed.id)
+                tail_frames = shaper.opening()
+            await resp.write_eof(tail_frames + shaper.closing(finish, usage.as_dict(subs), now_s()))
+            return resp
+        except BaseException as exc:
+            ended = await self._end_under_way(resp, exc, parsed.id, lambda e: tail_frames + shaper.failed(e))
+            if ended is None:
+                raise
+            return ended
+        finally:
+            await aclose(gen)
+
+    async def _open(self, request: web.Request, rid: str, out: GenerationOutput | None = None) -> _SseResponse:
+        """The stream's headers, sent with its first output so that failures before it
+        (no replica, an upstream 4xx) still get a proper status code."""
+        resp = _SseResponse(headers=SSE_HEADERS)
+        resp.headers["x-request-id"] = rid
+        if self.engine_mode and out is not None:
+            if out.queue_time_s is not None:
+                resp.headers[QUEUE_TIME_HEADER] = f"{out.queue_time_s:.6f}"
+            if out.cached_tokens is not None:
+                resp.headers[CACHED_TOKENS_HEADER] = str(out.cached_tokens)
+        await resp.prepare(request)
+        return resp
+
+    async def _end_under_way(self, resp: _SseResponse | None, exc: BaseException, rid: str,
+                             last_frames: Callable[[ApiError], bytes]) -> _SseResponse | None:
+        """A stream already under way, ended by ``exc``: ``last_frames`` of its error
+        are its end, and the response is returned (the caller must not answer a
+        second time).  None: the caller re-raises (nothing sent yet, the client
+        gone, a cancellation that is not the server's own)."""
+        if resp is None:
+            return None
+        cut = isinstance(exc, asyncio.CancelledError)
+        if cut:
+            if not self.cutting:
+                return None  # the client left
             # The server is stopping and the stream outlived the drain: say so.
             uncancel(asyncio.current_task())
             exc = errors.shutting_down()
-            resp.failed_status = exc.status
-            try:
-                with contextlib.suppress(ConnectionError):
-                    await resp.write(tail_frames + sse_error(exc.body()) + DONE)
-                    await resp.write_eof()
-            except asyncio.CancelledError:
-                pass  # cancelled again (a reader too slow for the last wait): the stream simply ends
-            return resp  # already under way: the caller must not answer a second time
-        except Exception as exc:
-            if resp is None:
-                raise
-            if not isinstance(exc, ApiError):
-                if isinstance(exc, ConnectionError):
-                    raise  # the client is gone; nobody to tell
-                log.exception("stream %s failed after its first byte", rid)
-                exc = errors.internal_error()
-            # Mid-stream: the status is already sent; OpenAI clients raise on an error
-            # event, and [DONE] still ends the stream for clients that wait for it.
-            resp.failed_status = exc.status
+        elif not isinstance(exc, Exception) or isinstance(exc, ConnectionError):
+            return None  # the client is gone; nobody to tell
+        elif not isinstance(exc, ApiError):
+            log.error("stream %s failed after its first byte", rid, exc_info=exc)
+            exc = errors.internal_error()
+        resp.failed_status = exc.status
+        try:
             with contextlib.suppress(ConnectionError):
-                await resp.write(tail_frames + sse_error(exc.body()) + DONE)
+                await resp.write(last_frames(exc))
                 await resp.write_eof()
-            return resp
-        finally:
-            await aclose(gen)
+        except asyncio.CancelledError:
+            if not cut:
+                raise
+            # cancelled again (a reader too slow for the last wait): the stream simply ends
+        return resp
 
 
 def uncancel(task: asyncio.Task | None) -> None:

@@ -2596,3 +2596,52 @@ async def test_a_gateway_says_what_it_serves_over_which_replicas(tiny_model_dir,
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("serving ")]
     assert said == [f"serving '{MODEL}' (context 1024 tokens) over 2 replicas: ext (openai, in routing), "
                     "gone (openai, not in routing yet); routing prefix-aware; client API keys on (1)"]
+
+
+async def test_a_response_reaches_an_external_server_as_the_chat_request_it_asks_for(tiny_model_dir):
+    """POST /v1/responses in front of OpenAI servers: each gets the chat request
+    the response asks for (instructions as the system message, max_output_tokens
+    as max_tokens, text.format as response_format), its answer and usage come
+    back as a response, and a failure after the first token ends the stream with
+    response.failed holding the text so far."""
+    seen, state = [], {"fail": False}
+
+    async def answer(request):
+        seen.append(await request.json())
+        first = {"choices": [{"index": 0, "delta": {"content": "Fi"}, "finish_reason": None}]}
+        if state["fail"]:
+            error = {"error": {"message": "EngineCore died", "type": "InternalServerError", "code": 500}}
+            return web.Response(body=_sse(first, error) + b"data: [DONE]\n\n", content_type="text/event-stream")
+        last = {"choices": [{"index": 0, "delta": {"content": "ne"}, "finish_reason": "stop"}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14,
+                                          "prompt_tokens_details": {"cached_tokens": 8}}}
+        return web.Response(body=_sse(first, last, usage) + b"data: [DONE]\n\n", content_type="text/event-stream")
+
+    router = RouterConfig(policy="round-robin", health_interval_s=60)
+    async with _gateway_over_pair(tiny_model_dir, answer, answer, ("a", "b"), router) as (gateway, _, client, _):
+        fmt = {"type": "json_schema", "name": "colour", "schema": {"type": "object"}, "strict": True}
+        resp = await client.responses.create(model=MODEL, instructions="Be brief.", input="Name a colour.",
+                                             max_output_tokens=20, temperature=0.5, text={"format": fmt})
+        assert resp.status == "completed" and resp.output_text == "Fine" and resp.text.format.type == "json_schema"
+        assert (resp.usage.input_tokens, resp.usage.input_tokens_details.cached_tokens, resp.usage.output_tokens) == (
+            12, 8, 2)
+        sent = seen[-1]
+        assert sent["messages"] == [{"role": "system", "content": "Be brief."},
+                                    {"role": "user", "content": "Name a colour."}]
+        assert (sent["max_tokens"], sent["temperature"], sent["stream"]) == (20, 0.5, True)
+        assert sent["response_format"] == {"type": "json_schema", "json_schema": {
+            "name": "colour", "schema": {"type": "object"}, "strict": True}}
+        assert sent.keys().isdisjoint({"input", "instructions", "text", "max_output_tokens"})
+
+        async with client.responses.stream(model=MODEL, input="Name a colour.") as stream:
+            final = await stream.get_final_response()
+        assert final.status == "completed" and final.output_text == "Fine"
+
+        state["fail"] = True
+        events = [e async for e in await client.responses.create(model=MODEL, input="Name a colour.", stream=True)]
+        assert [e.type for e in events][-2:] == ["response.output_text.delta", "response.failed"]
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.error.code == "server_error"
+        assert "EngineCore died" in failed.error.message
+        assert failed.output[0].status == "incomplete" and failed.output[0].content[0].text == "Fi"
+        assert gateway.router.inflight_requests == [0, 0]

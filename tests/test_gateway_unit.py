@@ -302,6 +302,25 @@ def test_classification_rules_first_match_wins():
     assert (ctx.workload, ctx.type) == ("to-b", "api")
 
 
+def test_an_endpoint_rule_may_name_the_responses_api_alone():
+    """A Responses request is a chat one to the rules (the defaults make both
+    to-C), but a rule naming responses matches it alone; neither outcome is
+    remembered for the other."""
+    from gateway.responses_api import chat_request
+
+    rules = [ClassifierRule(when="endpoint", endpoint="responses", workload="to-b", type="api"),
+             ClassifierRule(when="endpoint", endpoint="chat", workload="to-c")]
+    body, call = chat_request({"model": "m", "input": "hi"})
+    via_responses = parse_request(CHAT, body, LIMITS)
+    via_responses.responses = call
+    for cfg, want in ((ClassifierConfig(rules=rules), ("to-b", "api")), (ClassifierConfig(), ("to-c", "text"))):
+        clf = Classifier(cfg, _hasher())
+        for _ in range(2):
+            ctx = clf.classify(via_responses, Principal(), {}, 10, 2)
+            assert (ctx.workload, ctx.type) == want
+            assert clf.classify(chat(messages=[{"role": "user", "content": "hi"}]), Principal(), {}, 10, 2).workload == "to-c"
+
+
 def test_tenant_rule_and_sessions():
     cfg = ClassifierConfig(rules=[ClassifierRule(when="tenant", tenant="acme", workload="to-b", type="search"), ClassifierRule(when="always", workload="to-c")])
     clf = Classifier(cfg, _hasher())

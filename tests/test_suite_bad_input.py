@@ -199,12 +199,35 @@ _completion_body = st.fixed_dictionaries(
 )
 
 
-def _bounded(body: dict) -> dict:
+_response_part = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image", "refusal", "input_file"])},
+                          optional={"text": _anything, "image_url": _anything, "refusal": _anything}),
+    _anything)
+_response_item = st.one_of(
+    st.fixed_dictionaries({"role": _role, "content": st.one_of(st.text(max_size=40), st.lists(_response_part, max_size=2),
+                                                               _anything)},
+                          optional={"type": st.one_of(st.just("message"), _anything)}),
+    _anything)
+_response_body = st.fixed_dictionaries(
+    {"model": st.one_of(st.just(MODEL), _anything),
+     "input": st.one_of(st.text(max_size=30), st.lists(_response_item, max_size=3), _anything)},
+    optional={
+        "instructions": st.one_of(st.text(max_size=20), _anything),
+        "max_output_tokens": st.one_of(st.integers(min_value=-3, max_value=2), _anything),
+        "temperature": _anything, "text": st.one_of(st.fixed_dictionaries({"format": _anything}), _anything),
+        "metadata": _anything, "truncation": _anything, "tools": _anything, "previous_response_id": _anything,
+        "stream": st.one_of(st.booleans(), _anything), "include": _anything, "top_logprobs": _anything,
+        "reasoning": _anything, "background": _anything, "store": _anything,
+    },
+)
+
+
+def _bounded(body: dict, field: str = "max_tokens") -> dict:
     # A fuzzed body that happens to be valid must still finish fast.
-    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 2:
-        body["max_tokens"] = 2
-    elif "max_tokens" not in body:
-        body["max_tokens"] = 2
+    if isinstance(body.get(field), int) and body[field] > 2:
+        body[field] = 2
+    elif field not in body:
+        body[field] = 2
     return body
 
 
@@ -214,6 +237,15 @@ def _bounded(body: dict) -> dict:
 def test_fuzzed_requests_never_5xx(server, case):
     path, body = case
     status, data = server.post(path, json.dumps(_bounded(body)).encode())
+    if status == 200:
+        return  # valid by chance: served
+    _assert_4xx(status, data, json.dumps(body)[:200])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(_response_body)
+def test_fuzzed_responses_requests_never_5xx(server, body):
+    status, data = server.post("/v1/responses", json.dumps(_bounded(body, "max_output_tokens")).encode())
     if status == 200:
         return  # valid by chance: served
     _assert_4xx(status, data, json.dumps(body)[:200])

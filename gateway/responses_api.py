@@ -1,0 +1,346 @@
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat pipeline.
+
+A Responses request is read into the chat request it asks for (instructions
+as the system message, input items as messages, max_output_tokens as
+max_tokens), so tokenising, classification, routing and external servers
+(sent that chat request) are the chat endpoint's own.  What differs is the
+answer: a ``response`` object, or a stream of typed events (created,
+in_progress, output item and content part added, text deltas, then the
+done events and completed or incomplete).
+
+kvgate keeps no state between requests: no stored responses, so
+``previous_response_id`` and ``conversation`` are refused with a message that
+says to send the whole conversation, and every response says ``store: false``.
+Tool calls, logprobs and truncation "auto" are refused rather than answered as
+if honoured.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import ApiError, bad_request
+from gateway.protocol import _type_msg, new_id
+
+RESPONSES = "responses"
+
+# Request fields read here; the rest are ignored and logged as the chat endpoint's are.
+_ECHOED = ("instructions", "max_output_tokens", "metadata", "temperature", "top_p", "user", "parallel_tool_calls",
+           "tool_choice", "text", "truncation", "store", "stream", "stream_options", "include", "reasoning",
+           "service_tier", "safety_identifier", "prompt_cache_key", "max_tool_calls", "top_logprobs", "tools")
+_READ = frozenset(("model", "input", *_ECHOED, "previous_response_id", "conversation", "background", "prompt"))
+# Chat fields the translated request carries as they came.
+_SAME_NAME = ("model", "stream", "temperature", "top_p", "user")
+# What no stateless server can do, each with why and what to send instead.
+_STATEFUL = {
+    "previous_response_id": "kvgate stores no responses: send the whole conversation in 'input' instead.",
+    "conversation": "kvgate stores no conversations: send the whole conversation in 'input' instead.",
+    "prompt": "kvgate stores no prompt templates: send the instructions and input themselves.",
+}
+_ROLES = ("user", "assistant", "system", "developer")
+_MAX_METADATA_KEYS = 16
+
+
+@dataclass(slots=True)
+class ResponsesCall:
+    """What a response echoes of its request, and the id of its one output message."""
+
+    echo: dict
+    message_id: str = field(default_factory=lambda: new_id("msg_"))
+    # How many system messages precede the input's (instructions): errors about
+    # messages[k] name input[k - offset].
+    offset: int = 0
+    input_is_text: bool = False
+    ignored: set = field(default_factory=set)
+
+    def rename(self, exc: ApiError) -> ApiError:
+        """An error from the chat parsing, in this API's field names."""
+        exc.message = self._renamed(exc.message)
+        if exc.param is not None:
+            exc.param = self._renamed(exc.param)
+        return exc
+
+    def _renamed(self, text: str) -> str:
+        def item(match: re.Match) -> str:
+            k = int(match.group(1))
+            if k < self.offset:
+                return "instructions"
+            return "input" if self.input_is_text else f"input[{k - self.offset}]"
+
+        text = re.sub(r"\bmessages\[(\d+)\](?:\.content)?" if self.input_is_text else r"\bmessages\[(\d+)\]", item, text)
+        text = re.sub(r"\bmessages\b", "input", text)
+        text = re.sub(r"\bmax_(?:completion_)?tokens\b", "max_output_tokens", text)
+        return re.sub(r"\bresponse_format\b", "text.format", text)
+
+
+def chat_request(body: dict) -> tuple[dict, ResponsesCall]:
+    """The chat request a Responses request asks for, and what its answer echoes."""
+    for name, why in _STATEFUL.items():
+        if body.get(name) is not None:
+            raise bad_request(f"'{name}' is not supported: {why}", name)
+    if body.get("background"):
+        raise bad_request("'background' is not supported: kvgate answers while the client waits (or streams).",
+                          "background")
+    if body.get("tools"):
+        raise bad_request("Tool calling is not supported on /v1/responses by kvgate; use /v1/chat/completions with "
+                          "'tools' through a gateway in front of a server that parses tool calls (e.g. vLLM).", "tools")
+    if body.get("top_logprobs") or "message.output_text.logprobs" in _list(body, "include"):
+        raise bad_request("Logprobs are not supported on /v1/responses by kvgate; use /v1/chat/completions with "
+                          "'logprobs'.", "top_logprobs" if body.get("top_logprobs") else "include")
+    truncation = body.get("truncation")
+    if truncation not in (None, "disabled", "auto"):
+        raise bad_request(f"Invalid value: {json.dumps(truncation)[:60]}. Supported values are: 'auto' and 'disabled'.",
+                          "truncation")
+    if truncation == "auto":
+        raise bad_request("truncation 'auto' is not supported: kvgate refuses an input longer than the model's context "
+                          "rather than dropping its oldest items (truncation 'disabled').", "truncation")
+    chat = {name: body[name] for name in _SAME_NAME if name in body}
+    call = ResponsesCall(echo=_echo(body))
+    messages = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad_request(_type_msg("instructions", "a string", instructions), "instructions")
+        messages.append({"role": "system", "content": instructions})
+        call.offset = 1
+    messages += _input_messages(body.get("input"), call)
+    chat["messages"] = messages
+    max_output = body.get("max_output_tokens")
+    if max_output is not None:
+        if type(max_output) is not int:
+            raise bad_request(_type_msg("max_output_tokens", "an integer", max_output), "max_output_tokens")
+        chat["max_tokens"] = max_output  # bounds checked as chat's, named as this API's
+    fmt = _format(body.get("text"))
+    if fmt is not None:
+        chat["response_format"] = fmt
+    if body.get("stream"):
+        chat["stream_options"] = {"include_usage": True}  # the completed event carries usage
+    call.ignored = {name for name in body.keys() - _READ}
+    if body.get("reasoning"):
+        call.ignored.add("reasoning")  # no reasoning model behind the bundled engine
+    return chat, call
+
+
+def _list(body: dict, name: str) -> list:
+    value = body.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad_request(_type_msg(name, "an array", value), name)
+    return value
+
+
+def _echo(body: dict) -> dict:
+    """The request's settings as the response states them, defaults filled in."""
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise bad_request(_type_msg("metadata", "an object of strings", metadata), "metadata")
+        if len(metadata) > _MAX_METADATA_KEYS:
+            raise bad_request(f"Invalid 'metadata': too many properties. Expected an object with at most "
+                              f"{_MAX_METADATA_KEYS} properties, but got {len(metadata)} instead.", "metadata")
+    text = body.get("text")
+    return {
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "max_tool_calls": None,
+        "metadata": metadata or {},
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "service_tier": "default",
+        "store": False,
+        "temperature": body.get("temperature", 1.0),
+        "text": text if isinstance(text, dict) and "format" in text else {"format": {"type": "text"}},
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": [],
+        "top_p": body.get("top_p", 1.0),
+        "truncation": "disabled",
+        "user": body.get("user"),
+    }
+
+
+def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
+    if given is None:
+        raise bad_request("Missing required parameter: 'input'.", "input")
+    if isinstance(given, str):
+        call.input_is_text = True
+        return [{"role": "user", "content": given}]
+    if not isinstance(given, list):
+        raise bad_request(_type_msg("input", "a string or an array of input items", given), "input")
+    return [_message(item, f"input[{i}]") for i, item in enumerate(given)]
+
+
+def _message(item: Any, where: str) -> dict:
+    if not isinstance(item, dict):
+        raise bad_request(_type_msg(where, "an object", item), where)
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise bad_request(f"Input items of type {json.dumps(kind)[:60]} are not supported by kvgate: it serves messages "
+                          "only (no tool calls, reasoning or stored items).", f"{where}.type")
+    role = item.get("role")
+    if role not in _ROLES:
+        if role is None:
+            raise bad_request(f"Missing required parameter: '{where}.role'.", f"{where}.role")
+        raise bad_request(f"Invalid value for '{where}.role': {json.dumps(role)[:60]}. Supported values are: 'user', "
+                          "'assistant', 'system' and 'developer'.", f"{where}.role")
+    content = item.get("content")
+    if isinstance(content, list):
+        content = [_part(part, f"{where}.content[{j}]", role) for j, part in enumerate(content)]
+    elif not isinstance(content, str):
+        if content is None:
+            raise bad_request(f"Missing required parameter: '{where}.content'.", f"{where}.content")
+        raise bad_request(_type_msg(f"{where}.content", "a string or an array of content parts", content),
+                          f"{where}.content")
+    return {"role": role, "content": content}
+
+
+def _part(part: Any, where: str, role: str) -> dict:
+    """A Responses content part as chat's: text, or an image by URL."""
+    if not isinstance(part, dict):
+        raise bad_request(_type_msg(where, "an object", part), where)
+    kind = part.get("type")
+    # output_text and refusal are an earlier answer's, as the SDK hands the history back.
+    if kind in ("input_text", "output_text"):
+        return {"type": "text", "text": part.get("text")}
+    if kind == "refusal" and role == "assistant":
+        return {"type": "refusal", "refusal": part.get("refusal")}
+    if kind == "input_image":
+        url = part.get("image_url")
+        if url is None:
+            raise bad_request(f"'{where}': kvgate has no Files API; give the image as 'image_url' (an http(s) URL or a "
+                              "base64 data URL).", f"{where}.image_url")
+        return {"type": "image_url", "image_url": {"url": url}}
+    raise bad_request(f"Invalid value for '{where}.type': {json.dumps(kind)[:60]}. Supported values are: 'input_text', "
+                      "'output_text' and 'input_image'.", f"{where}.type")
+
+
+def _format(text: Any) -> dict | None:
+    """text.format as chat's response_format (json_schema's fields sit one level up here)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad_request(_type_msg("text", "an object", text), "text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request(_type_msg("text.format", "an object", fmt), "text.format")
+    if fmt.get("type") != "json_schema":
+        return fmt  # text and json_object read alike; anything else is refused by chat's check
+    schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+# -- the answer
+
+
+def response_usage(chat_usage: dict | None) -> dict:
+    """Chat's usage in this API's names (cached tokens 0 where a replica did not say)."""
+    chat_usage = chat_usage or {}
+    prompt = chat_usage.get("prompt_tokens", 0)
+    completion = chat_usage.get("completion_tokens", 0)
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+class ResponseShaper:
+    """One response's object and, streamed, its events (each with its sequence number)."""
+
+    def __init__(self, rid: str, created: int, model: str, call: ResponsesCall) -> None:
+        self.rid = rid
+        self.created = created
+        self.model = model
+        self.call = call
+        self.sequence = 0
+        self.text: list[str] = []
+
+    def response(self, status: str, output: list, usage: dict | None = None, finish: str | None = None,
+                 error: dict | None = None, completed_at: int | None = None) -> dict:
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "background": False,
+            "completed_at": completed_at,
+            "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "model": self.model,
+            "output": output,
+            **self.call.echo,
+            "usage": usage,
+        }
+
+    def message(self, text: str | None, finish: str | None = None) -> dict:
+        """The output message: in progress (no text yet), then completed or incomplete."""
+        if text is None:
+            return {"id": self.call.message_id, "type": "message", "status": "in_progress", "role": "assistant",
+                    "content": []}
+        return {"id": self.call.message_id, "type": "message", "status": _status(finish), "role": "assistant",
+                "content": [_text_part(text)]}
+
+    def whole(self, text: str, finish: str | None, chat_usage: dict, completed_at: int) -> dict:
+        return self.response(_status(finish), [self.message(text, finish)], response_usage(chat_usage), finish,
+                             completed_at=completed_at)
+
+    # -- streamed
+
+    def _event(self, kind: str, fields: dict) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: ".encode() + json.dumps(data).encode() + b"\n\n"
+
+    def opening(self) -> bytes:
+        """created, in_progress, and the output message and its text part begun."""
+        begun = self.response("in_progress", [])
+        where = {"item_id": self.call.message_id, "output_index": 0, "content_index": 0}
+        return b"".join((
+            self._event("response.created", {"response": begun}),
+            self._event("response.in_progress", {"response": begun}),
+            self._event("response.output_item.added", {"output_index": 0, "item": self.message(None)}),
+            self._event("response.content_part.added", {**where, "part": _text_part("")}),
+        ))
+
+    def delta(self, text: str) -> bytes:
+        self.text.append(text)
+        return self._event("response.output_text.delta", {"item_id": self.call.message_id, "output_index": 0,
+                                                          "content_index": 0, "delta": text, "logprobs": []})
+
+    def closing(self, finish: str | None, chat_usage: dict, completed_at: int) -> bytes:
+        """The text, part and message done, then completed (or incomplete: max_output_tokens reached)."""
+        text = "".join(self.text)
+        where = {"item_id": self.call.message_id, "output_index": 0, "content_index": 0}
+        item = self.message(text, finish)
+        final = self.response(_status(finish), [item], response_usage(chat_usage), finish, completed_at=completed_at)
+        return b"".join((
+            self._event("response.output_text.done", {**where, "text": text, "logprobs": []}),
+            self._event("response.content_part.done", {**where, "part": _text_part(text)}),
+            self._event("response.output_item.done", {"output_index": 0, "item": item}),
+            self._event("response.completed" if final["status"] == "completed" else "response.incomplete",
+                        {"response": final}),
+        ))
+
+    def failed(self, exc: ApiError) -> bytes:
+        """The stream's end after a failure once under way (the HTTP status already sent)."""
+        text = "".join(self.text)
+        output = [{**self.message(text), "status": "incomplete"}] if text else []
+        error = {"code": "rate_limit_exceeded" if exc.status == 429 else "server_error", "message": exc.message}
+        return self._event("response.failed", {"response": self.response("failed", output, error=error)})
+
+
+def _status(finish: str | None) -> str:
+    return "incomplete" if finish == "length" else "completed"
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -1,0 +1,152 @@
+"""POST /v1/responses over a real engine (tiny model), through the official SDK.
+
+The answer must be the chat endpoint's answer to the same conversation (the
+instructions as its system message), shaped as OpenAI's Responses API shapes it.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+
+from gateway.app import create_app
+from tests.gateway_helpers import serving
+from tests.test_gateway_engine import _config
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "tiny"
+INSTRUCTIONS = "Answer in one word."
+HISTORY = [
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": [{"type": "output_text", "text": "Blue."}]},
+    {"role": "user", "content": [{"type": "input_text", "text": "Another one?"}]},
+]
+# The same conversation as chat messages.
+CHAT_MESSAGES = [
+    {"role": "system", "content": INSTRUCTIONS},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Another one?"},
+]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gw(tiny_model_dir):
+    async with serving(create_app(_config(tiny_model_dir, replicas=1))) as running:
+        yield running
+
+
+async def _chat_answer(client, max_tokens: int):
+    return await client.chat.completions.create(model=MODEL, messages=CHAT_MESSAGES, max_tokens=max_tokens,
+                                                temperature=0)
+
+
+async def test_a_response_is_the_chat_answer_to_the_same_conversation(gw):
+    _, _, client = gw
+    chat = await _chat_answer(client, 6)
+    resp = await client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=HISTORY, max_output_tokens=6,
+                                         temperature=0, metadata={"team": "search"})
+    assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == MODEL
+    assert resp.output_text == chat.choices[0].message.content
+    [message] = resp.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert [part.type for part in message.content] == ["output_text"]
+    if chat.choices[0].finish_reason == "length":  # a random tiny model rarely ends by itself
+        assert resp.status == message.status == "incomplete"
+        assert resp.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert resp.status == message.status == "completed" and resp.incomplete_details is None
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens == chat.usage.completion_tokens
+    assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
+    assert resp.usage.input_tokens_details.cached_tokens > 0  # the chat request just left its blocks
+    # What the request asked for, as the response states it; nothing was stored.
+    assert resp.instructions == INSTRUCTIONS and resp.max_output_tokens == 6 and resp.temperature == 0
+    assert resp.metadata == {"team": "search"} and resp.to_dict()["store"] is False
+    assert resp.error is None and resp.completed_at >= resp.created_at
+
+
+async def test_a_streamed_response_sends_openais_events_in_order(gw):
+    _, _, client = gw
+    whole = await client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=HISTORY, max_output_tokens=8,
+                                          temperature=0)
+    events = [e async for e in await client.responses.create(
+        model=MODEL, instructions=INSTRUCTIONS, input=HISTORY, max_output_tokens=8, temperature=0, stream=True)]
+    kinds = [e.type for e in events]
+    ending = "response.completed" if whole.status == "completed" else "response.incomplete"
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", ending]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-4].text
+    item_id = events[2].item.id
+    assert {e.item_id for e in events if hasattr(e, "item_id")} == {item_id}
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    final = events[-1].response
+    assert final.id == events[0].response.id and final.status == whole.status and final.output_text == text
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert final.output[0].id == item_id
+
+    # The SDK's own accumulator takes the events as OpenAI's (it checks ids and order).
+    async with client.responses.stream(model=MODEL, instructions=INSTRUCTIONS, input=HISTORY, max_output_tokens=8,
+                                       temperature=0) as stream:
+        seen = [event async for event in stream]
+    assert seen[-1].type == ending and seen[-1].response.output_text == text
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "send the whole conversation"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation", "stores no conversations"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}]}, "tools", "Tool calling is not supported"),
+    ({"input": "hi", "background": True}, "background", "'background' is not supported"),
+    ({"input": "hi", "truncation": "auto"}, "truncation", "truncation 'auto' is not supported"),
+    ({"input": "hi", "top_logprobs": 2}, "top_logprobs", "Logprobs are not supported"),
+    ({}, "input", "Missing required parameter: 'input'"),
+    ({"input": 5}, "input", "expected a string or an array of input items"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "{}"}]}, "input[0].type",
+     "not supported by kvgate"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type",
+     "Supported values are"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input[0].content[0].image_url",
+     "no Files API"),
+    # Errors of the chat parsing, in this API's names: the instructions shift chat's message indexes.
+    ({"instructions": "x", "input": [{"role": "user", "content": "a"},
+                                     {"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+     "input[1].content[0].text", "'input[1].content[0].text': expected a string"),
+    ({"input": "hi", "max_output_tokens": 10**9}, "max_output_tokens", "max_output_tokens is too large"),
+    ({"input": "hi", "max_output_tokens": "5"}, "max_output_tokens", "expected an integer"),
+    ({"input": "hi " * 3000}, "input", "maximum context length is 1024 tokens"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}},
+     "text.format", "text.format 'json_schema' is not supported by the kvgate engine"),
+    ({"input": "hi", "metadata": {"k": 1}}, "metadata", "expected an object of strings"),
+])
+async def test_requests_a_stateless_engine_cannot_honour_are_refused_by_name(gw, body, param, words):
+    _, server, _ = gw
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.url + "/v1/responses", json={"model": MODEL, **body}) as resp:
+            error = (await resp.json())["error"]
+    assert resp.status == 400 and error["param"] == param and words in error["message"], error
+
+
+async def test_a_refusal_reaches_the_sdk_and_the_request_id_names_the_response(gw):
+    _, server, client = gw
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model=MODEL, input="hi", previous_response_id="resp_earlier")
+    assert info.value.param == "previous_response_id"
+    named = await client.responses.with_raw_response.create(model=MODEL, input="hi", max_output_tokens=2,
+                                                            extra_headers={"X-Request-Id": "trace-42"})
+    assert named.headers["x-request-id"] == "resp_trace-42" and named.parse().id == "resp_trace-42"
+    # Nothing is stored, so nothing can be fetched back.
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.responses.retrieve("resp_trace-42")
+    assert "kvgate stores no responses" in info.value.message
+    async with aiohttp.ClientSession() as session:
+        async with session.get(server.url + "/metrics") as resp:
+            metrics = await resp.text()
+    assert 'kvgate_requests_total{endpoint="responses",status="200",workload="to-c"}' in metrics
+    assert 'kvgate_requests_total{endpoint="responses",status="400"' in metrics
