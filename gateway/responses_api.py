@@ -148,19 +148,25 @@ def _echo(body: dict) -> dict:
         "max_output_tokens": body.get("max_output_tokens"),
         "max_tool_calls": None,
         "metadata": metadata or {},
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "parallel_tool_calls": _given(body, "parallel_tool_calls", True),
         "previous_response_id": None,
         "reasoning": {"effort": None, "summary": None},
         "service_tier": "default",
         "store": False,
-        "temperature": body.get("temperature", 1.0),
+        "temperature": _given(body, "temperature", 1.0),
         "text": text if isinstance(text, dict) and "format" in text else {"format": {"type": "text"}},
-        "tool_choice": body.get("tool_choice", "auto"),
+        "tool_choice": _given(body, "tool_choice", "auto"),
         "tools": [],
-        "top_p": body.get("top_p", 1.0),
+        "top_p": _given(body, "top_p", 1.0),
         "truncation": "disabled",
         "user": body.get("user"),
     }
+
+
+def _given(body: dict, name: str, default: Any) -> Any:
+    """A field's value, or its default where absent or null (clients send null for "unset")."""
+    value = body.get(name)
+    return default if value is None else value
 
 
 def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:

@@ -150,3 +150,22 @@ async def test_a_refusal_reaches_the_sdk_and_the_request_id_names_the_response(g
             metrics = await resp.text()
     assert 'kvgate_requests_total{endpoint="responses",status="200",workload="to-c"}' in metrics
     assert 'kvgate_requests_total{endpoint="responses",status="400"' in metrics
+
+
+async def test_fields_sent_as_null_read_as_unset(gw):
+    """Agent frameworks send every field, null where unset: each reads as absent,
+    and the response states the defaults, as OpenAI's does."""
+    _, server, _ = gw
+    nulls = dict.fromkeys(("instructions", "tool_choice", "parallel_tool_calls", "temperature", "top_p", "text",
+                           "truncation", "reasoning", "metadata", "previous_response_id", "conversation", "prompt",
+                           "top_logprobs", "user", "background", "max_tool_calls", "service_tier"))
+    body = {**nulls, "model": MODEL, "input": "hi", "max_output_tokens": 2, "tools": [], "include": [], "store": False}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.url + "/v1/responses", json=body) as resp:
+            answer = await resp.json()
+    assert resp.status == 200, answer
+    stated = {name: answer[name] for name in ("instructions", "tool_choice", "parallel_tool_calls", "temperature",
+                                              "top_p", "text", "truncation", "metadata", "tools", "store")}
+    assert stated == {"instructions": None, "tool_choice": "auto", "parallel_tool_calls": True, "temperature": 1.0,
+                      "top_p": 1.0, "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
+                      "tools": [], "store": False}
