@@ -17,14 +17,17 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from gateway.kv_wire import PACKED_KEYS, PACKED_QUERY, pack_keys
 from gateway.replicas import KV_EVENTS_HEARTBEAT_S
 from gateway.respond import SSE_HEADERS
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
 
-# A /kv_events consumer this far behind is cut off; it resyncs from a snapshot.
+# A /kv_events consumer this far behind (in events, or in the keys they hold:
+# an eviction burst removes thousands at once) is cut off; it resyncs from a snapshot.
 _BACKLOG = 100_000
+_BACKLOG_KEYS = 1_000_000
 
 
 class EngineEndpoints:
@@ -78,12 +81,13 @@ class EngineEndpoints:
         replica = gw.replicas[0]
         queue: asyncio.Queue = asyncio.Queue()
         lagging = False
+        queued_keys = 0
 
         def put(item) -> None:
-            nonlocal lagging
+            nonlocal lagging, queued_keys
             if lagging:
                 return  # the writer stops at its next item (the queue is full): keep nothing more
-            if queue.qsize() >= _BACKLOG:
+            if queue.qsize() >= _BACKLOG or queued_keys >= _BACKLOG_KEYS:
                 lagging = True
                 # A follower this far behind has most likely stopped reading, and the
                 # writer then waits on a send that never drains: cut the connection
@@ -92,6 +96,8 @@ class EngineEndpoints:
                 if transport is not None:
                     transport.abort()
                 return
+            if item is not None:
+                queued_keys += len(item[2])
             queue.put_nowait(item)
 
         def listener(seq: int, kind: str, keys: list[int], tier: str) -> None:
@@ -104,6 +110,9 @@ class EngineEndpoints:
             await resp.prepare(request)
             # "draining": a gateway reconnecting while this engine stops must not rejoin it.
             snapshot = {"seq": replica.seq, "model": gw.model_name, "keys": replica.held_keys(), "draining": gw.draining}
+            if request.query.get("keys") == PACKED_QUERY["keys"]:
+                snapshot["keys"] = {tier: pack_keys(keys) for tier, keys in snapshot["keys"].items()}
+                snapshot["keys_format"] = PACKED_KEYS
             await resp.write(b"event: snapshot\ndata: " + json.dumps(snapshot).encode() + b"\n\n")
             if gw.draining:  # a gateway that reconnects while this engine stops
                 queue.put_nowait(None)
@@ -123,6 +132,7 @@ class EngineEndpoints:
                     await resp.write(b"event: draining\ndata: {}\n\n")
                     break
                 seq, kind, keys, tier = item
+                queued_keys -= len(keys)
                 frame = {"seq": seq, "kind": kind, "keys": keys, "tier": tier}
                 await resp.write(b"data: " + json.dumps(frame).encode() + b"\n\n")
             return resp

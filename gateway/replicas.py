@@ -40,6 +40,7 @@ from gateway.config import (
     replica_base_url,
     without_userinfo,
 )
+from gateway.kv_wire import PACKED_QUERY, held_from_snapshot
 from gateway.protocol import CHAT, ParsedRequest
 from gateway.router import ApproxIndex, BackendLoad, ExactIndex
 from gateway.startup_thread import in_daemon_thread
@@ -639,7 +640,7 @@ class RemoteReplica(Replica):
         while True:
             try:
                 async with self._session.get(
-                    self.base + "/kv_events", headers=self.auth_headers(),
+                    self.base + "/kv_events", params=PACKED_QUERY, headers=self.auth_headers(),
                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s,
                                                   sock_read=_KV_EVENTS_SILENT_S),
                 ) as resp:
@@ -671,7 +672,7 @@ class RemoteReplica(Replica):
                             self.healthy = False
                             continue
                         if event == "snapshot":
-                            self.index.reset(data["keys"])
+                            await self.index.rebuild(held_from_snapshot(data))
                             last = data["seq"]
                             if data.get("draining"):
                                 # Reconnected to an engine that is still stopping: it stays out.

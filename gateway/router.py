@@ -23,6 +23,7 @@ replica takes more than twice the others' mean number of in-flight requests (plu
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from typing import NamedTuple, Protocol, Sequence
@@ -38,6 +39,8 @@ _MEAN_DECAY = 0.01
 _KV_PRESSURE_START = 0.9
 _KV_FULL_REQUESTS = 4.0
 _TIER_BITS = {"device": DEVICE_BIT, "host": HOST_BIT}
+# Keys indexed between two yields to the event loop in ExactIndex.rebuild (~4 ms).
+_REBUILD_SLICE = 20_000
 # Session routing's bound (after consistent hashing with bounded loads): a
 # replica takes a session's request while it would hold at most this times one
 # more than the other candidates' mean in-flight requests, or at most
@@ -102,6 +105,24 @@ class ExactIndex:
         self.tiers = {}
         for tier, keys in held.items():
             self.apply("stored", keys, tier)
+
+    async def rebuild(self, held: dict[str, Sequence[int]]) -> None:
+        """reset() without holding the event loop: a snapshot of a million keys
+        takes a few hundred milliseconds to index, so the new map is built a slice
+        at a time, other tasks running between slices, and replaces the old one
+        (still routed on meanwhile) at the end."""
+        tiers: dict[int, int] = {}
+        for tier, keys in held.items():
+            bit = _TIER_BITS.get(tier, DEVICE_BIT)
+            for start in range(0, len(keys), _REBUILD_SLICE):
+                part = keys[start:start + _REBUILD_SLICE]
+                # A key on two tiers at once (between a demotion's two events) keeps both bits.
+                both = {key: tiers[key] | bit for key in tiers.keys() & part} if tiers else None
+                tiers.update(dict.fromkeys(part, bit))
+                if both:
+                    tiers.update(both)
+                await asyncio.sleep(0)
+        self.tiers = tiers
 
     def __len__(self) -> int:
         return len(self.tiers)

@@ -154,14 +154,18 @@ async def test_remote_disconnect_aborts_upstream(tiny_model_dir):
         await server.stop()
 
 
-async def test_a_kv_events_follower_that_stops_reading_is_cut_off(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("bound", ["_BACKLOG", "_BACKLOG_KEYS"])
+async def test_a_kv_events_follower_that_stops_reading_is_cut_off(tiny_model_dir, monkeypatch, bound):
     """A follower that stops reading leaves the engine's writer waiting on a send
     that never drains (here: every event write waits forever, a stand-in for a full
-    socket).  Once its backlog is full the engine cuts the connection, the writer
-    and its listener go, and the engine keeps serving."""
+    socket).  Once its backlog is full, in events or in the keys they carry (an
+    eviction burst is one event of thousands), the engine cuts the connection, the
+    writer and its listener go, and the engine keeps serving."""
     import gateway.engine_endpoints as endpoints
 
-    monkeypatch.setattr(endpoints, "_BACKLOG", 5)
+    # The other bound far out of reach: this one alone must cut.
+    monkeypatch.setattr(endpoints, "_BACKLOG", 5 if bound == "_BACKLOG" else 10**6)
+    monkeypatch.setattr(endpoints, "_BACKLOG_KEYS", 30 if bound == "_BACKLOG_KEYS" else 10**9)
     real_write = web.StreamResponse.write
 
     async def write_stalled_on_events(self, data):

@@ -21,11 +21,14 @@ import pytest
 from aiohttp import web
 
 import gateway.engine_endpoints as engine_endpoints
+import gateway.kv_wire as kv_wire
 import gateway.replicas as replicas
+import gateway.router as router
 import gateway.upstream as upstream
 from gateway.app import GATEWAY, create_app
 from gateway.config import ReplicaConfig, RouterConfig
 from gateway.replicas import RemoteReplica, ReplicaInfo
+from gateway.router import ExactIndex
 from gateway.server import start_server
 from tests.engine_procs import MODEL, tiny_config, wait_for
 
@@ -215,3 +218,69 @@ async def test_a_stream_that_keeps_going_silent_is_said_lost_once_an_outage(scri
     await wait_for(lambda: any("kv event stream lost" in r.getMessage() for r in caplog.records), timeout=5,
                    what="the next loss")
     assert [r.levelname for r in caplog.records if "kv event stream lost" in r.getMessage()][0] == "INFO"
+
+
+def test_packed_snapshot_keys_read_as_the_arrays_they_replace():
+    """A snapshot packed for a gateway that asks, and an older engine's arrays,
+    give the same keys; a damaged packing is refused (the follower resyncs)."""
+    keys = [0, 1, 2**63, 2**64 - 1] + [random.getrandbits(64) for _ in range(1000)]
+    packed = {"seq": 3, "keys": {"device": kv_wire.pack_keys(keys), "host": kv_wire.pack_keys([])},
+              "keys_format": kv_wire.PACKED_KEYS}
+    held = kv_wire.held_from_snapshot(packed)
+    assert list(held["device"]) == keys and list(held["host"]) == []
+    arrays = {"seq": 3, "keys": {"device": keys}}
+    assert kv_wire.held_from_snapshot(arrays) == {"device": keys}
+    for damaged in (kv_wire.pack_keys(keys)[:-4], "not base64!"):
+        with pytest.raises(ValueError):
+            kv_wire.unpack_keys(damaged)
+
+
+async def test_a_snapshot_is_indexed_without_holding_the_event_loop():
+    """Indexing a snapshot of 300,000 keys lets other tasks run between slices;
+    until it is done, routing sees the previous index, then the new one whole,
+    a key on both tiers with both bits."""
+    index = ExactIndex()
+    index.reset({"device": [1, 2, 3]})
+    device = list(range(10, 300_010))
+    host = [7, 10]  # 10 on both tiers, as between a demotion's two events
+    seen_while_building = []
+    done = asyncio.Event()
+
+    async def routing():
+        while not done.is_set():
+            seen_while_building.append(index.match([1, 2, 3]))
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(routing())
+    await index.rebuild({"device": device, "host": host})
+    done.set()
+    await ticker
+    assert len(seen_while_building) >= len(device) // router._REBUILD_SLICE
+    assert set(seen_while_building) == {3}  # the old index whole until the swap
+    assert len(index) == len(device) + 1 and index.match([1]) == 0 and index.match(device[:5]) == 5
+    assert index.tiers[10] == router.DEVICE_BIT | router.HOST_BIT and index.tiers[7] == router.HOST_BIT
+    rebuilt = index.tiers
+    index.reset({"device": device, "host": host})
+    assert index.tiers == rebuilt  # the same map reset() builds at once
+
+
+async def test_an_engine_packs_its_snapshot_for_a_gateway_that_asks(tiny_model_dir):
+    """The real engine: /kv_events?keys=packed holds the very keys its arrays do."""
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="inprocess")]), engine_mode=True)
+    server = await start_server(app)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.url + "/v1/completions",
+                                    json={"model": MODEL, "prompt": list(range(10, 90)), "max_tokens": 1}) as resp:
+                assert resp.status == 200
+            snapshots = []
+            for params in ({}, kv_wire.PACKED_QUERY):
+                async with session.get(server.url + "/kv_events", params=params) as resp:
+                    assert (await resp.content.readline()) == b"event: snapshot\n"
+                    snapshots.append(json.loads((await resp.content.readline())[len(b"data: "):]))
+        arrays, packed = snapshots
+        assert packed["keys_format"] == kv_wire.PACKED_KEYS and "keys_format" not in arrays
+        assert len(arrays["keys"]["device"]) >= 5
+        assert {tier: list(keys) for tier, keys in kv_wire.held_from_snapshot(packed).items()} == arrays["keys"]
+    finally:
+        await server.stop()
