@@ -951,9 +951,14 @@ async def _unmatched(request: web.Request) -> web.Response:
         resp = ApiError(405, f"Method {request.method} not allowed for {request.path}.", code="method_not_allowed").response()
         resp.headers["Allow"] = ", ".join(sorted(allowed))  # a 405 says what is allowed (RFC 9110)
         return resp
-    if request.path.startswith("/v1/responses/"):  # retrieve, delete, cancel, input_items
-        raise errors.response_not_stored(request.path.split("/")[3])
+    response_id = request.path.split("/")[3] if request.path.startswith("/v1/responses/") else ""
+    if response_id and response_id not in _RESPONSES_API_OTHERS:  # retrieve, delete, cancel, input_items
+        raise errors.response_not_stored(response_id)
     raise errors.not_found(request.path)
+
+
+# /v1/responses/NAME paths that are the Responses API's other endpoints, not a response's id.
+_RESPONSES_API_OTHERS = frozenset({"input_tokens", "compact"})
 
 
 def _expectation_refused(request: web.Request) -> web.StreamResponse | None:

@@ -42,6 +42,8 @@ _STATEFUL = {
 }
 _ROLES = ("user", "assistant", "system", "developer")
 _MAX_METADATA_KEYS = 16
+_MAX_METADATA_KEY = 64
+_MAX_METADATA_VALUE = 512
 
 
 @dataclass(slots=True)
@@ -70,6 +72,12 @@ class ResponsesCall:
                 return "instructions"
             return "input" if self.input_is_text else f"input[{k - self.offset}]"
 
+        def too_many(match: re.Match) -> str:
+            given, allowed = int(match.group(1)) - self.offset, int(match.group(2)) - self.offset
+            return f"Too many input items: {given}. This server allows at most {allowed}" + (
+                " with instructions" if self.offset else "")
+
+        text = re.sub(r"Too many messages: (\d+)\. This server allows at most (\d+)", too_many, text)
         text = re.sub(r"\bmessages\[(\d+)\](?:\.content)?" if self.input_is_text else r"\bmessages\[(\d+)\]", item, text)
         text = re.sub(r"\bmessages\b", "input", text)
         text = re.sub(r"\bmax_(?:completion_)?tokens\b", "max_output_tokens", text)
@@ -81,12 +89,18 @@ def chat_request(body: dict) -> tuple[dict, ResponsesCall]:
     for name, why in _STATEFUL.items():
         if body.get(name) is not None:
             raise bad_request(f"'{name}' is not supported: {why}", name)
-    if body.get("background"):
+    if _typed(body, "background", bool, "a boolean"):
         raise bad_request("'background' is not supported: kvgate answers while the client waits (or streams).",
                           "background")
-    if body.get("tools"):
+    if _list(body, "tools"):
         raise bad_request("Tool calling is not supported on /v1/responses by kvgate; use /v1/chat/completions with "
                           "'tools' through a gateway in front of a server that parses tool calls (e.g. vLLM).", "tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        # With no tools there is nothing to require or name.
+        raise bad_request(f"Invalid value for 'tool_choice': {json.dumps(choice)[:60]}. Without 'tools' (which kvgate "
+                          "does not take here) only 'auto' and 'none' are allowed.", "tool_choice")
+    _typed(body, "parallel_tool_calls", bool, "a boolean")
     if body.get("top_logprobs") or "message.output_text.logprobs" in _list(body, "include"):
         raise bad_request("Logprobs are not supported on /v1/responses by kvgate; use /v1/chat/completions with "
                           "'logprobs'.", "top_logprobs" if body.get("top_logprobs") else "include")
@@ -118,10 +132,29 @@ def chat_request(body: dict) -> tuple[dict, ResponsesCall]:
         chat["response_format"] = fmt
     if body.get("stream"):
         chat["stream_options"] = {"include_usage": True}  # the completed event carries usage
+    effort = _reasoning_effort(body.get("reasoning"))
+    if effort is not None:
+        chat["reasoning_effort"] = effort  # chat's name for it, which vLLM's reasoning models read
     call.ignored = {name for name in body.keys() - _READ}
-    if body.get("reasoning"):
-        call.ignored.add("reasoning")  # no reasoning model behind the bundled engine
     return chat, call
+
+
+def _typed(body: dict, name: str, kind: type, expected: str) -> Any:
+    value = body.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise bad_request(_type_msg(name, expected, value), name)
+    return value
+
+
+def _reasoning_effort(reasoning: Any) -> str | None:
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise bad_request(_type_msg("reasoning", "an object", reasoning), "reasoning")
+    effort = reasoning.get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request(_type_msg("reasoning.effort", "a string", effort), "reasoning.effort")
+    return effort
 
 
 def _list(body: dict, name: str) -> list:
@@ -142,7 +175,13 @@ def _echo(body: dict) -> dict:
         if len(metadata) > _MAX_METADATA_KEYS:
             raise bad_request(f"Invalid 'metadata': too many properties. Expected an object with at most "
                               f"{_MAX_METADATA_KEYS} properties, but got {len(metadata)} instead.", "metadata")
-    text = body.get("text")
+        # OpenAI's bounds: metadata is for labels, not payloads.
+        for key, value in metadata.items():
+            if len(key) > _MAX_METADATA_KEY or len(value) > _MAX_METADATA_VALUE:
+                raise bad_request(f"Invalid 'metadata': keys may be at most {_MAX_METADATA_KEY} characters and values "
+                                  f"at most {_MAX_METADATA_VALUE}.", f"metadata.{key[:_MAX_METADATA_KEY]}")
+    reasoning = body.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
     return {
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
@@ -150,17 +189,31 @@ def _echo(body: dict) -> dict:
         "metadata": metadata or {},
         "parallel_tool_calls": _given(body, "parallel_tool_calls", True),
         "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None},
+        "prompt_cache_key": body.get("prompt_cache_key"),
+        "reasoning": {"effort": effort, "summary": None},
+        "safety_identifier": body.get("safety_identifier"),
         "service_tier": "default",
         "store": False,
         "temperature": _given(body, "temperature", 1.0),
-        "text": text if isinstance(text, dict) and "format" in text else {"format": {"type": "text"}},
+        "text": _text_config(body.get("text")),
         "tool_choice": _given(body, "tool_choice", "auto"),
         "tools": [],
+        "top_logprobs": 0,
         "top_p": _given(body, "top_p", 1.0),
         "truncation": "disabled",
         "user": body.get("user"),
     }
+
+
+def _text_config(text: Any) -> dict:
+    """The text settings as the response states them: the format (text by default), and a verbosity if given."""
+    stated = {"format": {"type": "text"}}
+    if isinstance(text, dict):
+        if isinstance(text.get("format"), dict):
+            stated["format"] = text["format"]
+        if text.get("verbosity") is not None:
+            stated["verbosity"] = text["verbosity"]
+    return stated
 
 
 def _given(body: dict, name: str, default: Any) -> Any:
@@ -219,7 +272,12 @@ def _part(part: Any, where: str, role: str) -> dict:
         if url is None:
             raise bad_request(f"'{where}': kvgate has no Files API; give the image as 'image_url' (an http(s) URL or a "
                               "base64 data URL).", f"{where}.image_url")
-        return {"type": "image_url", "image_url": {"url": url}}
+        if not isinstance(url, str):
+            raise bad_request(_type_msg(f"{where}.image_url", "a string", url), f"{where}.image_url")
+        image = {"url": url}
+        if part.get("detail") is not None:
+            image["detail"] = part["detail"]  # what an external server reads; the bundled model has no images
+        return {"type": "image_url", "image_url": image}
     raise bad_request(f"Invalid value for '{where}.type': {json.dumps(kind)[:60]}. Supported values are: 'input_text', "
                       "'output_text' and 'input_image'.", f"{where}.type")
 
@@ -237,6 +295,11 @@ def _format(text: Any) -> dict | None:
         raise bad_request(_type_msg("text.format", "an object", fmt), "text.format")
     if fmt.get("type") != "json_schema":
         return fmt  # text and json_object read alike; anything else is refused by chat's check
+    for key, kind, expected in (("name", str, "a string"), ("schema", dict, "an object")):
+        if fmt.get(key) is None:
+            raise bad_request(f"Missing required parameter: 'text.format.{key}'.", f"text.format.{key}")
+        if not isinstance(fmt[key], kind):
+            raise bad_request(_type_msg(f"text.format.{key}", expected, fmt[key]), f"text.format.{key}")
     schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
     return {"type": "json_schema", "json_schema": schema}
 
@@ -252,7 +315,8 @@ def response_usage(chat_usage: dict | None) -> dict:
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached},
+        # kvgate caches prefixes by itself; nothing is written on request (OpenAI's cache writes).
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
@@ -280,7 +344,7 @@ class ResponseShaper:
             "background": False,
             "completed_at": completed_at,
             "error": error,
-            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "incomplete_details": {"reason": _INCOMPLETE[finish]} if finish in _INCOMPLETE else None,
             "model": self.model,
             "output": output,
             **self.call.echo,
@@ -344,8 +408,12 @@ class ResponseShaper:
         return self._event("response.failed", {"response": self.response("failed", output, error=error)})
 
 
+# Finish reasons that leave a response incomplete, as incomplete_details names them.
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
 def _status(finish: str | None) -> str:
-    return "incomplete" if finish == "length" else "completed"
+    return "incomplete" if finish in _INCOMPLETE else "completed"
 
 
 def _text_part(text: str) -> dict:

@@ -2608,7 +2608,7 @@ async def test_a_response_reaches_an_external_server_as_the_chat_request_it_asks
     as max_tokens, text.format as response_format), its answer and usage come
     back as a response, and a failure after the first token ends the stream with
     response.failed holding the text so far."""
-    seen, state = [], {"fail": False}
+    seen, state = [], {"fail": False, "finish": "stop"}
 
     async def answer(request):
         seen.append(await request.json())
@@ -2616,7 +2616,7 @@ async def test_a_response_reaches_an_external_server_as_the_chat_request_it_asks
         if state["fail"]:
             error = {"error": {"message": "EngineCore died", "type": "InternalServerError", "code": 500}}
             return web.Response(body=_sse(first, error) + b"data: [DONE]\n\n", content_type="text/event-stream")
-        last = {"choices": [{"index": 0, "delta": {"content": "ne"}, "finish_reason": "stop"}]}
+        last = {"choices": [{"index": 0, "delta": {"content": "ne"}, "finish_reason": state["finish"]}]}
         usage = {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14,
                                           "prompt_tokens_details": {"cached_tokens": 8}}}
         return web.Response(body=_sse(first, last, usage) + b"data: [DONE]\n\n", content_type="text/event-stream")
@@ -2625,8 +2625,10 @@ async def test_a_response_reaches_an_external_server_as_the_chat_request_it_asks
     async with _gateway_over_pair(tiny_model_dir, answer, answer, ("a", "b"), router) as (gateway, _, client, _):
         fmt = {"type": "json_schema", "name": "colour", "schema": {"type": "object"}, "strict": True}
         resp = await client.responses.create(model=MODEL, instructions="Be brief.", input="Name a colour.",
-                                             max_output_tokens=20, temperature=0.5, text={"format": fmt})
+                                             max_output_tokens=20, temperature=0.5, text={"format": fmt},
+                                             reasoning={"effort": "low"})
         assert resp.status == "completed" and resp.output_text == "Fine" and resp.text.format.type == "json_schema"
+        assert resp.reasoning.effort == "low"
         assert (resp.usage.input_tokens, resp.usage.input_tokens_details.cached_tokens, resp.usage.output_tokens) == (
             12, 8, 2)
         sent = seen[-1]
@@ -2635,11 +2637,22 @@ async def test_a_response_reaches_an_external_server_as_the_chat_request_it_asks
         assert (sent["max_tokens"], sent["temperature"], sent["stream"]) == (20, 0.5, True)
         assert sent["response_format"] == {"type": "json_schema", "json_schema": {
             "name": "colour", "schema": {"type": "object"}, "strict": True}}
-        assert sent.keys().isdisjoint({"input", "instructions", "text", "max_output_tokens"})
+        assert sent["reasoning_effort"] == "low"  # chat's name, which vLLM's reasoning models read
+        assert sent.keys().isdisjoint({"input", "instructions", "text", "max_output_tokens", "reasoning"})
+        image = {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "low"}
+        await client.responses.create(model=MODEL, input=[{"role": "user", "content": [image]}])
+        assert seen[-1]["messages"][0]["content"] == [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "detail": "low"}}]
 
         async with client.responses.stream(model=MODEL, input="Name a colour.") as stream:
             final = await stream.get_final_response()
         assert final.status == "completed" and final.output_text == "Fine"
+
+        state["finish"] = "content_filter"  # the server withheld the rest: incomplete, and why
+        filtered = await client.responses.create(model=MODEL, input="Name a colour.")
+        assert filtered.status == "incomplete" and filtered.incomplete_details.reason == "content_filter"
+        events = [e async for e in await client.responses.create(model=MODEL, input="Name a colour.", stream=True)]
+        assert events[-1].type == "response.incomplete" and events[-1].response.incomplete_details.reason == "content_filter"
 
         state["fail"] = True
         events = [e async for e in await client.responses.create(model=MODEL, input="Name a colour.", stream=True)]

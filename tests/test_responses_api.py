@@ -11,6 +11,9 @@ import openai
 import pytest
 import pytest_asyncio
 
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
 from gateway.app import create_app
 from tests.gateway_helpers import serving
 from tests.test_gateway_engine import _config
@@ -18,6 +21,7 @@ from tests.test_gateway_engine import _config
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODEL = "tiny"
+EVENT = TypeAdapter(ResponseStreamEvent)
 INSTRUCTIONS = "Answer in one word."
 HISTORY = [
     {"role": "user", "content": "Name a colour."},
@@ -67,6 +71,7 @@ async def test_a_response_is_the_chat_answer_to_the_same_conversation(gw):
     assert resp.instructions == INSTRUCTIONS and resp.max_output_tokens == 6 and resp.temperature == 0
     assert resp.metadata == {"team": "search"} and resp.to_dict()["store"] is False
     assert resp.error is None and resp.completed_at >= resp.created_at
+    Response.model_validate(resp.to_dict())  # every field the SDK's type requires, of its type
 
 
 async def test_a_streamed_response_sends_openais_events_in_order(gw):
@@ -76,6 +81,8 @@ async def test_a_streamed_response_sends_openais_events_in_order(gw):
     events = [e async for e in await client.responses.create(
         model=MODEL, instructions=INSTRUCTIONS, input=HISTORY, max_output_tokens=8, temperature=0, stream=True)]
     kinds = [e.type for e in events]
+    for event in events:
+        EVENT.validate_python(event.to_dict())
     ending = "response.completed" if whole.status == "completed" else "response.incomplete"
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
@@ -124,6 +131,21 @@ async def test_a_streamed_response_sends_openais_events_in_order(gw):
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}},
      "text.format", "text.format 'json_schema' is not supported by the kvgate engine"),
     ({"input": "hi", "metadata": {"k": 1}}, "metadata", "expected an object of strings"),
+    ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata.k", "values at most 512"),
+    ({"input": "hi", "tools": "x"}, "tools", "expected an array"),
+    ({"input": "hi", "background": "no"}, "background", "expected a boolean"),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice", "only 'auto' and 'none' are allowed"),
+    ({"input": "hi", "tool_choice": 123}, "tool_choice", "only 'auto' and 'none' are allowed"),
+    ({"input": "hi", "parallel_tool_calls": "x"}, "parallel_tool_calls", "expected a boolean"),
+    ({"input": "hi", "reasoning": {"effort": 3}}, "reasoning.effort", "expected a string"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": 5}]}]},
+     "input[0].content[0].image_url", "expected a string"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name",
+     "Missing required parameter: 'text.format.name'"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": "s"}}}, "text.format.schema",
+     "expected an object"),
+    ({"instructions": "x", "input": [{"role": "user", "content": "a"}] * 2000}, "input",
+     "Too many input items: 2000. This server allows at most 1023 with instructions"),
 ])
 async def test_requests_a_stateless_engine_cannot_honour_are_refused_by_name(gw, body, param, words):
     _, server, _ = gw
@@ -145,6 +167,9 @@ async def test_a_refusal_reaches_the_sdk_and_the_request_id_names_the_response(g
     with pytest.raises(openai.NotFoundError) as info:
         await client.responses.retrieve("resp_trace-42")
     assert "kvgate stores no responses" in info.value.message
+    with pytest.raises(openai.NotFoundError) as info:  # another endpoint, not a response's id
+        await client.responses.input_tokens.count(model=MODEL, input="hi")
+    assert "Unknown request URL" in info.value.message
     async with aiohttp.ClientSession() as session:
         async with session.get(server.url + "/metrics") as resp:
             metrics = await resp.text()
