@@ -517,7 +517,7 @@ class Gateway:
                 body, call = chat_request(body)
                 parsed = parse_request(CHAT, body, self.limits, engine_mode=self.engine_mode)
                 parsed.responses, parsed.id = call, new_id("resp_")
-                parsed.ignored = (parsed.ignored or set()) | call.ignored or None
+                parsed.ignored = call.ignored_as_sent(parsed.ignored)
             else:
                 parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
             given_id = request.headers.get("X-Request-Id")

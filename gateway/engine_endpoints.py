@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -34,6 +35,8 @@ class EngineEndpoints:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway  # its only replica is the in-process engine
         self._streams: set[asyncio.Queue] = set()
+        # Names this process to its gateways: a restarted engine is a new one (RemoteReplica._fetch_info).
+        self.instance = secrets.token_hex(8)
 
     async def stats(self, request: web.Request) -> web.Response:
         """AsyncEngine.stats(), polled by gateways for their /metrics and /stats."""
@@ -65,6 +68,7 @@ class EngineEndpoints:
                 "block_size": replica.info.block_size,
                 "hash_salt": salt.decode() if isinstance(salt, bytes) else salt,
                 "max_model_len": gw.max_model_len,
+                "instance": self.instance,
             }
         )
 

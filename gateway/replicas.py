@@ -367,6 +367,7 @@ class RemoteReplica(Replica):
         # for read_timeout_s while nothing else came either is a hung replica's.
         self._last_output = time.monotonic()
         self._open_until = 0.0
+        self._instance: str | None = None  # a `kvgate engine`'s process, as /kvgate/info names it
         self._trip_reason = ""
         self._following = False
         self._live: dict[aiohttp.ClientResponse, float] = {}  # -> when it last had output (0: none yet)
@@ -449,6 +450,13 @@ class RemoteReplica(Replica):
         ) as resp:
             resp.raise_for_status()
             data = await resp.json()
+        instance = data.get("instance")  # None from an engine before 0.2
+        if instance is not None and self._instance is not None and instance != self._instance:
+            # Another process than the one whose failures opened the breaker (a restart,
+            # an upgrade): nothing it did is held against it.  The same process, a
+            # flapping one, still sits out breaker_reset_s.
+            self._open_until = 0.0
+        self._instance = instance
         self._learn(ReplicaInfo(data["model"], int(data["block_size"]), data["hash_salt"], int(data["max_model_len"])))
 
     def _learn(self, info: ReplicaInfo) -> None:

@@ -41,6 +41,8 @@ _STATEFUL = {
     "prompt": "kvgate stores no prompt templates: send the instructions and input themselves.",
 }
 _ROLES = ("user", "assistant", "system", "developer")
+# The translated request's fields that the client sent under another name.
+_SENT_AS = {"reasoning_effort": "reasoning"}
 _MAX_METADATA_KEYS = 16
 _MAX_METADATA_KEY = 64
 _MAX_METADATA_VALUE = 512
@@ -57,6 +59,12 @@ class ResponsesCall:
     offset: int = 0
     input_is_text: bool = False
     ignored: set = field(default_factory=set)
+
+    def ignored_as_sent(self, chat_ignored: set | None) -> set | None:
+        """The fields nothing reads, under the names the client sent: the chat
+        request's (a field of its own translation among them) and this API's."""
+        names = {_SENT_AS.get(name, name) for name in chat_ignored or ()} | self.ignored
+        return names or None
 
     def rename(self, exc: ApiError) -> ApiError:
         """An error from the chat parsing, in this API's field names."""

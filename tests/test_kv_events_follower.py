@@ -45,6 +45,7 @@ class ScriptedEngine:
         self.hung = False  # its streams send nothing at all, not even the snapshot
         self.opened = 0
         self.server = None
+        self.instance = "first"  # /kvgate/info's name for the engine process
 
     async def start(self) -> str:
         app = web.Application()
@@ -55,7 +56,7 @@ class ScriptedEngine:
         return self.server.url
 
     async def _info(self, request):
-        return web.json_response(INFO)
+        return web.json_response({**INFO, "instance": self.instance})
 
     async def _health(self, request):
         if not self.up:
@@ -115,6 +116,30 @@ async def test_after_the_breaker_an_engine_rejoins_on_a_fresh_snapshot(scripted)
     engine.keys, engine.up = [777, 888], True
     await wait_for(lambda: replica.healthy, what="back in routing")
     assert sorted(replica.index.tiers) == [777, 888] and engine.opened == 2
+
+
+@pytest.mark.parametrize("restarted", [True, False])
+async def test_a_restarted_engine_rejoins_without_waiting_out_its_predecessors_breaker(scripted, restarted):
+    """Probes fail while an engine restarts (a rolling upgrade), which opens its
+    breaker.  The process that comes back, another instance by /kvgate/info,
+    rejoins on its first snapshot; the same process (one that flaps) still sits
+    out breaker_reset_s."""
+    engine, follow = scripted
+    engine.keys = [111]
+    replica = await follow(health_interval_s=0.1, breaker_failures=2, breaker_reset_s=60)
+    await wait_for(lambda: replica.healthy, what="in routing")
+    engine.up = False
+    await wait_for(lambda: not replica.healthy, what="breaker open")
+    assert replica.breaker_open
+    engine.keys, engine.up = [222], True
+    if restarted:
+        engine.instance = "second"
+        await wait_for(lambda: replica.healthy, what="back in routing")
+        assert sorted(replica.index.tiers) == [222] and not replica.breaker_open
+    else:
+        await wait_for(lambda: engine.opened == 2 and replica._following, what="resynced")
+        await asyncio.sleep(0.5)  # several good probes
+        assert not replica.healthy and replica.breaker_open
 
 
 async def test_a_silent_stream_is_given_up_and_resynced(scripted, monkeypatch):

@@ -6,6 +6,8 @@ instructions as its system message), shaped as OpenAI's Responses API shapes it.
 
 from __future__ import annotations
 
+import logging
+
 import aiohttp
 import openai
 import pytest
@@ -194,3 +196,14 @@ async def test_fields_sent_as_null_read_as_unset(gw):
     assert stated == {"instructions": None, "tool_choice": "auto", "parallel_tool_calls": True, "temperature": 1.0,
                       "top_p": 1.0, "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
                       "tools": [], "store": False}
+
+
+async def test_fields_the_engine_does_not_read_are_logged_as_the_client_sent_them(gw, caplog):
+    """reasoning goes to chat as reasoning_effort, which the kvgate engine does not
+    read: the log names what the client sent (and this API's own unread fields)."""
+    _, _, client = gw
+    with caplog.at_level(logging.WARNING, logger="gateway.app"):
+        await client.responses.create(model=MODEL, input="hi", max_output_tokens=1, reasoning={"effort": "low"},
+                                      extra_body={"temprature": 0.2})
+    logged = [r.getMessage() for r in caplog.records if "does not read" in r.getMessage()]
+    assert logged == ["requests carry fields the kvgate engine does not read, ignored: 'reasoning', 'temprature'"]
