@@ -135,34 +135,30 @@ def chat_request(body: dict) -> tuple[dict, ResponsesCall]:
         if type(max_output) is not int:
             raise bad_request(_type_msg("max_output_tokens", "an integer", max_output), "max_output_tokens")
         chat["max_tokens"] = max_output  # bounds checked as chat's, named as this API's
-    fmt = _format(body.get("text"))
+    fmt = _format(body)
     if fmt is not None:
         chat["response_format"] = fmt
     if body.get("stream"):
         chat["stream_options"] = {"include_usage": True}  # the completed event carries usage
-    effort = _reasoning_effort(body.get("reasoning"))
+    effort = _reasoning_effort(body)
     if effort is not None:
         chat["reasoning_effort"] = effort  # chat's name for it, which vLLM's reasoning models read
     call.ignored = {name for name in body.keys() - _READ}
     return chat, call
 
 
-def _typed(body: dict, name: str, kind: type, expected: str) -> Any:
-    value = body.get(name)
+def _typed(body: dict, key: str, kind: type, expected: str, where: str = "") -> Any:
+    """``body[key]`` if given (None if not), refused unless of ``kind``; ``where`` names its object."""
+    value = body.get(key)
     if value is not None and not isinstance(value, kind):
+        name = where + key
         raise bad_request(_type_msg(name, expected, value), name)
     return value
 
 
-def _reasoning_effort(reasoning: Any) -> str | None:
-    if reasoning is None:
-        return None
-    if not isinstance(reasoning, dict):
-        raise bad_request(_type_msg("reasoning", "an object", reasoning), "reasoning")
-    effort = reasoning.get("effort")
-    if effort is not None and not isinstance(effort, str):
-        raise bad_request(_type_msg("reasoning.effort", "a string", effort), "reasoning.effort")
-    return effort
+def _reasoning_effort(body: dict) -> str | None:
+    reasoning = _typed(body, "reasoning", dict, "an object")
+    return None if reasoning is None else _typed(reasoning, "effort", str, "a string", "reasoning.")
 
 
 def _list(body: dict, name: str) -> list:
@@ -290,24 +286,19 @@ def _part(part: Any, where: str, role: str) -> dict:
                       "'output_text' and 'input_image'.", f"{where}.type")
 
 
-def _format(text: Any) -> dict | None:
+def _format(body: dict) -> dict | None:
     """text.format as chat's response_format (json_schema's fields sit one level up here)."""
+    text = _typed(body, "text", dict, "an object")
     if text is None:
         return None
-    if not isinstance(text, dict):
-        raise bad_request(_type_msg("text", "an object", text), "text")
-    fmt = text.get("format")
+    fmt = _typed(text, "format", dict, "an object", "text.")
     if fmt is None:
         return None
-    if not isinstance(fmt, dict):
-        raise bad_request(_type_msg("text.format", "an object", fmt), "text.format")
     if fmt.get("type") != "json_schema":
         return fmt  # text and json_object read alike; anything else is refused by chat's check
     for key, kind, expected in (("name", str, "a string"), ("schema", dict, "an object")):
-        if fmt.get(key) is None:
+        if _typed(fmt, key, kind, expected, "text.format.") is None:
             raise bad_request(f"Missing required parameter: 'text.format.{key}'.", f"text.format.{key}")
-        if not isinstance(fmt[key], kind):
-            raise bad_request(_type_msg(f"text.format.{key}", expected, fmt[key]), f"text.format.{key}")
     schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
     return {"type": "json_schema", "json_schema": schema}
 
