@@ -367,7 +367,7 @@ class RemoteReplica(Replica):
         # for read_timeout_s while nothing else came either is a hung replica's.
         self._last_output = time.monotonic()
         self._open_until = 0.0
-        self._instance: str | None = None  # a `kvgate engine`'s process, as /kvgate/info names it
+        self._instance: object = _UNSEEN  # a `kvgate engine`'s process, as /kvgate/info names it
         self._trip_reason = ""
         self._following = False
         self._live: dict[aiohttp.ClientResponse, float] = {}  # -> when it last had output (0: none yet)
@@ -444,20 +444,21 @@ class RemoteReplica(Replica):
         """The Authorization header the replica expects (its api_key, or api_key_env's value)."""
         return {"Authorization": f"Bearer {self._key}"} if self._key else {}
 
-    async def _fetch_info(self) -> None:
+    async def _fetch_info(self) -> bool:
+        """Learn the engine's block identity and limits; True when it is another
+        process than the one seen before."""
         async with self._session.get(
             self.base + "/kvgate/info", headers=self.auth_headers(), timeout=aiohttp.ClientTimeout(total=5)
         ) as resp:
             resp.raise_for_status()
             data = await resp.json()
         instance = data.get("instance")  # None from an engine before 0.2
-        if instance is not None and self._instance is not None and instance != self._instance:
-            # Another process than the one whose failures opened the breaker (a restart,
-            # an upgrade): nothing it did is held against it.  The same process, a
-            # flapping one, still sits out breaker_reset_s.
-            self._open_until = 0.0
+        # Another process than the one seen before (a restart, an upgrade from an engine
+        # that named none): the breaker's record is its predecessor's.
+        restarted = instance is not None and self._instance is not _UNSEEN and instance != self._instance
         self._instance = instance
         self._learn(ReplicaInfo(data["model"], int(data["block_size"]), data["hash_salt"], int(data["max_model_len"])))
+        return restarted
 
     def _learn(self, info: ReplicaInfo) -> None:
         changed = info != self.info or not self.info_known
@@ -680,6 +681,7 @@ class RemoteReplica(Replica):
                             self.healthy = False
                             continue
                         if event == "snapshot":
+                            trips = self.trips
                             await self.index.rebuild(held_from_snapshot(data))
                             last = data["seq"]
                             if data.get("draining"):
@@ -692,9 +694,18 @@ class RemoteReplica(Replica):
                             # gateway says so if its hashes can no longer match).  Until
                             # they are known it stays out of routing.
                             try:
-                                await self._fetch_info()
+                                restarted = await self._fetch_info()
                             except Exception as exc:  # noqa: BLE001
                                 raise ReplicaUnavailable(f"/kvgate/info failed: {_plain_reason(exc)}") from None
+                            if self.trips != trips:
+                                # Its breaker opened meanwhile, on this very process: this
+                                # stream is closed, and what opened the breaker stands.
+                                raise ReplicaUnavailable("its breaker opened while resyncing")
+                            if restarted:
+                                # Not the process whose failures opened the breaker: it is
+                                # judged afresh.  The same process, flapping, still sits out
+                                # breaker_reset_s.
+                                self._open_until = 0.0
                             self._following = True
                             self._stream_lost_said = False
                             self._forgive(probes=True, requests=True)  # a (re)started engine
@@ -1016,6 +1027,8 @@ def _plain_reason(exc: BaseException) -> str:
     return str(exc) or exc.__class__.__name__
 
 
+# RemoteReplica._instance before /kvgate/info first answered (None: an engine that names no process).
+_UNSEEN = object()
 # Longest wait before reopening /kv_events; also the wait while the engine drains.
 _KV_EVENTS_MAX_BACKOFF_S = 2.0
 # A `kvgate engine` sends an SSE comment down an idle /kv_events this often, so

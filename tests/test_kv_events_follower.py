@@ -56,6 +56,8 @@ class ScriptedEngine:
         return self.server.url
 
     async def _info(self, request):
+        if self.instance is None:  # an engine before 0.2
+            return web.json_response(INFO)
         return web.json_response({**INFO, "instance": self.instance})
 
     async def _health(self, request):
@@ -118,28 +120,52 @@ async def test_after_the_breaker_an_engine_rejoins_on_a_fresh_snapshot(scripted)
     assert sorted(replica.index.tiers) == [777, 888] and engine.opened == 2
 
 
-@pytest.mark.parametrize("restarted", [True, False])
-async def test_a_restarted_engine_rejoins_without_waiting_out_its_predecessors_breaker(scripted, restarted):
+@pytest.mark.parametrize("before, after", [("first", "second"), (None, "second"), ("first", "first")])
+async def test_a_restarted_engine_rejoins_without_waiting_out_its_predecessors_breaker(scripted, before, after):
     """Probes fail while an engine restarts (a rolling upgrade), which opens its
-    breaker.  The process that comes back, another instance by /kvgate/info,
-    rejoins on its first snapshot; the same process (one that flaps) still sits
-    out breaker_reset_s."""
+    breaker.  The process that comes back, another instance by /kvgate/info (or
+    the first to name one: an engine upgraded from 0.1), rejoins on its first
+    snapshot; the same process (one that flaps) still sits out breaker_reset_s."""
     engine, follow = scripted
-    engine.keys = [111]
+    engine.keys, engine.instance = [111], before
     replica = await follow(health_interval_s=0.1, breaker_failures=2, breaker_reset_s=60)
     await wait_for(lambda: replica.healthy, what="in routing")
     engine.up = False
     await wait_for(lambda: not replica.healthy, what="breaker open")
     assert replica.breaker_open
-    engine.keys, engine.up = [222], True
-    if restarted:
-        engine.instance = "second"
+    engine.keys, engine.up, engine.instance = [222], True, after
+    if before != after:
         await wait_for(lambda: replica.healthy, what="back in routing")
         assert sorted(replica.index.tiers) == [222] and not replica.breaker_open
     else:
         await wait_for(lambda: engine.opened == 2 and replica._following, what="resynced")
         await asyncio.sleep(0.5)  # several good probes
         assert not replica.healthy and replica.breaker_open
+
+
+async def test_a_breaker_that_opens_while_a_restarted_engine_resyncs_stands(scripted, monkeypatch):
+    """The breaker opens on the new process itself while its snapshot is being
+    indexed: that stream is closed, and the replica stays out (it was let back
+    in on a closed stream, its breaker cleared)."""
+    engine, follow = scripted
+    engine.keys = [111]
+    replica = await follow(health_interval_s=30, breaker_failures=2, breaker_reset_s=60)
+    await wait_for(lambda: replica.healthy, what="in routing")
+    rebuild = ExactIndex.rebuild
+    tripping = {"armed": True}
+
+    async def rebuild_while_tripped(index, held):
+        if tripping["armed"]:
+            tripping["armed"] = False
+            asyncio.get_running_loop().call_soon(replica._trip, "2 probes failed in a row")
+        await rebuild(index, held)
+
+    monkeypatch.setattr(ExactIndex, "rebuild", rebuild_while_tripped)
+    engine.instance, engine.keys = "second", list(range(100, 100_100))
+    replica._events_resp.close()  # the old process's stream ends
+    await wait_for(lambda: engine.opened >= 3, what="resynced after the trip")
+    await asyncio.sleep(0.3)
+    assert replica.trips == 1 and not replica.healthy and replica.breaker_open
 
 
 async def test_a_silent_stream_is_given_up_and_resynced(scripted, monkeypatch):
