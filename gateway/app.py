@@ -518,6 +518,8 @@ class Gateway:
                 parsed = parse_request(CHAT, body, self.limits, engine_mode=self.engine_mode)
                 parsed.responses, parsed.id = call, new_id("resp_")
                 parsed.ignored = call.ignored_as_sent(parsed.ignored)
+                if call.ignored and self.has_external:
+                    self.note_ignored(call.ignored)  # this API's own: no server gets them either
             else:
                 parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
             given_id = request.headers.get("X-Request-Id")

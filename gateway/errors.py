@@ -32,6 +32,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.retry_after = 1  # seconds, on a 429 or 503 (an upstream server's own, when relayed)
+        self.relayed = False  # an upstream server's error, in its own words
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -148,8 +149,10 @@ def relayed(status: int, body: dict, message: str, type: str, code: str | None =
     """An upstream server's OpenAI error body passed on; its own fields win
     over the defaults given here."""
     error = body.get("error") if isinstance(body.get("error"), dict) else {}
-    return ApiError(status, error.get("message") or message, error.get("type") or type, error.get("param"),
-                    error.get("code") or code)
+    exc = ApiError(status, error.get("message") or message, error.get("type") or type, error.get("param"),
+                   error.get("code") or code)
+    exc.relayed = True
+    return exc
 
 
 def upstream_error(message: str) -> ApiError:

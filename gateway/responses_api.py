@@ -41,6 +41,10 @@ _STATEFUL = {
     "prompt": "kvgate stores no prompt templates: send the instructions and input themselves.",
 }
 _ROLES = ("user", "assistant", "system", "developer")
+# A quoted span of an error message (a single quote inside a word, as in "model's", opens none).
+_QUOTED = re.compile(r"""((?<!\w)'[^']*'(?!\w)|"[^"]*"|`[^`]*`)""")
+# A quoted span that names a field of the chat request.
+_FIELD_PATH = re.compile(r"messages(?:\[\d+\].*)?|max_(?:completion_)?tokens|response_format.*")
 # The translated request's fields that the client sent under another name.
 _SENT_AS = {"reasoning_effort": "reasoning"}
 _MAX_METADATA_KEYS = 16
@@ -67,10 +71,16 @@ class ResponsesCall:
         return names or None
 
     def rename(self, exc: ApiError) -> ApiError:
-        """An error from the chat parsing, in this API's field names."""
-        exc.message = self._renamed(exc.message)
-        if exc.param is not None:
+        """An error about the chat request, in this API's field names: its param, and
+        the field names the gateway wrote in its message.  What is quoted there and
+        names no field (a client's model name or role) stays as written, and so does
+        a server's relayed message."""
+        if isinstance(exc.param, str):
             exc.param = self._renamed(exc.param)
+        if isinstance(exc.message, str) and not exc.relayed:
+            parts = _QUOTED.split(exc.message)  # odd indexes: the quoted spans
+            exc.message = "".join(part if i % 2 and not _FIELD_PATH.fullmatch(part[1:-1]) else self._renamed(part)
+                                  for i, part in enumerate(parts))
         return exc
 
     def _renamed(self, text: str) -> str:
@@ -240,8 +250,8 @@ def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
 def _message(item: Any, where: str) -> dict:
     if not isinstance(item, dict):
         raise bad_request(_type_msg(where, "an object", item), where)
-    kind = item.get("type", "message")
-    if kind != "message":
+    kind = item.get("type")
+    if kind not in (None, "message"):
         raise bad_request(f"Input items of type {json.dumps(kind)[:60]} are not supported by kvgate: it serves messages "
                           "only (no tool calls, reasoning or stored items).", f"{where}.type")
     role = item.get("role")
@@ -279,7 +289,7 @@ def _part(part: Any, where: str, role: str) -> dict:
         if not isinstance(url, str):
             raise bad_request(_type_msg(f"{where}.image_url", "a string", url), f"{where}.image_url")
         image = {"url": url}
-        if part.get("detail") is not None:
+        if _typed(part, "detail", str, "a string", f"{where}.") is not None:
             image["detail"] = part["detail"]  # what an external server reads; the bundled model has no images
         return {"type": "image_url", "image_url": image}
     raise bad_request(f"Invalid value for '{where}.type': {json.dumps(kind)[:60]}. Supported values are: 'input_text', "

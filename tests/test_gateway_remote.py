@@ -2608,10 +2608,14 @@ async def test_a_response_reaches_an_external_server_as_the_chat_request_it_asks
     as max_tokens, text.format as response_format), its answer and usage come
     back as a response, and a failure after the first token ends the stream with
     response.failed holding the text so far."""
-    seen, state = [], {"fail": False, "finish": "stop"}
+    seen, state = [], {"fail": False, "finish": "stop", "refuse": False}
 
     async def answer(request):
         seen.append(await request.json())
+        if state["refuse"]:  # a server's own error, in its own words and shape
+            return web.json_response({"error": {"message": "'max_tokens' or 'max_completion_tokens' is too large",
+                                                 "type": "BadRequestError", "param": ["messages", 0], "code": 400}},
+                                     status=400)
         first = {"choices": [{"index": 0, "delta": {"content": "Fi"}, "finish_reason": None}]}
         if state["fail"]:
             error = {"error": {"message": "EngineCore died", "type": "InternalServerError", "code": 500}}
@@ -2653,6 +2657,12 @@ async def test_a_response_reaches_an_external_server_as_the_chat_request_it_asks
         assert filtered.status == "incomplete" and filtered.incomplete_details.reason == "content_filter"
         events = [e async for e in await client.responses.create(model=MODEL, input="Name a colour.", stream=True)]
         assert events[-1].type == "response.incomplete" and events[-1].response.incomplete_details.reason == "content_filter"
+
+        state["refuse"] = True  # relayed as the server said it, whatever its param's shape
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.responses.create(model=MODEL, input="Name a colour.")
+        assert info.value.body["message"] == "'max_tokens' or 'max_completion_tokens' is too large"
+        state["refuse"] = False
 
         state["fail"] = True
         events = [e async for e in await client.responses.create(model=MODEL, input="Name a colour.", stream=True)]

@@ -148,6 +148,10 @@ async def test_a_streamed_response_sends_openais_events_in_order(gw):
      "expected an object"),
     ({"instructions": "x", "input": [{"role": "user", "content": "a"}] * 2000}, "input",
      "Too many input items: 2000. This server allows at most 1023 with instructions"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/a.png", "detail": 1}]}]},
+     "input[0].content[0].detail", "expected a string"),
+    # What the client wrote stays as written, field-like words and all.
+    ({"input": [{"role": "messages", "content": "x"}]}, "input[0].role", "'input[0].role': \"messages\""),
 ])
 async def test_requests_a_stateless_engine_cannot_honour_are_refused_by_name(gw, body, param, words):
     _, server, _ = gw
@@ -155,6 +159,17 @@ async def test_requests_a_stateless_engine_cannot_honour_are_refused_by_name(gw,
         async with session.post(server.url + "/v1/responses", json={"model": MODEL, **body}) as resp:
             error = (await resp.json())["error"]
     assert resp.status == 400 and error["param"] == param and words in error["message"], error
+
+
+async def test_an_input_item_typed_null_is_a_message_and_a_model_name_is_quoted_as_sent(gw):
+    _, server, client = gw
+    async with aiohttp.ClientSession() as session:
+        body = {"model": MODEL, "input": [{"type": None, "role": "user", "content": "hi"}], "max_output_tokens": 1}
+        async with session.post(server.url + "/v1/responses", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.responses.create(model="acme-messages-max_tokens", input="hi")
+    assert "`acme-messages-max_tokens`" in info.value.message
 
 
 async def test_a_refusal_reaches_the_sdk_and_the_request_id_names_the_response(gw):
