@@ -50,6 +50,9 @@ class _SseResponse(web.StreamResponse):
     # The status of the error event that ended the stream, if one did: the HTTP
     # status went out as 200, but the request failed, and the metrics say so.
     failed_status: int | None = None
+    # Set once its last frames and end are handed to write_eof: nothing may follow
+    # them, even if that last wait for the client is cut short.
+    ending = False
 
 
 class Responder:
@@ -183,6 +186,7 @@ class Responder:
             if resp is None:
                 resp = await self._open(request, rid)
             tail = fmt.usage(usage.as_dict(subs)) + DONE if parsed.include_usage else DONE
+            resp.ending = True
             await resp.write_eof(tail_frames + tail)  # one send for the last frames, the tail and the end
             return resp
         except BaseException as exc:
@@ -237,7 +241,9 @@ class Responder:
             if resp is None:
                 resp = await self._open(request, parsed.id)
                 tail_frames = shaper.opening()
-            await resp.write_eof(tail_frames + shaper.closing(finish, usage.as_dict(subs), now_s()))
+            closing = tail_frames + shaper.closing(finish, usage.as_dict(subs), now_s())
+            resp.ending = True
+            await resp.write_eof(closing)
             return resp
         except BaseException as exc:
             ended = await self._end_under_way(resp, exc, parsed.id, lambda e: tail_frames + shaper.failed(e))
@@ -280,6 +286,8 @@ class Responder:
         elif not isinstance(exc, ApiError):
             log.error("stream %s failed after its first byte", rid, exc_info=exc)
             exc = errors.internal_error()
+        if resp.ending:
+            return resp  # its end is already with the transport: an error after it would corrupt the stream
         resp.failed_status = exc.status
         try:
             with contextlib.suppress(ConnectionError):

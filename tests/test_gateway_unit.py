@@ -801,3 +801,55 @@ def test_the_access_line_says_a_failed_stream_its_id_and_its_time(caplog):
         line.log(make_mocked_request("GET", "/v1/models", headers={"User-Agent": GATEWAY_USER_AGENT}), Answer(200),
                  0.001)
     assert [r.getMessage().split('"')[1] for r in caplog.records] == ["GET /health HTTP/1.1", "GET /v1/models HTTP/1.1"]
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_a_stream_cut_in_its_last_send_gets_nothing_after_its_end(monkeypatch, api):
+    """The server stopping cancels a stream while its last frames and end (handed
+    to write_eof together) wait for a slow reader: nothing may be written after
+    them (an error event after the chunked body's end corrupts the connection)."""
+    import asyncio
+    import types
+
+    from aiohttp import web
+
+    from engine.request import GenerationOutput
+    from gateway import respond
+    from gateway.responses_api import chat_request
+
+    sent = []
+
+    async def prepare(self, request):
+        sent.append("headers")
+
+    async def write(self, data):
+        sent.append(bytes(data))
+
+    async def write_eof_cut(self, data=b""):
+        sent.append(bytes(data))
+        raise asyncio.CancelledError()  # the drain of the last send, cut by cut_live()
+
+    monkeypatch.setattr(web.StreamResponse, "prepare", prepare)
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof_cut)
+
+    async def outputs():
+        yield [GenerationOutput("x", 0, [5], "Hel")]
+        yield [GenerationOutput("x", 0, [6], "lo", finish_reason="stop")]
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    call = None
+    if api == "responses":
+        body, call = chat_request({"model": "m", "input": "hi", "stream": True})
+    parsed = parse_request(CHAT, body, LIMITS)
+    parsed.responses = call
+    observer = types.SimpleNamespace(first_token=lambda *a: None)
+    sub = types.SimpleNamespace(context=types.SimpleNamespace(workload="to-c"), replica="r",
+                                prompt=types.SimpleNamespace(token_ids=[1, 2]))
+    responder = respond.Responder("m", observer)
+    responder.cutting = True
+    stream = responder.stream if call is None else responder.stream_events
+    resp = await stream(None, outputs(), True, parsed, [sub], 0.0)
+    last = b"data: [DONE]" if call is None else b"event: response.completed"
+    assert last in sent[-1]  # the end was the last thing handed over
+    assert resp.failed_status is None  # what was cut was the wait for the client to read it
