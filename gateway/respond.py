@@ -137,17 +137,12 @@ class Responder:
         tail_frames = b""
         try:
             async for group in gen:
-                if single:
-                    group = ((0, group),)
                 # Everything that arrived together leaves in one send; the outputs
                 # that finish the last choice wait for the stream's tail and end
                 # (usage, [DONE]) and leave with them.
                 frames = []
                 try:
-                    for sub, shift, out in _each_output(group, n):
-                        usage.add(sub, out)
-                        if out.index == USAGE_ALL:
-                            continue
+                    for sub, shift, out in _each_output(group, single, n, usage):
                         if resp is None:
                             resp = await self._open(request, rid, out)
                             self.observer.first_token(workload, subs[sub].replica, time.perf_counter() - start)
@@ -211,14 +206,9 @@ class Responder:
         tail_frames = b""
         try:
             async for group in gen:
-                if single:
-                    group = ((0, group),)
                 frames = []
                 try:
-                    for sub, _, out in _each_output(group, 1):
-                        usage.add(sub, out)
-                        if out.index == USAGE_ALL:
-                            continue
+                    for sub, _, out in _each_output(group, single, 1, usage):
                         if resp is None:
                             resp = await self._open(request, parsed.id, out)
                             self.observer.first_token(subs[0].context.workload, subs[sub].replica,
@@ -328,13 +318,19 @@ def _collect(choices: list[ChoiceState], usage: UsageSum, sub: int, shift: int, 
         choice.stop_reason = out.stop_reason
 
 
-def _each_output(group, n: int):
-    """(sub-request, choice shift, output) of each output in a group of
-    (choice shift, batch) pairs; ``n`` choices per sub-request."""
+def _each_output(group, single: bool, n: int, usage: UsageSum):
+    """(sub-request, choice shift, output) of each output a stream shows in a
+    group: a batch of the one sub-request when ``single``, else (choice shift,
+    batch) pairs, ``n`` choices per sub-request.  Every output's usage is counted;
+    usage-only outputs are not shown."""
+    if single:
+        group = ((0, group),)
     for shift, batch in group:
         sub = shift // n
         for out in batch:
-            yield sub, shift, out
+            usage.add(sub, out)
+            if out.index != USAGE_ALL:
+                yield sub, shift, out
 
 
 def _check_finish(reason: str) -> None:
