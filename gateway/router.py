@@ -112,12 +112,12 @@ class ExactIndex:
         at a time, other tasks running between slices, and replaces the old one
         (still routed on meanwhile) at the end."""
         tiers: dict[int, int] = {}
-        for tier, keys in held.items():
+        for n, (tier, keys) in enumerate(held.items()):
             bit = _TIER_BITS.get(tier, DEVICE_BIT)
             for start in range(0, len(keys), _REBUILD_SLICE):
                 part = keys[start:start + _REBUILD_SLICE]
                 # A key on two tiers at once (between a demotion's two events) keeps both bits.
-                both = {key: tiers[key] | bit for key in tiers.keys() & part} if tiers else None
+                both = {key: tiers[key] | bit for key in tiers.keys() & part} if n else None
                 tiers.update(dict.fromkeys(part, bit))
                 if both:
                     tiers.update(both)
