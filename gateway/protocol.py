@@ -440,10 +440,7 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
         )
     out = []
     lengths = []
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise bad_request(_type_msg(where, "an object", msg), where)
+    for where, msg in each_object(messages, "messages"):
         role = msg.get("role")
         if role is None:
             raise bad_request(f"Missing required parameter: '{where}.role'.", f"{where}.role")
@@ -484,10 +481,7 @@ def _content_text(req: ParsedRequest, content: Any, where: str, role: str) -> st
     if not isinstance(content, list):
         raise bad_request(_type_msg(f"{where}.content", "a string or an array of content parts", content), f"{where}.content")
     pieces = []
-    for j, part in enumerate(content):
-        pwhere = f"{where}.content[{j}]"
-        if not isinstance(part, dict):
-            raise bad_request(_type_msg(pwhere, "an object", part), pwhere)
+    for pwhere, part in each_object(content, f"{where}.content"):
         kind = part.get("type")
         if kind == "text":
             text = part.get("text")
@@ -575,6 +569,15 @@ def _parse_prompt(req: ParsedRequest, body: dict, limits: LimitsConfig) -> None:
 
 def _is_token_list(x: list) -> bool:
     return all(type(t) is int and t >= 0 for t in x)
+
+
+def each_object(items: list, where: str):
+    """(``where[i]``, item) for each item of a request's array, refused unless an object."""
+    for i, item in enumerate(items):
+        name = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(_type_msg(name, "an object", item), name)
+        yield name, item
 
 
 def _type_msg(name: str, expected: str, value: Any) -> str:

@@ -24,7 +24,7 @@ from gateway.errors import ApiError
 from gateway.observe import Observer
 from gateway.protocol import CHAT, ParsedRequest
 from gateway.replicas import CACHED_TOKENS_HEADER, QUEUE_TIME_HEADER
-from gateway.responses_api import ResponseShaper
+from gateway.responses_shape import ResponseShaper
 from gateway.shapes import (
     DONE,
     ChoiceState,
@@ -108,7 +108,8 @@ class Responder:
                 choice.text.insert(0, parsed.echo_texts[i // n])
         if parsed.responses is not None:
             shaper = ResponseShaper(parsed.id, created, self.model_name, parsed.responses)
-            obj = shaper.whole("".join(choices[0].text), choices[0].finish_reason, usage.as_dict(subs), now_s())
+            obj = shaper.whole("".join(choices[0].text), choices[0].extra, choices[0].finish_reason, usage.as_dict(subs),
+                               now_s())
         elif parsed.endpoint == CHAT:
             obj = chat_completion(parsed.id, created, self.model_name, choices, usage.as_dict(subs))
         else:
@@ -216,6 +217,8 @@ class Responder:
                             frames.append(shaper.opening())
                         if out.text:
                             frames.append(shaper.delta(out.text))
+                        if out.extra and out.extra.get("tool_calls"):
+                            frames.append(shaper.tool_calls(out.extra["tool_calls"]))
                         if out.finish_reason is not None:
                             _check_finish(out.finish_reason)
                             finish = out.finish_reason

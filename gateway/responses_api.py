@@ -1,18 +1,16 @@
-"""OpenAI's Responses API (``POST /v1/responses``) over the chat pipeline.
+"""OpenAI's Responses API (``POST /v1/responses``): its request read as the chat request it asks for.
 
-A Responses request is read into the chat request it asks for (instructions
-as the system message, input items as messages, max_output_tokens as
-max_tokens), so tokenising, classification, routing and external servers
-(sent that chat request) are the chat endpoint's own.  What differs is the
-answer: a ``response`` object, or a stream of typed events (created,
-in_progress, output item and content part added, text deltas, then the
-done events and completed or incomplete).
+Instructions become the system message, input items the messages (function
+calls and their outputs an assistant's tool calls and tool messages),
+function tools chat's tools, max_output_tokens max_tokens; so tokenising,
+classification, routing and external servers (sent that chat request) are the
+chat endpoint's own.  The answer is shaped by gateway/responses_shape.py.
 
 kvgate keeps no state between requests: no stored responses, so
 ``previous_response_id`` and ``conversation`` are refused with a message that
 says to send the whole conversation, and every response says ``store: false``.
-Tool calls, logprobs and truncation "auto" are refused rather than answered as
-if honoured.
+Built-in tools, logprobs and truncation "auto" are refused rather than
+answered as if honoured.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import ApiError, bad_request
-from gateway.protocol import _type_msg, new_id
+from gateway.protocol import _type_msg, each_object
 
 RESPONSES = "responses"
 
@@ -54,14 +52,16 @@ _MAX_METADATA_VALUE = 512
 
 @dataclass(slots=True)
 class ResponsesCall:
-    """What a response echoes of its request, and the id of its one output message."""
+    """What a response echoes of its request, and how its errors name the chat request's fields."""
 
     echo: dict
-    message_id: str = field(default_factory=lambda: new_id("msg_"))
     # How many system messages precede the input's (instructions): errors about
     # messages[k] name input[k - offset].
     offset: int = 0
     input_is_text: bool = False
+    # Chat message k (after the instructions) -> its input index, where function
+    # calls were folded into the assistant message before them; None: the same.
+    index_map: list[int] | None = None
     ignored: set = field(default_factory=set)
 
     def ignored_as_sent(self, chat_ignored: set | None) -> set | None:
@@ -88,7 +88,10 @@ class ResponsesCall:
             k = int(match.group(1))
             if k < self.offset:
                 return "instructions"
-            return "input" if self.input_is_text else f"input[{k - self.offset}]"
+            if self.input_is_text:
+                return "input"
+            k -= self.offset
+            return f"input[{self.index_map[k] if self.index_map is not None and k < len(self.index_map) else k}]"
 
         def too_many(match: re.Match) -> str:
             given, allowed = int(match.group(1)) - self.offset, int(match.group(2)) - self.offset
@@ -110,15 +113,9 @@ def chat_request(body: dict) -> tuple[dict, ResponsesCall]:
     if _typed(body, "background", bool, "a boolean"):
         raise bad_request("'background' is not supported: kvgate answers while the client waits (or streams).",
                           "background")
-    if _list(body, "tools"):
-        raise bad_request("Tool calling is not supported on /v1/responses by kvgate; use /v1/chat/completions with "
-                          "'tools' through a gateway in front of a server that parses tool calls (e.g. vLLM).", "tools")
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        # With no tools there is nothing to require or name.
-        raise bad_request(f"Invalid value for 'tool_choice': {json.dumps(choice)[:60]}. Without 'tools' (which kvgate "
-                          "does not take here) only 'auto' and 'none' are allowed.", "tool_choice")
-    _typed(body, "parallel_tool_calls", bool, "a boolean")
+    tools = [_function_tool(tool, where) for where, tool in each_object(_list(body, "tools"), "tools")]
+    choice = _tool_choice(body.get("tool_choice"), tools)
+    parallel = _typed(body, "parallel_tool_calls", bool, "a boolean")
     if body.get("top_logprobs") or "message.output_text.logprobs" in _list(body, "include"):
         raise bad_request("Logprobs are not supported on /v1/responses by kvgate; use /v1/chat/completions with "
                           "'logprobs'.", "top_logprobs" if body.get("top_logprobs") else "include")
@@ -130,6 +127,12 @@ def chat_request(body: dict) -> tuple[dict, ResponsesCall]:
         raise bad_request("truncation 'auto' is not supported: kvgate refuses an input longer than the model's context "
                           "rather than dropping its oldest items (truncation 'disabled').", "truncation")
     chat = {name: body[name] for name in _SAME_NAME if name in body}
+    if tools:
+        chat["tools"] = tools
+    if choice is not None:
+        chat["tool_choice"] = choice
+    if parallel is not None:
+        chat["parallel_tool_calls"] = parallel
     call = ResponsesCall(echo=_echo(body))
     messages = []
     instructions = body.get("instructions")
@@ -211,7 +214,7 @@ def _echo(body: dict) -> dict:
         "temperature": _given(body, "temperature", 1.0),
         "text": _text_config(body.get("text")),
         "tool_choice": _given(body, "tool_choice", "auto"),
-        "tools": [],
+        "tools": body.get("tools") or [],
         "top_logprobs": 0,
         "top_p": _given(body, "top_p", 1.0),
         "truncation": "disabled",
@@ -244,16 +247,102 @@ def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
         return [{"role": "user", "content": given}]
     if not isinstance(given, list):
         raise bad_request(_type_msg("input", "a string or an array of input items", given), "input")
-    return [_message(item, f"input[{i}]") for i, item in enumerate(given)]
+    messages: list[dict] = []
+    for where, item in each_object(given, "input"):
+        kind = item.get("type")
+        if kind == "function_call":
+            tool_call = _function_call(item, where)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                # A turn's text and calls, or calls made together: one assistant message.
+                last.setdefault("tool_calls", []).append(tool_call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
+        elif kind == "function_call_output":
+            messages.append(_function_output(item, where))
+        elif kind in (None, "message"):
+            messages.append(_message(item, where))
+        else:
+            raise bad_request(f"Input items of type {json.dumps(kind)[:60]} are not supported by kvgate: it takes "
+                              "messages, function calls and their outputs (no reasoning, built-in tool or stored "
+                              "items).", f"{where}.type")
+    # Each message stands at its own index; a call folded into the message before it
+    # shifts the later ones, so errors about them name what chat parsing numbers.
+    call.index_map = _input_indexes(given)
+    return messages
 
 
-def _message(item: Any, where: str) -> dict:
-    if not isinstance(item, dict):
-        raise bad_request(_type_msg(where, "an object", item), where)
-    kind = item.get("type")
-    if kind not in (None, "message"):
-        raise bad_request(f"Input items of type {json.dumps(kind)[:60]} are not supported by kvgate: it serves messages "
-                          "only (no tool calls, reasoning or stored items).", f"{where}.type")
+def _input_indexes(given: list) -> list[int] | None:
+    """The input index of each chat message built from ``given``, when any differ from its own."""
+    indexes, previous_assistant = [], False
+    for i, item in enumerate(given):
+        if item.get("type") == "function_call" and previous_assistant:
+            continue
+        indexes.append(i)
+        previous_assistant = item.get("type") == "function_call" or item.get("role") == "assistant"
+    return indexes if len(indexes) != len(given) else None
+
+
+def _function_tool(tool: dict, where: str) -> dict:
+    """A Responses function tool as chat's (its fields one level down, under "function")."""
+    if tool.get("type") != "function":
+        raise bad_request(f"Tools of type {json.dumps(tool.get('type'))[:60]} are not supported by kvgate: it passes "
+                          "function tools to a server that parses tool calls (built-in tools are OpenAI's).",
+                          f"{where}.type")
+    if _typed(tool, "name", str, "a string", f"{where}.") is None:
+        raise bad_request(f"Missing required parameter: '{where}.name'.", f"{where}.name")
+    _typed(tool, "parameters", dict, "an object", f"{where}.")
+    _typed(tool, "description", str, "a string", f"{where}.")
+    _typed(tool, "strict", bool, "a boolean", f"{where}.")
+    return {"type": "function",
+            "function": {key: tool[key] for key in ("name", "description", "parameters", "strict")
+                         if tool.get(key) is not None}}
+
+
+def _tool_choice(choice: Any, tools: list[dict]) -> Any:
+    """tool_choice as chat's: a mode, or one function by name."""
+    if choice is None or choice in ("auto", "none"):
+        return choice
+    if not tools:
+        raise bad_request(f"Invalid value for 'tool_choice': {json.dumps(choice)[:60]}. Without 'tools' only 'auto' and "
+                          "'none' are allowed.", "tool_choice")
+    if choice == "required":
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = _typed(choice, "name", str, "a string", "tool_choice.")
+        if name not in {tool["function"]["name"] for tool in tools}:
+            raise bad_request(f"Invalid value for 'tool_choice.name': {json.dumps(name)[:60]} names none of 'tools'.",
+                              "tool_choice.name")
+        return {"type": "function", "function": {"name": name}}
+    raise bad_request(f"Invalid value for 'tool_choice': {json.dumps(choice)[:60]}. Supported values are: 'auto', "
+                      "'none', 'required' and {\"type\": \"function\", \"name\": ...}.", "tool_choice")
+
+
+def _function_call(item: dict, where: str) -> dict:
+    """An earlier turn's function call item as chat's tool call."""
+    for key in ("call_id", "name", "arguments"):
+        if _typed(item, key, str, "a string", f"{where}.") is None:
+            raise bad_request(f"Missing required parameter: '{where}.{key}'.", f"{where}.{key}")
+    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def _function_output(item: dict, where: str) -> dict:
+    """A function call's output item as chat's tool message (text parts joined)."""
+    if _typed(item, "call_id", str, "a string", f"{where}.") is None:
+        raise bad_request(f"Missing required parameter: '{where}.call_id'.", f"{where}.call_id")
+    output = item.get("output")
+    if isinstance(output, list):
+        texts = [part.get("text") for part in output if isinstance(part, dict) and part.get("type") == "input_text"]
+        if len(texts) != len(output) or not all(isinstance(text, str) for text in texts):
+            raise bad_request(f"Invalid '{where}.output': kvgate takes a string or input_text parts.", f"{where}.output")
+        output = "".join(texts)
+    elif not isinstance(output, str):
+        raise bad_request(_type_msg(f"{where}.output", "a string or an array of input_text parts", output),
+                          f"{where}.output")
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
+
+
+def _message(item: dict, where: str) -> dict:
     role = item.get("role")
     if role not in _ROLES:
         if role is None:
@@ -262,7 +351,7 @@ def _message(item: Any, where: str) -> dict:
                           "'assistant', 'system' and 'developer'.", f"{where}.role")
     content = item.get("content")
     if isinstance(content, list):
-        content = [_part(part, f"{where}.content[{j}]", role) for j, part in enumerate(content)]
+        content = [_part(part, pwhere, role) for pwhere, part in each_object(content, f"{where}.content")]
     elif not isinstance(content, str):
         if content is None:
             raise bad_request(f"Missing required parameter: '{where}.content'.", f"{where}.content")
@@ -271,10 +360,8 @@ def _message(item: Any, where: str) -> dict:
     return {"role": role, "content": content}
 
 
-def _part(part: Any, where: str, role: str) -> dict:
+def _part(part: dict, where: str, role: str) -> dict:
     """A Responses content part as chat's: text, or an image by URL."""
-    if not isinstance(part, dict):
-        raise bad_request(_type_msg(where, "an object", part), where)
     kind = part.get("type")
     # output_text and refusal are an earlier answer's, as the SDK hands the history back.
     if kind in ("input_text", "output_text"):
@@ -311,119 +398,3 @@ def _format(body: dict) -> dict | None:
             raise bad_request(f"Missing required parameter: 'text.format.{key}'.", f"text.format.{key}")
     schema = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
     return {"type": "json_schema", "json_schema": schema}
-
-
-# -- the answer
-
-
-def response_usage(chat_usage: dict | None) -> dict:
-    """Chat's usage in this API's names (cached tokens 0 where a replica did not say)."""
-    chat_usage = chat_usage or {}
-    prompt = chat_usage.get("prompt_tokens", 0)
-    completion = chat_usage.get("completion_tokens", 0)
-    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {
-        "input_tokens": prompt,
-        # kvgate caches prefixes by itself; nothing is written on request (OpenAI's cache writes).
-        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-        "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + completion,
-    }
-
-
-class ResponseShaper:
-    """One response's object and, streamed, its events (each with its sequence number)."""
-
-    def __init__(self, rid: str, created: int, model: str, call: ResponsesCall) -> None:
-        self.rid = rid
-        self.created = created
-        self.model = model
-        self.call = call
-        self.sequence = 0
-        self.text: list[str] = []
-
-    def response(self, status: str, output: list, usage: dict | None = None, finish: str | None = None,
-                 error: dict | None = None, completed_at: int | None = None) -> dict:
-        return {
-            "id": self.rid,
-            "object": "response",
-            "created_at": self.created,
-            "status": status,
-            "background": False,
-            "completed_at": completed_at,
-            "error": error,
-            "incomplete_details": {"reason": _INCOMPLETE[finish]} if finish in _INCOMPLETE else None,
-            "model": self.model,
-            "output": output,
-            **self.call.echo,
-            "usage": usage,
-        }
-
-    def message(self, text: str | None, finish: str | None = None) -> dict:
-        """The output message: in progress (no text yet), then completed or incomplete."""
-        if text is None:
-            return {"id": self.call.message_id, "type": "message", "status": "in_progress", "role": "assistant",
-                    "content": []}
-        return {"id": self.call.message_id, "type": "message", "status": _status(finish), "role": "assistant",
-                "content": [_text_part(text)]}
-
-    def whole(self, text: str, finish: str | None, chat_usage: dict, completed_at: int) -> dict:
-        return self.response(_status(finish), [self.message(text, finish)], response_usage(chat_usage), finish,
-                             completed_at=completed_at)
-
-    # -- streamed
-
-    def _event(self, kind: str, fields: dict) -> bytes:
-        data = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return f"event: {kind}\ndata: ".encode() + json.dumps(data).encode() + b"\n\n"
-
-    def opening(self) -> bytes:
-        """created, in_progress, and the output message and its text part begun."""
-        begun = self.response("in_progress", [])
-        where = {"item_id": self.call.message_id, "output_index": 0, "content_index": 0}
-        return b"".join((
-            self._event("response.created", {"response": begun}),
-            self._event("response.in_progress", {"response": begun}),
-            self._event("response.output_item.added", {"output_index": 0, "item": self.message(None)}),
-            self._event("response.content_part.added", {**where, "part": _text_part("")}),
-        ))
-
-    def delta(self, text: str) -> bytes:
-        self.text.append(text)
-        return self._event("response.output_text.delta", {"item_id": self.call.message_id, "output_index": 0,
-                                                          "content_index": 0, "delta": text, "logprobs": []})
-
-    def closing(self, finish: str | None, chat_usage: dict, completed_at: int) -> bytes:
-        """The text, part and message done, then completed (or incomplete: max_output_tokens reached)."""
-        text = "".join(self.text)
-        where = {"item_id": self.call.message_id, "output_index": 0, "content_index": 0}
-        item = self.message(text, finish)
-        final = self.response(_status(finish), [item], response_usage(chat_usage), finish, completed_at=completed_at)
-        return b"".join((
-            self._event("response.output_text.done", {**where, "text": text, "logprobs": []}),
-            self._event("response.content_part.done", {**where, "part": _text_part(text)}),
-            self._event("response.output_item.done", {"output_index": 0, "item": item}),
-            self._event("response.completed" if final["status"] == "completed" else "response.incomplete",
-                        {"response": final}),
-        ))
-
-    def failed(self, exc: ApiError) -> bytes:
-        """The stream's end after a failure once under way (the HTTP status already sent)."""
-        text = "".join(self.text)
-        output = [{**self.message(text), "status": "incomplete"}] if text else []
-        error = {"code": "rate_limit_exceeded" if exc.status == 429 else "server_error", "message": exc.message}
-        return self._event("response.failed", {"response": self.response("failed", output, error=error)})
-
-
-# Finish reasons that leave a response incomplete, as incomplete_details names them.
-_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
-
-
-def _status(finish: str | None) -> str:
-    return "incomplete" if finish in _INCOMPLETE else "completed"
-
-
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -17,6 +17,8 @@ import logging
 
 import aiohttp
 import openai
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
@@ -42,6 +44,9 @@ async def _engine_server(model_dir, **kw):
     app = create_app(tiny_config(model_dir, **kw), engine_mode=True)
     server = await start_server(app)
     return app[GATEWAY].replicas[0].engine, server
+
+
+RESPONSE_EVENT = TypeAdapter(ResponseStreamEvent)
 
 
 def _client(url):
@@ -2671,4 +2676,78 @@ async def test_a_response_reaches_an_external_server_as_the_chat_request_it_asks
         assert failed.status == "failed" and failed.error.code == "server_error"
         assert "EngineCore died" in failed.error.message
         assert failed.output[0].status == "incomplete" and failed.output[0].content[0].text == "Fi"
+        assert gateway.router.inflight_requests == [0, 0]
+
+
+async def test_function_tools_through_the_responses_api_reach_the_server_as_chat_tools(tiny_model_dir):
+    """/v1/responses with function tools in front of a server that parses tool
+    calls: the server gets chat's tools, tool_choice and the earlier turns' calls
+    and outputs as an assistant's tool_calls and tool messages; its tool calls come
+    back as function_call items, whole or streamed as OpenAI's events, in the
+    order they began (the text's message first when the answer has text)."""
+    seen, state = [], {"text": ""}
+
+    async def calls_a_tool(request):
+        seen.append(await request.json())
+        begin = {"index": 0, "id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+        chunks = [{"choices": [{"index": 0, "delta": {"content": state["text"]}, "finish_reason": None}]}] if state[
+            "text"] else []
+        chunks += [
+            {"choices": [{"index": 0, "delta": {"tool_calls": [begin]}, "finish_reason": None}]},
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+                          "finish_reason": None}]},
+            {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+                          "finish_reason": "tool_calls"}]},
+            {"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 9, "total_tokens": 39}},
+        ]
+        return web.Response(body=_sse(*chunks) + b"data: [DONE]\n\n", content_type="text/event-stream")
+
+    weather = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    router = RouterConfig(policy="round-robin", health_interval_s=60)
+    async with _gateway_over_pair(tiny_model_dir, calls_a_tool, calls_a_tool, ("a", "b"), router) as (
+            gateway, _, client, _):
+        resp = await client.responses.create(model=MODEL, input="Weather in Paris?", tools=[weather],
+                                             tool_choice={"type": "function", "name": "get_weather"})
+        Response.model_validate(resp.to_dict())
+        [call] = resp.output
+        assert (call.type, call.name, call.arguments, call.call_id) == (
+            "function_call", "get_weather", '{"city": "Paris"}', "call_7")
+        assert resp.status == "completed" and resp.tools[0].name == "get_weather"
+        sent = seen[-1]
+        assert sent["tools"] == [{"type": "function", "function": {
+            "name": "get_weather", "description": "The weather in a city.", "parameters": weather["parameters"]}}]
+        assert sent["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+
+        # The next turn: the call and its output, as the SDK documents for stateless use.
+        history = ["Weather in Paris?", *[item.model_dump(exclude_none=True) for item in resp.output],
+                   {"type": "function_call_output", "call_id": "call_7", "output": "18 C, sunny"}]
+        history[0] = {"role": "user", "content": history[0]}
+        state["text"] = "Checking. "
+        events = [e async for e in await client.responses.create(model=MODEL, input=history, tools=[weather],
+                                                                 stream=True)]
+        assert seen[-1]["messages"] == [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_7", "content": "18 C, sunny"},
+        ]
+        for event in events:
+            RESPONSE_EVENT.validate_python(event.to_dict())
+        assert [e.type for e in events] == [
+            "response.created", "response.in_progress",
+            "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+            "response.output_item.added", "response.function_call_arguments.delta",
+            "response.function_call_arguments.delta",
+            "response.output_text.done", "response.content_part.done", "response.output_item.done",
+            "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        final = events[-1].response
+        assert [item.type for item in final.output] == ["message", "function_call"]
+        assert final.output_text == "Checking. " and final.output[1].arguments == '{"city": "Paris"}'
+        assert events[11].arguments == '{"city": "Paris"}' and events[11].item_id == final.output[1].id
+
+        async with client.responses.stream(model=MODEL, input="Weather in Paris?", tools=[weather]) as stream:
+            whole = await stream.get_final_response()  # the SDK's own accumulator takes the events
+        assert whole.output[1].arguments == '{"city": "Paris"}'
         assert gateway.router.inflight_requests == [0, 0]

@@ -207,6 +207,14 @@ _response_item = st.one_of(
     st.fixed_dictionaries({"role": _role, "content": st.one_of(st.text(max_size=40), st.lists(_response_part, max_size=2),
                                                                _anything)},
                           optional={"type": st.one_of(st.just("message"), _anything)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output", "reasoning"])},
+                          optional={"call_id": st.one_of(st.just("c"), _anything), "name": _anything,
+                                    "arguments": _anything, "output": _anything}),
+    _anything)
+_response_tool = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"])},
+                          optional={"name": st.one_of(st.just("f"), _anything), "parameters": _anything,
+                                    "strict": _anything}),
     _anything)
 _response_body = st.fixed_dictionaries(
     {"model": st.one_of(st.just(MODEL), _anything),
@@ -215,7 +223,8 @@ _response_body = st.fixed_dictionaries(
         "instructions": st.one_of(st.text(max_size=20), _anything),
         "max_output_tokens": st.one_of(st.integers(min_value=-3, max_value=2), _anything),
         "temperature": _anything, "text": st.one_of(st.fixed_dictionaries({"format": _anything}), _anything),
-        "metadata": _anything, "truncation": _anything, "tools": _anything, "previous_response_id": _anything,
+        "metadata": _anything, "truncation": _anything, "previous_response_id": _anything,
+        "tools": st.one_of(st.lists(_response_tool, max_size=2), _anything), "tool_choice": _anything,
         "stream": st.one_of(st.booleans(), _anything), "include": _anything, "top_logprobs": _anything,
         "reasoning": _anything, "background": _anything, "store": _anything,
     },

@@ -1,0 +1,199 @@
+"""A Responses API answer: the ``response`` object, or its stream of typed events.
+
+The chat completion's outputs become output items, in the order they begin: a
+message for the text, a ``function_call`` item for each tool call an external
+server parsed (chat's ``tool_calls``).  Streamed, each item is added when its
+first output arrives, grows by deltas (``response.output_text.delta``,
+``response.function_call_arguments.delta``) and is done at the end, before
+``response.completed`` (or ``incomplete``, or ``failed``) with the whole
+response.  gateway/responses_api.py reads the request.
+"""
+
+from __future__ import annotations
+
+import json
+
+from gateway.errors import ApiError
+from gateway.protocol import new_id
+from gateway.responses_api import ResponsesCall
+
+# Finish reasons that leave a response incomplete, as incomplete_details names them.
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+
+
+def response_usage(chat_usage: dict | None) -> dict:
+    """Chat's usage in this API's names (cached tokens 0 where a replica did not say)."""
+    chat_usage = chat_usage or {}
+    prompt = chat_usage.get("prompt_tokens", 0)
+    completion = chat_usage.get("completion_tokens", 0)
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {
+        "input_tokens": prompt,
+        # kvgate caches prefixes by itself; nothing is written on request (OpenAI's cache writes).
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+class _Item:
+    """One output item as it grows: the message's text, or a call's name and arguments."""
+
+    __slots__ = ("index", "id", "call_id", "name", "parts")
+
+    def __init__(self, index: int, item_id: str, call_id: str | None = None, name: str = "") -> None:
+        self.index = index
+        self.id = item_id
+        self.call_id = call_id  # None: the message
+        self.name = name
+        self.parts: list[str] = []
+
+    def shape(self, status: str) -> dict:
+        if self.call_id is None:
+            content = [_text_part("".join(self.parts))] if status != "in_progress" else []
+            return {"id": self.id, "type": "message", "status": status, "role": "assistant", "content": content}
+        return {"id": self.id, "type": "function_call", "status": status, "call_id": self.call_id, "name": self.name,
+                "arguments": "".join(self.parts)}
+
+
+class ResponseShaper:
+    """One response's object and, streamed, its events (each with its sequence number)."""
+
+    def __init__(self, rid: str, created: int, model: str, call: ResponsesCall) -> None:
+        self.rid = rid
+        self.created = created
+        self.model = model
+        self.call = call
+        self.sequence = 0
+        self.items: list[_Item] = []
+        self._message: _Item | None = None
+        self._calls: dict[int, _Item] = {}  # by chat's tool call index
+
+    def response(self, status: str, output: list, usage: dict | None = None, finish: str | None = None,
+                 error: dict | None = None, completed_at: int | None = None) -> dict:
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "background": False,
+            "completed_at": completed_at,
+            "error": error,
+            "incomplete_details": {"reason": _INCOMPLETE[finish]} if finish in _INCOMPLETE else None,
+            "model": self.model,
+            "output": output,
+            **self.call.echo,
+            "usage": usage,
+        }
+
+    def whole(self, text: str, extra: dict | None, finish: str | None, chat_usage: dict, completed_at: int) -> dict:
+        """The response to a completion gathered whole (its message's extra fields: tool calls)."""
+        calls = (extra or {}).get("tool_calls") or []
+        if text or not calls:
+            self._text_item().parts.append(text)
+        for call in calls:
+            function = call.get("function") or {}
+            self._call_item(call.get("id"), function.get("name") or "").parts.append(function.get("arguments") or "")
+        status = _status(finish)
+        return self.response(status, [item.shape(status) for item in self.items], response_usage(chat_usage), finish,
+                             completed_at=completed_at)
+
+    def _text_item(self) -> _Item:
+        if self._message is None:
+            self._message = self._new_item(new_id("msg_"))
+        return self._message
+
+    def _call_item(self, call_id: str | None, name: str) -> _Item:
+        return self._new_item(new_id("fc_"), call_id or new_id("call_"), name)
+
+    def _new_item(self, item_id: str, call_id: str | None = None, name: str = "") -> _Item:
+        item = _Item(len(self.items), item_id, call_id, name)
+        self.items.append(item)
+        return item
+
+    # -- streamed
+
+    def _event(self, kind: str, fields: dict) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: ".encode() + json.dumps(data).encode() + b"\n\n"
+
+    def opening(self) -> bytes:
+        """created and in_progress; items are added as their first output comes."""
+        begun = self.response("in_progress", [])
+        return self._event("response.created", {"response": begun}) + self._event("response.in_progress",
+                                                                                   {"response": begun})
+
+    def delta(self, text: str) -> bytes:
+        frames = self._open_message() if self._message is None else b""
+        item = self._message
+        item.parts.append(text)
+        return frames + self._event("response.output_text.delta", {**_where(item), "delta": text, "logprobs": []})
+
+    def _open_message(self) -> bytes:
+        item = self._text_item()
+        return self._added(item) + self._event("response.content_part.added", {**_where(item), "part": _text_part("")})
+
+    def tool_calls(self, fragments: list) -> bytes:
+        """Chat's streamed tool call fragments (id and name first, then pieces of the arguments)."""
+        frames = []
+        for fragment in fragments:
+            if not isinstance(fragment, dict):
+                continue
+            function = fragment.get("function") or {}
+            item = self._calls.get(fragment.get("index", 0))
+            if item is None:
+                item = self._calls[fragment.get("index", 0)] = self._call_item(fragment.get("id"),
+                                                                                function.get("name") or "")
+                frames.append(self._added(item))
+            elif function.get("name"):
+                item.name += function["name"]
+            if function.get("arguments"):
+                item.parts.append(function["arguments"])
+                frames.append(self._event("response.function_call_arguments.delta",
+                                          {"item_id": item.id, "output_index": item.index,
+                                           "delta": function["arguments"]}))
+        return b"".join(frames)
+
+    def _added(self, item: _Item) -> bytes:
+        return self._event("response.output_item.added", {"output_index": item.index, "item": item.shape("in_progress")})
+
+    def closing(self, finish: str | None, chat_usage: dict, completed_at: int) -> bytes:
+        """Each item done, then completed (or incomplete: max_output_tokens reached)."""
+        # No output at all: an empty message, as the whole response has.
+        frames = [self._open_message()] if not self.items else []
+        status = _status(finish)
+        for item in self.items:
+            whole = "".join(item.parts)
+            if item.call_id is None:
+                frames.append(self._event("response.output_text.done", {**_where(item), "text": whole, "logprobs": []}))
+                frames.append(self._event("response.content_part.done", {**_where(item), "part": _text_part(whole)}))
+            else:
+                frames.append(self._event("response.function_call_arguments.done",
+                                          {"item_id": item.id, "output_index": item.index, "arguments": whole}))
+            frames.append(self._event("response.output_item.done",
+                                      {"output_index": item.index, "item": item.shape(status)}))
+        final = self.response(status, [item.shape(status) for item in self.items], response_usage(chat_usage), finish,
+                              completed_at=completed_at)
+        frames.append(self._event("response.completed" if status == "completed" else "response.incomplete",
+                                  {"response": final}))
+        return b"".join(frames)
+
+    def failed(self, exc: ApiError) -> bytes:
+        """The stream's end after a failure once under way (the HTTP status already sent)."""
+        output = [item.shape("incomplete") for item in self.items]
+        error = {"code": "rate_limit_exceeded" if exc.status == 429 else "server_error", "message": exc.message}
+        return self._event("response.failed", {"response": self.response("failed", output, error=error)})
+
+
+def _where(item: _Item) -> dict:
+    return {"item_id": item.id, "output_index": item.index, "content_index": 0}
+
+
+def _status(finish: str | None) -> str:
+    return "incomplete" if finish in _INCOMPLETE else "completed"
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
