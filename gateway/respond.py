@@ -108,8 +108,9 @@ class Responder:
                 choice.text.insert(0, parsed.echo_texts[i // n])
         if parsed.responses is not None:
             shaper = ResponseShaper(parsed.id, created, self.model_name, parsed.responses)
-            obj = shaper.whole("".join(choices[0].text), choices[0].extra, choices[0].finish_reason, usage.as_dict(subs),
-                               now_s())
+            choice = choices[0]
+            obj = shaper.whole("".join(choice.text), choice.extra, choice.finish_reason, usage.as_dict(subs), now_s(),
+                               choice.calls_first)
         elif parsed.endpoint == CHAT:
             obj = chat_completion(parsed.id, created, self.model_name, choices, usage.as_dict(subs))
         else:
@@ -312,6 +313,8 @@ def _collect(choices: list[ChoiceState], usage: UsageSum, sub: int, shift: int, 
     if out.extra:
         if choice.extra is None:
             choice.extra = {}
+        if "tool_calls" in out.extra and "tool_calls" not in choice.extra and not choice.text:
+            choice.calls_first = True
         merge_delta_extra(choice.extra, out.extra)
     if out.logprobs is not None:
         choice.logprobs = (choice.logprobs or []) + out.logprobs  # a new list: the empty one is shared

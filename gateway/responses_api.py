@@ -62,6 +62,7 @@ class ResponsesCall:
     # Chat message k (after the instructions) -> its input index, where function
     # calls were folded into the assistant message before them; None: the same.
     index_map: list[int] | None = None
+    input_items: int = 0
     ignored: set = field(default_factory=set)
 
     def ignored_as_sent(self, chat_ignored: set | None) -> set | None:
@@ -94,7 +95,7 @@ class ResponsesCall:
             return f"input[{self.index_map[k] if self.index_map is not None and k < len(self.index_map) else k}]"
 
         def too_many(match: re.Match) -> str:
-            given, allowed = int(match.group(1)) - self.offset, int(match.group(2)) - self.offset
+            given, allowed = self.input_items or int(match.group(1)) - self.offset, int(match.group(2)) - self.offset
             return f"Too many input items: {given}. This server allows at most {allowed}" + (
                 " with instructions" if self.offset else "")
 
@@ -116,6 +117,9 @@ def chat_request(body: dict) -> tuple[dict, ResponsesCall]:
     tools = [_function_tool(tool, where) for where, tool in each_object(_list(body, "tools"), "tools")]
     choice = _tool_choice(body.get("tool_choice"), tools)
     parallel = _typed(body, "parallel_tool_calls", bool, "a boolean")
+    if body.get("max_tool_calls") is not None:
+        raise bad_request("'max_tool_calls' is not supported: kvgate passes on the tool calls the server makes, as "
+                          "many as it makes.", "max_tool_calls")
     if body.get("top_logprobs") or "message.output_text.logprobs" in _list(body, "include"):
         raise bad_request("Logprobs are not supported on /v1/responses by kvgate; use /v1/chat/completions with "
                           "'logprobs'.", "top_logprobs" if body.get("top_logprobs") else "include")
@@ -129,7 +133,7 @@ def chat_request(body: dict) -> tuple[dict, ResponsesCall]:
     chat = {name: body[name] for name in _SAME_NAME if name in body}
     if tools:
         chat["tools"] = tools
-    if choice is not None:
+    if choice is not None and tools:  # chat allows it only with tools; without, auto and none say nothing
         chat["tool_choice"] = choice
     if parallel is not None:
         chat["parallel_tool_calls"] = parallel
@@ -248,39 +252,38 @@ def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
     if not isinstance(given, list):
         raise bad_request(_type_msg("input", "a string or an array of input items", given), "input")
     messages: list[dict] = []
-    for where, item in each_object(given, "input"):
+    indexes: list[int] = []  # the input item each chat message comes from
+    for i, (where, item) in enumerate(each_object(given, "input")):
         kind = item.get("type")
+        last = messages[-1] if messages else None
         if kind == "function_call":
             tool_call = _function_call(item, where)
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 # A turn's text and calls, or calls made together: one assistant message.
                 last.setdefault("tool_calls", []).append(tool_call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
+                continue
+            message = {"role": "assistant", "content": None, "tool_calls": [tool_call]}
         elif kind == "function_call_output":
-            messages.append(_function_output(item, where))
+            message = _function_output(item, where)
         elif kind in (None, "message"):
-            messages.append(_message(item, where))
+            message = _message(item, where)
+            if message["role"] == "assistant" and last is not None and last.get("tool_calls") and last["content"] is None:
+                # Text a turn gave after its calls: in chat the tool messages must
+                # follow the one message holding the turn's text and calls.
+                last["content"] = message["content"]
+                continue
         else:
             raise bad_request(f"Input items of type {json.dumps(kind)[:60]} are not supported by kvgate: it takes "
                               "messages, function calls and their outputs (no reasoning, built-in tool or stored "
                               "items).", f"{where}.type")
-    # Each message stands at its own index; a call folded into the message before it
-    # shifts the later ones, so errors about them name what chat parsing numbers.
-    call.index_map = _input_indexes(given)
-    return messages
-
-
-def _input_indexes(given: list) -> list[int] | None:
-    """The input index of each chat message built from ``given``, when any differ from its own."""
-    indexes, previous_assistant = [], False
-    for i, item in enumerate(given):
-        if item.get("type") == "function_call" and previous_assistant:
-            continue
+        messages.append(message)
         indexes.append(i)
-        previous_assistant = item.get("type") == "function_call" or item.get("role") == "assistant"
-    return indexes if len(indexes) != len(given) else None
+    call.input_items = len(given)
+    if len(indexes) != len(given):
+        # Items folded into the message before them shift the later ones: errors
+        # about chat's messages[k] name the item it came from.
+        call.index_map = indexes
+    return messages
 
 
 def _function_tool(tool: dict, where: str) -> dict:
@@ -310,6 +313,8 @@ def _tool_choice(choice: Any, tools: list[dict]) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = _typed(choice, "name", str, "a string", "tool_choice.")
+        if name is None:
+            raise bad_request("Missing required parameter: 'tool_choice.name'.", "tool_choice.name")
         if name not in {tool["function"]["name"] for tool in tools}:
             raise bad_request(f"Invalid value for 'tool_choice.name': {json.dumps(name)[:60]} names none of 'tools'.",
                               "tool_choice.name")

@@ -87,14 +87,18 @@ class ResponseShaper:
             "usage": usage,
         }
 
-    def whole(self, text: str, extra: dict | None, finish: str | None, chat_usage: dict, completed_at: int) -> dict:
-        """The response to a completion gathered whole (its message's extra fields: tool calls)."""
+    def whole(self, text: str, extra: dict | None, finish: str | None, chat_usage: dict, completed_at: int,
+              calls_first: bool = False) -> dict:
+        """The response to a completion gathered whole (its message's extra fields: tool calls),
+        its items in the order they began (``calls_first``: a call before any text), as streamed."""
         calls = (extra or {}).get("tool_calls") or []
-        if text or not calls:
+        if (text or not calls) and not calls_first:
             self._text_item().parts.append(text)
         for call in calls:
             function = call.get("function") or {}
             self._call_item(call.get("id"), function.get("name") or "").parts.append(function.get("arguments") or "")
+        if text and calls_first:
+            self._text_item().parts.append(text)
         status = _status(finish)
         return self.response(status, [item.shape(status) for item in self.items], response_usage(chat_usage), finish,
                              completed_at=completed_at)
@@ -142,10 +146,11 @@ class ResponseShaper:
             if not isinstance(fragment, dict):
                 continue
             function = fragment.get("function") or {}
-            item = self._calls.get(fragment.get("index", 0))
+            # No index: a call of its own, as chat's accumulation (shapes.merge_delta_extra) reads it.
+            position = fragment.get("index", len(self._calls))
+            item = self._calls.get(position)
             if item is None:
-                item = self._calls[fragment.get("index", 0)] = self._call_item(fragment.get("id"),
-                                                                                function.get("name") or "")
+                item = self._calls[position] = self._call_item(fragment.get("id"), function.get("name") or "")
                 frames.append(self._added(item))
             elif function.get("name"):
                 item.name += function["name"]

@@ -99,6 +99,8 @@ class ChoiceState:
     started: bool = False
     # An external server's other message fields (tool_calls, reasoning_content).
     extra: dict | None = None
+    # A tool call began before any text (the order a Responses answer lists them in).
+    calls_first: bool = False
 
 
 def merge_delta_extra(acc: dict, delta: dict) -> None:

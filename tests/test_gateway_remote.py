@@ -2751,3 +2751,48 @@ async def test_function_tools_through_the_responses_api_reach_the_server_as_chat
             whole = await stream.get_final_response()  # the SDK's own accumulator takes the events
         assert whole.output[1].arguments == '{"city": "Paris"}'
         assert gateway.router.inflight_requests == [0, 0]
+
+
+@pytest.mark.parametrize("answer", ["call then text", "calls without index"])
+async def test_tool_calls_keep_their_order_and_identity_whole_and_streamed(tiny_model_dir, answer):
+    """Output items are listed in the order they began, whole as streamed; calls
+    sent without an index are each their own (as chat gathers them); and a streamed
+    answer's items handed back in the next turn make a history chat accepts: the
+    tool messages right after the one message with the turn's text and calls."""
+    seen = []
+
+    def call(name, arguments, **where):
+        return {"choices": [{"index": 0, "delta": {"tool_calls": [{**where, "id": f"call_{name}", "type": "function",
+                                                                   "function": {"name": name, "arguments": arguments}}]},
+                             "finish_reason": None}]}
+
+    async def server(request):
+        seen.append(await request.json())
+        if answer == "call then text":
+            chunks = [call("get_weather", '{"city": "Paris"}', index=0),
+                      {"choices": [{"index": 0, "delta": {"content": "Done."}, "finish_reason": None}]}]
+        else:
+            chunks = [call("get_weather", '{"city": "Paris"}'), call("get_time", "{}")]
+        chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+        return web.Response(body=_sse(*chunks) + b"data: [DONE]\n\n", content_type="text/event-stream")
+
+    tools = [{"type": "function", "name": "get_weather"}, {"type": "function", "name": "get_time"}]
+    router = RouterConfig(policy="round-robin", health_interval_s=60)
+    async with _gateway_over_pair(tiny_model_dir, server, server, ("a", "b"), router) as (_, _, client, _):
+        whole = await client.responses.create(model=MODEL, input="Weather?", tools=tools)
+        events = [e async for e in await client.responses.create(model=MODEL, input="Weather?", tools=tools,
+                                                                 stream=True)]
+        streamed = events[-1].response
+        shape = [(item.type, getattr(item, "name", None), getattr(item, "arguments", None)) for item in whole.output]
+        assert shape == [(item.type, getattr(item, "name", None), getattr(item, "arguments", None))
+                         for item in streamed.output]
+        if answer == "call then text":
+            assert shape == [("function_call", "get_weather", '{"city": "Paris"}'), ("message", None, None)]
+            history = [{"role": "user", "content": "Weather?"}, *[i.model_dump(exclude_none=True) for i in streamed.output],
+                       {"type": "function_call_output", "call_id": "call_get_weather", "output": "18 C"}]
+            await client.responses.create(model=MODEL, input=history, tools=tools)
+            assert [(m["role"], m["content"]) for m in seen[-1]["messages"]] == [
+                ("user", "Weather?"), ("assistant", [{"type": "text", "text": "Done."}]), ("tool", "18 C")]
+            assert [c["id"] for c in seen[-1]["messages"][1]["tool_calls"]] == ["call_get_weather"]
+        else:
+            assert shape == [("function_call", "get_weather", '{"city": "Paris"}'), ("function_call", "get_time", "{}")]

@@ -126,6 +126,12 @@ async def test_a_streamed_response_sends_openais_events_in_order(gw):
      "Missing required parameter"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output",
      "expected a string or an array of input_text parts"),
+    ({"input": "hi", "max_tool_calls": 1}, "max_tool_calls", "'max_tool_calls' is not supported"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function"}},
+     "tool_choice.name", "Missing required parameter: 'tool_choice.name'"),
+    ({"input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}] * 600}, "input",
+     "Too many input items: 1800."),
     # A call folded into the assistant message before it: later errors still name their own input index.
     ({"instructions": "x", "input": [
         {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
@@ -225,6 +231,18 @@ async def test_fields_sent_as_null_read_as_unset(gw):
     assert stated == {"instructions": None, "tool_choice": "auto", "parallel_tool_calls": True, "temperature": 1.0,
                       "top_p": 1.0, "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
                       "tools": [], "store": False}
+
+
+@pytest.mark.parametrize("choice", ["auto", "none"])
+async def test_a_tool_choice_that_asks_nothing_needs_no_tools(gw, choice):
+    """The Agents SDK sends tools: [] with its tool_choice setting; chat would refuse
+    a tool_choice without tools, so auto and none are not passed on."""
+    _, server, _ = gw
+    body = {"model": MODEL, "input": "hi", "tools": [], "tool_choice": choice, "max_output_tokens": 1}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.url + "/v1/responses", json=body) as resp:
+            answer = await resp.json()
+    assert resp.status == 200 and answer["tool_choice"] == choice, answer
 
 
 async def test_fields_the_engine_does_not_read_are_logged_as_the_client_sent_them(gw, caplog):
