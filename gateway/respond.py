@@ -313,7 +313,7 @@ def _collect(choices: list[ChoiceState], usage: UsageSum, sub: int, shift: int, 
     if out.extra:
         if choice.extra is None:
             choice.extra = {}
-        if "tool_calls" in out.extra and "tool_calls" not in choice.extra and not choice.text:
+        if out.extra.get("tool_calls") and not choice.extra.get("tool_calls") and not choice.text:
             choice.calls_first = True
         merge_delta_extra(choice.extra, out.extra)
     if out.logprobs is not None:

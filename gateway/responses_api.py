@@ -135,7 +135,7 @@ def chat_request(body: dict) -> tuple[dict, ResponsesCall]:
         chat["tools"] = tools
     if choice is not None and tools:  # chat allows it only with tools; without, auto and none say nothing
         chat["tool_choice"] = choice
-    if parallel is not None:
+    if parallel is not None and tools:
         chat["parallel_tool_calls"] = parallel
     call = ResponsesCall(echo=_echo(body))
     messages = []

@@ -92,12 +92,13 @@ class ResponseShaper:
         """The response to a completion gathered whole (its message's extra fields: tool calls),
         its items in the order they began (``calls_first``: a call before any text), as streamed."""
         calls = (extra or {}).get("tool_calls") or []
-        if (text or not calls) and not calls_first:
+        text_first = not (calls and calls_first)
+        if text_first and (text or not calls):  # no output at all: an empty message
             self._text_item().parts.append(text)
         for call in calls:
             function = call.get("function") or {}
             self._call_item(call.get("id"), function.get("name") or "").parts.append(function.get("arguments") or "")
-        if text and calls_first:
+        if text and not text_first:
             self._text_item().parts.append(text)
         status = _status(finish)
         return self.response(status, [item.shape(status) for item in self.items], response_usage(chat_usage), finish,
