@@ -858,8 +858,8 @@ def _answered_for(request: web.Request, response: web.Response) -> web.Response:
 
 
 def _named_completion_id(given: str, default: str) -> str:
-    """``default``'s prefix (chatcmpl-, cmpl-) before the id given, once: a chat
-    completion forwarded to an engine's completions endpoint keeps its own part."""
+    """``default``'s prefix (chatcmpl-, cmpl-, resp_) before the id given, once: a
+    chat completion forwarded to an engine's completions endpoint keeps its own part."""
     if not _REQUEST_ID.fullmatch(given):
         return default
     for prefix in _ID_PREFIXES:

@@ -943,7 +943,6 @@ class RemoteReplica(Replica):
             # Closing the connection is what aborts the request upstream.
             resp.close()
 
-
     async def _post(self, path: str, body: dict, headers: dict, started: float) -> aiohttp.ClientResponse:
         """The request sent, and the replica's answer (its head); a failure to get
         one is ReplicaUnavailable, counted toward the breaker where it is the replica's."""

@@ -199,8 +199,9 @@ class Responder:
     async def stream_events(
         self, request: web.Request, gen: AsyncIterator, single: bool, parsed: ParsedRequest, subs: list[Sub], start: float
     ) -> web.StreamResponse:
-        """A Responses API stream: its opening events with the first output, a text
-        delta per output, then the done events and completed (or incomplete)."""
+        """A Responses API stream: its opening events with the first output, then
+        each output's text and tool call deltas (an item added as its first output
+        comes), then each item done and completed (or incomplete)."""
         shaper = ResponseShaper(parsed.id, now_s(), self.model_name, parsed.responses)
         usage = UsageSum(len(subs))
         resp: _SseResponse | None = None
