@@ -49,7 +49,7 @@ from gateway.protocol import CHAT, COMPLETIONS, ParsedRequest, new_id, parse_jso
 from gateway.replicas import InProcessReplica, Replica, build_replicas, default_model_name, load_tokenizer
 from gateway.respond import Responder, uncancel
 from gateway.responses_api import RESPONSES, ResponsesCall, chat_request
-from gateway.router import Router
+from gateway.router import Router, share_fleet
 from gateway.shapes import now_s
 from gateway.startup_thread import in_daemon_thread
 
@@ -90,6 +90,9 @@ class Gateway:
         self.max_per_tenant = config.server.limits.max_inflight_per_tenant
         self.tenant_admitted: dict[str, int] = {}  # the same per tenant (only those with requests in flight)
         self.replicas = replicas
+        # The exact indexes share one map, so that routing reads every replica in
+        # one pass; before the replicas start following their engines' events.
+        share_fleet([r.index for r in replicas])
         self.engine_mode = engine_mode
         self.metrics = GatewayMetrics("engine" if engine_mode else "gateway")
         self.observer = Observer(config, self.metrics)

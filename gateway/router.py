@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from typing import NamedTuple, Protocol, Sequence
+from itertools import islice
+from typing import Iterable, Iterator, NamedTuple, Protocol, Sequence
 
 import xxhash
 
@@ -39,7 +40,8 @@ _MEAN_DECAY = 0.01
 _KV_PRESSURE_START = 0.9
 _KV_FULL_REQUESTS = 4.0
 _TIER_BITS = {"device": DEVICE_BIT, "host": HOST_BIT}
-# Keys indexed between two yields to the event loop in ExactIndex.rebuild (~4 ms).
+# Keys indexed (or swept) between two yields to the event loop in ExactIndex.rebuild
+# and in FleetIndex's sweep (a few ms).
 _REBUILD_SLICE = 20_000
 # Session routing's bound (after consistent hashing with bounded loads): a
 # replica takes a session's request while it would hold at most this times one
@@ -64,17 +66,150 @@ class PrefixIndex(Protocol):
         """Length of the leading run of ``keys`` the replica holds."""
 
 
+class FleetIndex:
+    """Which exact replicas hold each block key: key -> one bit per replica slot.
+
+    Routing asks every replica at once how much of a prompt it holds.  Each
+    replica's own map (``ExactIndex.tiers``) answers for that replica alone, one
+    probe per block per replica: a 2,048-block prompt held by 32 replicas of a
+    million keys took ~42 ms of the event loop.  This map answers for all of them
+    in one probe per block (``match_all``).  The replicas' own maps stay the
+    record of which tier holds what; this one mirrors only presence.
+
+    A replica re-indexed from a snapshot (or cleared) moves to a fresh slot at
+    once; its old slot's bits are swept out afterwards, a slice at a time with
+    other tasks running between, by walking the old map it no longer changes,
+    and the slot is reused once swept.
+    """
+
+    __slots__ = ("held", "_next_slot", "_free", "_pending", "_sweeper")
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+        self._next_slot = 0
+        self._free: list[int] = []  # swept slots, lowest reused first (keeps the masks small ints)
+        self._pending: list[tuple[int, Iterable[int]]] = []  # (slot, its keys) given up, not yet swept
+        self._sweeper: asyncio.Task | None = None
+
+    def take_slot(self) -> int:
+        if self._free:
+            self._free.sort()
+            return self._free.pop(0)
+        self._next_slot += 1
+        return self._next_slot - 1
+
+    def add(self, keys: Iterable[int], bit: int) -> None:
+        held = self.held
+        for key in keys:
+            other = held.get(key)
+            # A key no other slot holds shares the slot's own bit object (no int per key).
+            held[key] = bit if other is None else other | bit
+
+    def discard(self, keys: Iterable[int], bit: int) -> None:
+        held, clear = self.held, ~bit
+        for key in keys:
+            left = held.get(key, 0) & clear
+            if left:
+                held[key] = left
+            else:
+                held.pop(key, None)
+
+    def give_up(self, slot: int, keys: Iterable[int]) -> None:
+        """Forget ``slot``, which held ``keys`` (a collection nobody changes any more):
+        swept in slices when a loop runs, else at once; the slot is reused after."""
+        self._pending.append((slot, keys))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            for _ in self._sweep():
+                pass
+            return
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.create_task(self._sweep_in_slices(), name="kvgate-index-sweep")
+
+    async def _sweep_in_slices(self) -> None:
+        for _ in self._sweep():
+            await asyncio.sleep(0)
+
+    def _sweep(self) -> Iterator[None]:
+        """Clear given-up slots' bits, yielding every _REBUILD_SLICE keys."""
+        while self._pending:
+            slot, keys = self._pending.pop(0)
+            it = iter(keys)
+            while part := list(islice(it, _REBUILD_SLICE)):
+                self.discard(part, 1 << slot)
+                yield
+            self._free.append(slot)
+
+    def match_all(self, keys: Sequence[int], slots: Sequence[int]) -> list[int]:
+        """For each slot, the length of the leading run of ``keys`` it holds, in one pass."""
+        alive = 0
+        for slot in slots:
+            alive |= 1 << slot
+        held = self.held
+        drops: list[tuple[int, int]] = []  # (slots' bits that missed, at this block)
+        n = 0
+        for key in keys:
+            here = held.get(key, 0) & alive
+            if here != alive:
+                drops.append((alive ^ here, n))
+                alive = here
+                if not alive:
+                    break
+            n += 1
+        if not drops:
+            return [n] * len(slots)
+        if not alive and len(drops) == 1:  # all missed at the same block (a new prompt: the first)
+            return [drops[0][1]] * len(slots)
+        out = []
+        for slot in slots:
+            bit = 1 << slot
+            for gone, at in drops:
+                if gone & bit:
+                    out.append(at)
+                    break
+            else:  # never dropped out: it holds every key (then n == len(keys))
+                out.append(n)
+        return out
+
+
+class _Unshared:
+    """The fleet of an index alone, which mirrors nothing: one replica needs no
+    fleet-wide map (a lone `kvgate serve` or `kvgate engine` pays nothing for it)."""
+
+    __slots__ = ()
+
+    def take_slot(self) -> int:
+        return 0
+
+    def add(self, keys: Iterable[int], bit: int) -> None:
+        pass
+
+    def discard(self, keys: Iterable[int], bit: int) -> None:
+        pass
+
+    def give_up(self, slot: int, keys: Iterable[int]) -> None:
+        pass
+
+
+_UNSHARED = _Unshared()
+
+
 class ExactIndex:
-    """The block keys a replica holds, kept exactly from its KV events.
+    """The block keys a replica holds, kept exactly from its KV events, with its
+    presence mirrored in a ``FleetIndex`` slot once ``share_fleet`` has put it
+    on one with other replicas' indexes.
 
     A key can sit on the device tier, the host tier or (briefly, between a
     demotion's two events) both; it is held while any tier holds it.
     """
 
-    __slots__ = ("tiers",)
+    __slots__ = ("tiers", "fleet", "slot")
 
-    def __init__(self) -> None:
+    def __init__(self, fleet: FleetIndex | None = None) -> None:
         self.tiers: dict[int, int] = {}
+        self.fleet: FleetIndex | _Unshared = fleet if fleet is not None else _UNSHARED
+        self.slot = self.fleet.take_slot()
 
     def match(self, keys: Sequence[int]) -> int:
         tiers = self.tiers
@@ -89,29 +224,51 @@ class ExactIndex:
         bit = _TIER_BITS.get(tier, DEVICE_BIT)
         tiers = self.tiers
         if kind == "stored":
+            new = []
             for key in keys:
-                tiers[key] = tiers.get(key, 0) | bit
+                had = tiers.get(key, 0)
+                if not had:
+                    new.append(key)
+                tiers[key] = had | bit
+            if new:
+                self.fleet.add(new, 1 << self.slot)
         elif kind == "removed":
+            gone = []
             for key in keys:
                 left = tiers.get(key, 0) & ~bit
                 if left:
                     tiers[key] = left
-                else:
-                    tiers.pop(key, None)
+                elif tiers.pop(key, None) is not None:
+                    gone.append(key)
+            if gone:
+                self.fleet.discard(gone, 1 << self.slot)
         elif kind == "cleared":
-            tiers.clear()
+            self.reset({})
 
     def reset(self, held: dict[str, Sequence[int]]) -> None:
-        self.tiers = {}
-        for tier, keys in held.items():
-            self.apply("stored", keys, tier)
+        """Hold exactly ``held`` (tier -> keys) from now on."""
+        tiers, slot = {}, self.fleet.take_slot()
+        for _ in self._fill(tiers, slot, held):
+            pass
+        self._switch(tiers, slot)
 
     async def rebuild(self, held: dict[str, Sequence[int]]) -> None:
         """reset() without holding the event loop: a snapshot of a million keys
-        takes a few hundred milliseconds to index, so the new map is built a slice
-        at a time, other tasks running between slices, and replaces the old one
-        (still routed on meanwhile) at the end."""
+        takes a few hundred milliseconds to index, so the new map (and a new
+        slot in the fleet's) is built a slice at a time, other tasks running
+        between slices, and replaces the old one (still routed on meanwhile) at the end."""
         tiers: dict[int, int] = {}
+        slot = self.fleet.take_slot()
+        try:
+            for _ in self._fill(tiers, slot, held):
+                await asyncio.sleep(0)
+        except BaseException:
+            self.fleet.give_up(slot, tiers)  # cancelled half-built: its bits go with it
+            raise
+        self._switch(tiers, slot)
+
+    def _fill(self, tiers: dict[int, int], slot: int, held: dict[str, Sequence[int]]) -> Iterator[None]:
+        """Build ``tiers`` from ``held`` and mark its keys in ``slot``, yielding every _REBUILD_SLICE keys."""
         for n, (tier, keys) in enumerate(held.items()):
             bit = _TIER_BITS.get(tier, DEVICE_BIT)
             for start in range(0, len(keys), _REBUILD_SLICE):
@@ -121,11 +278,53 @@ class ExactIndex:
                 tiers.update(dict.fromkeys(part, bit))
                 if both:
                     tiers.update(both)
-                await asyncio.sleep(0)
-        self.tiers = tiers
+                self.fleet.add(part, 1 << slot)
+                yield
+
+    def _switch(self, tiers: dict[int, int], slot: int) -> None:
+        old_tiers, old_slot = self.tiers, self.slot
+        self.tiers, self.slot = tiers, slot
+        self.fleet.give_up(old_slot, old_tiers)
+
+    def move_to(self, fleet: FleetIndex) -> None:
+        """Mirror this index in ``fleet`` from now on (before it follows any events)."""
+        if fleet is not self.fleet:
+            self.fleet.give_up(self.slot, list(self.tiers))
+            self.fleet, self.slot = fleet, fleet.take_slot()
+            fleet.add(self.tiers, 1 << self.slot)
 
     def __len__(self) -> int:
         return len(self.tiers)
+
+
+def share_fleet(indexes: Sequence[object]) -> FleetIndex | None:
+    """Mirror the ExactIndexes among ``indexes``, if there are two or more, in one
+    FleetIndex, so the router matches them all in one pass; before they follow
+    any KV events."""
+    exact = [index for index in indexes if isinstance(index, ExactIndex)]
+    if len(exact) < 2:
+        return None
+    fleet = FleetIndex()
+    for index in exact:
+        index.move_to(fleet)
+    return fleet
+
+
+def match_each(keys: Sequence[int], indexes: Sequence[PrefixIndex], cands: Sequence[int]) -> list[int]:
+    """Each candidate's matched blocks: one pass over ``keys`` when the candidates'
+    indexes share a FleetIndex, else one per candidate."""
+    first = indexes[cands[0]]
+    fleet = first.fleet if isinstance(first, ExactIndex) else None
+    if isinstance(fleet, FleetIndex):
+        slots = []
+        for i in cands:
+            index = indexes[i]
+            if not isinstance(index, ExactIndex) or index.fleet is not fleet:
+                break
+            slots.append(index.slot)
+        else:
+            return fleet.match_all(keys, slots)
+    return [indexes[i].match(keys) for i in cands]
 
 
 class ApproxIndex:
@@ -259,8 +458,9 @@ class Router:
         turn = self._spread
         best = best_matched = -1
         best_rank = None
+        matched = match_each(keys, indexes, cands) if nblocks else [0] * n
         for pos, i in enumerate(cands):
-            m = indexes[i].match(keys) if nblocks else 0
+            m = matched[pos]
             # Ties break by load, then by a rotating order over the candidates so
             # equal misses spread (a replica out of routing passes no extra share on).
             rank = ((nblocks - m) + weight * loads[i], loads[i], (pos - turn) % n)
@@ -275,12 +475,13 @@ class Router:
         hot = self._hot.get((best, key), 0)
         if hot >= self.cfg.hot_prefix_inflight:
             # Replicate a hot prefix rather than queueing everyone on its holder.
-            alt = cands[min(
+            alt_pos = min(
                 (pos for pos, i in enumerate(cands) if i != best),
                 key=lambda pos: (self._hot.get((cands[pos], key), 0), loads[cands[pos]], (pos - turn) % n),
-            )]
+            )
+            alt = cands[alt_pos]
             if loads[alt] < loads[best] and self._hot.get((alt, key), 0) < hot:
-                return Decision(alt, "hot-spread", indexes[alt].match(keys))
+                return Decision(alt, "hot-spread", matched[alt_pos])
         return Decision(best, "prefix", best_matched)
 
     def _loads(self) -> list[int]:

@@ -61,7 +61,7 @@ from engine.replay_report import (
 )
 from engine.traces import Trace
 from gateway.config import RouterConfig
-from gateway.router import ApproxIndex, ExactIndex, Router
+from gateway.router import ApproxIndex, ExactIndex, Router, share_fleet
 
 ROUTINGS = ("prefix-aware", "least-load", "round-robin", "session")
 INDEXES = ("exact", "approx")
@@ -171,6 +171,7 @@ def simulate(
     block_tokens = trace.block_tokens
     now = 0.0  # the trace's clock, for the approximate index's time-to-live
     lagging = [_LaggingIndex(index_lag_s) for _ in range(replicas)] if index_lag_s else []
+    share_fleet(lagging)  # matched in one pass, as the gateway's are
     sizes = pool_sizes(capacity_blocks, host_blocks, unique_blocks if unique_blocks is not None else trace.unique_blocks())
     pools = [BlockPool(*sizes, policy, cache_config,
                        on_event=lagging[i].on_pool_event if lagging else None) for i in range(replicas)]
