@@ -24,7 +24,7 @@ from gateway.errors import ApiError
 from gateway.observe import Observer
 from gateway.protocol import CHAT, ParsedRequest
 from gateway.replicas import CACHED_TOKENS_HEADER, QUEUE_TIME_HEADER
-from gateway.responses_shape import ResponseShaper
+from gateway.responses_shape import ResponseShaper, began_order, reasoning_of
 from gateway.shapes import (
     DONE,
     ChoiceState,
@@ -110,7 +110,7 @@ class Responder:
             shaper = ResponseShaper(parsed.id, created, self.model_name, parsed.responses)
             choice = choices[0]
             obj = shaper.whole("".join(choice.text), choice.extra, choice.finish_reason, usage.as_dict(subs), now_s(),
-                               choice.calls_first)
+                               choice.began)
         elif parsed.endpoint == CHAT:
             obj = chat_completion(parsed.id, created, self.model_name, choices, usage.as_dict(subs))
         else:
@@ -200,7 +200,7 @@ class Responder:
         self, request: web.Request, gen: AsyncIterator, single: bool, parsed: ParsedRequest, subs: list[Sub], start: float
     ) -> web.StreamResponse:
         """A Responses API stream: its opening events with the first output, then
-        each output's text and tool call deltas (an item added as its first output
+        each output's reasoning, text and tool call deltas (an item added as its first output
         comes), then each item done and completed (or incomplete)."""
         shaper = ResponseShaper(parsed.id, now_s(), self.model_name, parsed.responses)
         usage = UsageSum(len(subs))
@@ -217,6 +217,8 @@ class Responder:
                             self.observer.first_token(subs[0].context.workload, subs[sub].replica,
                                                       time.perf_counter() - start)
                             frames.append(shaper.opening())
+                        if out.extra and (thought := reasoning_of(out.extra)):
+                            frames.append(shaper.reasoning(thought))
                         if out.text:
                             frames.append(shaper.delta(out.text))
                         if out.extra and out.extra.get("tool_calls"):
@@ -309,14 +311,13 @@ def _collect(choices: list[ChoiceState], usage: UsageSum, sub: int, shift: int, 
     if out.index == USAGE_ALL:
         return
     choice = choices[shift + out.index]
-    if out.text:
-        choice.text.append(out.text)
     if out.extra:
         if choice.extra is None:
             choice.extra = {}
-        if out.extra.get("tool_calls") and not choice.extra.get("tool_calls") and not choice.text:
-            choice.calls_first = True
+        choice.began = began_order(choice.began, bool(choice.text), out)
         merge_delta_extra(choice.extra, out.extra)
+    if out.text:
+        choice.text.append(out.text)
     if out.logprobs is not None:
         choice.logprobs = (choice.logprobs or []) + out.logprobs  # a new list: the empty one is shared
     if out.finish_reason is not None:

@@ -178,12 +178,12 @@ def _reasoning_effort(body: dict) -> str | None:
     return None if reasoning is None else _typed(reasoning, "effort", str, "a string", "reasoning.")
 
 
-def _list(body: dict, name: str) -> list:
+def _list(body: dict, name: str, where: str = "") -> list:
     value = body.get(name)
     if value is None:
         return []
     if not isinstance(value, list):
-        raise bad_request(_type_msg(name, "an array", value), name)
+        raise bad_request(_type_msg(where + name, "an array", value), where + name)
     return value
 
 
@@ -253,14 +253,19 @@ def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
         raise bad_request(_type_msg("input", "a string or an array of input items", given), "input")
     messages: list[dict] = []
     indexes: list[int] = []  # the input item each chat message comes from
+    thought: list[str] = []  # reasoning items' text, for the assistant output that follows them
     for i, (where, item) in enumerate(each_object(given, "input")):
         kind = item.get("type")
         last = messages[-1] if messages else None
+        if kind == "reasoning":
+            thought.append(_reasoning_text(item, where))
+            continue
         if kind == "function_call":
             tool_call = _function_call(item, where)
             if last is not None and last["role"] == "assistant":
                 # A turn's text and calls, or calls made together: one assistant message.
                 last.setdefault("tool_calls", []).append(tool_call)
+                _give_reasoning(last, thought)
                 continue
             message = {"role": "assistant", "content": None, "tool_calls": [tool_call]}
         elif kind == "function_call_output":
@@ -271,11 +276,16 @@ def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
                 # Text a turn gave after its calls: in chat the tool messages must
                 # follow the one message holding the turn's text and calls.
                 last["content"] = message["content"]
+                _give_reasoning(last, thought)
                 continue
         else:
             raise bad_request(f"Input items of type {json.dumps(kind)[:60]} are not supported by kvgate: it takes "
-                              "messages, function calls and their outputs (no reasoning, built-in tool or stored "
+                              "messages, reasoning, function calls and their outputs (no built-in tool or stored "
                               "items).", f"{where}.type")
+        if message["role"] == "assistant":
+            _give_reasoning(message, thought)
+        else:
+            thought.clear()  # reasoning no answer followed: nothing in chat holds it
         messages.append(message)
         indexes.append(i)
     call.input_items = len(given)
@@ -321,6 +331,27 @@ def _tool_choice(choice: Any, tools: list[dict]) -> Any:
         return {"type": "function", "function": {"name": name}}
     raise bad_request(f"Invalid value for 'tool_choice': {json.dumps(choice)[:60]}. Supported values are: 'auto', "
                       "'none', 'required' and {\"type\": \"function\", \"name\": ...}.", "tool_choice")
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text (its reasoning_text parts; a summary or OpenAI's
+    encrypted content is nothing a chat template can show the model)."""
+    texts = []
+    for pwhere, part in each_object(_list(item, "content", f"{where}."), f"{where}.content"):
+        if part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"Invalid '{pwhere}': expected a reasoning_text part with a string 'text'.", pwhere)
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _give_reasoning(message: dict, thought: list[str]) -> None:
+    """Hand the reasoning before an assistant's output to its chat message, as
+    vLLM's ``reasoning`` field (chat templates that show a model its earlier
+    thinking, between tool calls especially, read it there)."""
+    text = "\n\n".join(t for t in thought if t)
+    thought.clear()
+    if text:
+        message["reasoning"] = message["reasoning"] + "\n\n" + text if message.get("reasoning") else text
 
 
 def _function_call(item: dict, where: str) -> dict:

@@ -1,12 +1,14 @@
 """A Responses API answer: the ``response`` object, or its stream of typed events.
 
 The chat completion's outputs become output items, in the order they begin: a
-message for the text, a ``function_call`` item for each tool call an external
-server parsed (chat's ``tool_calls``).  Streamed, each item is added when its
-first output arrives, grows by deltas (``response.output_text.delta``,
-``response.function_call_arguments.delta``) and is done at the end, before
-``response.completed`` (or ``incomplete``, or ``failed``) with the whole
-response.  gateway/responses_api.py reads the request.
+``reasoning`` item for the reasoning text an external server's reasoning parser
+split off (chat's ``reasoning``, or ``reasoning_content`` as older servers name
+it), a message for the text, a ``function_call`` item for each tool call it
+parsed (chat's ``tool_calls``).  Streamed, each item is added when its first
+output arrives, grows by deltas (``response.reasoning_text.delta``,
+``response.output_text.delta``, ``response.function_call_arguments.delta``) and
+is done at the end, before ``response.completed`` (or ``incomplete``, or
+``failed``) with the whole response.  gateway/responses_api.py reads the request.
 """
 
 from __future__ import annotations
@@ -37,24 +39,58 @@ def response_usage(chat_usage: dict | None) -> dict:
     }
 
 
+def reasoning_of(extra: dict) -> str:
+    """The reasoning text in a chat message's or delta's extra fields: vLLM's
+    ``reasoning``, or ``reasoning_content`` (vLLM's older name for it, and
+    SGLang's); one of them, as a server sending both sends the same text twice."""
+    for name in ("reasoning", "reasoning_content"):
+        value = extra.get(name)
+        if isinstance(value, str) and value:
+            return value
+    return ""
+
+
+def began_order(began: str, had_text: bool, out) -> str:
+    """``began`` (see ChoiceState) with what ``out`` begins: within one output,
+    reasoning, then text, then calls, the order a stream shows them in."""
+    if had_text and "t" not in began:
+        began += "t"
+    if "r" not in began and reasoning_of(out.extra):
+        began += "r"
+    if out.text and "t" not in began:
+        began += "t"
+    if "c" not in began and out.extra.get("tool_calls"):
+        began += "c"
+    return began
+
+
 class _Item:
-    """One output item as it grows: the message's text, or a call's name and arguments."""
+    """One output item as it grows: the reasoning's or the message's text, or a call's name and arguments."""
 
-    __slots__ = ("index", "id", "call_id", "name", "parts")
+    __slots__ = ("index", "id", "kind", "call_id", "name", "parts")
 
-    def __init__(self, index: int, item_id: str, call_id: str | None = None, name: str = "") -> None:
+    def __init__(self, index: int, item_id: str, kind: str, call_id: str | None = None, name: str = "") -> None:
         self.index = index
         self.id = item_id
-        self.call_id = call_id  # None: the message
+        self.kind = kind  # "message", "reasoning" or "function_call"
+        self.call_id = call_id
         self.name = name
         self.parts: list[str] = []
 
     def shape(self, status: str) -> dict:
-        if self.call_id is None:
+        if self.kind == "message":
             content = [_text_part("".join(self.parts))] if status != "in_progress" else []
             return {"id": self.id, "type": "message", "status": status, "role": "assistant", "content": content}
+        if self.kind == "reasoning":
+            content = [_reasoning_part("".join(self.parts))] if status != "in_progress" else []
+            return {"id": self.id, "type": "reasoning", "status": status, "summary": [], "content": content}
         return {"id": self.id, "type": "function_call", "status": status, "call_id": self.call_id, "name": self.name,
                 "arguments": "".join(self.parts)}
+
+    def part(self) -> dict:
+        """The content part a message or reasoning item holds, whole so far."""
+        whole = "".join(self.parts)
+        return _text_part(whole) if self.kind == "message" else _reasoning_part(whole)
 
 
 class ResponseShaper:
@@ -68,6 +104,7 @@ class ResponseShaper:
         self.sequence = 0
         self.items: list[_Item] = []
         self._message: _Item | None = None
+        self._reasoning: _Item | None = None
         self._calls: dict[int, _Item] = {}  # by chat's tool call index
 
     def response(self, status: str, output: list, usage: dict | None = None, finish: str | None = None,
@@ -88,32 +125,43 @@ class ResponseShaper:
         }
 
     def whole(self, text: str, extra: dict | None, finish: str | None, chat_usage: dict, completed_at: int,
-              calls_first: bool = False) -> dict:
-        """The response to a completion gathered whole (its message's extra fields: tool calls),
-        its items in the order they began (``calls_first``: a call before any text), as streamed."""
-        calls = (extra or {}).get("tool_calls") or []
-        text_first = not (calls and calls_first)
-        if text_first and (text or not calls):  # no output at all: an empty message
-            self._text_item().parts.append(text)
-        for call in calls:
-            function = call.get("function") or {}
-            self._call_item(call.get("id"), function.get("name") or "").parts.append(function.get("arguments") or "")
-        if text and not text_first:
-            self._text_item().parts.append(text)
+              began: str = "") -> dict:
+        """The response to a completion gathered whole (its message's extra fields:
+        reasoning, tool calls), its items in the order they began (``began``, as
+        ChoiceState notes it), as streamed."""
+        extra = extra or {}
+        calls, thought = extra.get("tool_calls") or [], reasoning_of(extra)
+        for kind in began + "t" * ("t" not in began):
+            if kind == "r" and thought:
+                self._reasoning_item().parts.append(thought)
+            elif kind == "t" and text:
+                self._text_item().parts.append(text)
+            elif kind == "c":
+                for call in calls:
+                    function = call.get("function") or {}
+                    self._call_item(call.get("id"), function.get("name") or "").parts.append(
+                        function.get("arguments") or "")
+        if not self.items:  # no output at all: an empty message
+            self._text_item()
         status = _status(finish)
         return self.response(status, [item.shape(status) for item in self.items], response_usage(chat_usage), finish,
                              completed_at=completed_at)
 
     def _text_item(self) -> _Item:
         if self._message is None:
-            self._message = self._new_item(new_id("msg_"))
+            self._message = self._new_item(new_id("msg_"), "message")
         return self._message
 
-    def _call_item(self, call_id: str | None, name: str) -> _Item:
-        return self._new_item(new_id("fc_"), call_id or new_id("call_"), name)
+    def _reasoning_item(self) -> _Item:
+        if self._reasoning is None:
+            self._reasoning = self._new_item(new_id("rs_"), "reasoning")
+        return self._reasoning
 
-    def _new_item(self, item_id: str, call_id: str | None = None, name: str = "") -> _Item:
-        item = _Item(len(self.items), item_id, call_id, name)
+    def _call_item(self, call_id: str | None, name: str) -> _Item:
+        return self._new_item(new_id("fc_"), "function_call", call_id or new_id("call_"), name)
+
+    def _new_item(self, item_id: str, kind: str, call_id: str | None = None, name: str = "") -> _Item:
+        item = _Item(len(self.items), item_id, kind, call_id, name)
         self.items.append(item)
         return item
 
@@ -138,7 +186,16 @@ class ResponseShaper:
 
     def _open_message(self) -> bytes:
         item = self._text_item()
-        return self._added(item) + self._event("response.content_part.added", {**_where(item), "part": _text_part("")})
+        return self._added(item) + self._event("response.content_part.added", {**_where(item), "part": item.part()})
+
+    def reasoning(self, text: str) -> bytes:
+        frames = b""
+        if self._reasoning is None:
+            item = self._reasoning_item()
+            frames = self._added(item) + self._event("response.content_part.added", {**_where(item), "part": item.part()})
+        item = self._reasoning
+        item.parts.append(text)
+        return frames + self._event("response.reasoning_text.delta", {**_where(item), "delta": text})
 
     def tool_calls(self, fragments: list) -> bytes:
         """Chat's streamed tool call fragments (id and name first, then pieces of the arguments)."""
@@ -172,9 +229,12 @@ class ResponseShaper:
         status = _status(finish)
         for item in self.items:
             whole = "".join(item.parts)
-            if item.call_id is None:
+            if item.kind == "message":
                 frames.append(self._event("response.output_text.done", {**_where(item), "text": whole, "logprobs": []}))
-                frames.append(self._event("response.content_part.done", {**_where(item), "part": _text_part(whole)}))
+                frames.append(self._event("response.content_part.done", {**_where(item), "part": item.part()}))
+            elif item.kind == "reasoning":
+                frames.append(self._event("response.reasoning_text.done", {**_where(item), "text": whole}))
+                frames.append(self._event("response.content_part.done", {**_where(item), "part": item.part()}))
             else:
                 frames.append(self._event("response.function_call_arguments.done",
                                           {"item_id": item.id, "output_index": item.index, "arguments": whole}))
@@ -203,3 +263,7 @@ def _status(finish: str | None) -> str:
 
 def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}

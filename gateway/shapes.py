@@ -97,10 +97,12 @@ class ChoiceState:
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
     offsets: TokenOffsets | None = None  # streamed completions with logprobs
     started: bool = False
-    # An external server's other message fields (tool_calls, reasoning_content).
+    # An external server's other message fields (tool_calls, reasoning).
     extra: dict | None = None
-    # A tool call began before any text (the order a Responses answer lists them in).
-    calls_first: bool = False
+    # The order a Responses answer lists its items in: "r" (reasoning), "t" (text)
+    # and "c" (tool calls) as each began, noted from the first extra field on
+    # (text that began after them all is not noted: it comes last).
+    began: str = ""
 
 
 def merge_delta_extra(acc: dict, delta: dict) -> None:

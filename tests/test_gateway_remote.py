@@ -2796,3 +2796,88 @@ async def test_tool_calls_keep_their_order_and_identity_whole_and_streamed(tiny_
             assert [c["id"] for c in seen[-1]["messages"][1]["tool_calls"]] == ["call_get_weather"]
         else:
             assert shape == [("function_call", "get_weather", '{"city": "Paris"}'), ("function_call", "get_time", "{}")]
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+async def test_reasoning_through_the_responses_api_is_a_reasoning_item_and_goes_back_in_the_next_turn(
+        tiny_model_dir, field):
+    """A server with a reasoning parser splits a model's thinking off as chat's
+    ``reasoning`` (``reasoning_content`` in older vLLM and in SGLang): /v1/responses
+    answers it as a reasoning item ahead of the message, whole or streamed as
+    OpenAI's reasoning_text events; handed back in the next turn (as the SDK
+    documents for stateless use) it reaches the server as the assistant message's
+    ``reasoning``, before a tool call too, where chat templates show a model its
+    earlier thinking."""
+    seen = []
+
+    async def thinks(request):
+        body = await request.json()
+        seen.append(body)
+        chunks = [{"choices": [{"index": 0, "delta": {field: piece}, "finish_reason": None}]}
+                  for piece in ("The user asks ", "for a colour.")]
+        chunks += [{"choices": [{"index": 0, "delta": {"content": "Blue."}, "finish_reason": None}]},
+                   {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                   {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}}]
+        if not body.get("stream"):  # the whole answer, as a server sends it unstreamed
+            message = {"role": "assistant", "content": "Blue.", field: "The user asks for a colour."}
+            return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": MODEL,
+                                      "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                                      "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}})
+        return web.Response(body=_sse(*chunks) + b"data: [DONE]\n\n", content_type="text/event-stream")
+
+    router = RouterConfig(policy="round-robin", health_interval_s=60)
+    async with _gateway_over_pair(tiny_model_dir, thinks, thinks, ("a", "b"), router) as (gateway, _, client, _):
+        whole = await client.responses.create(model=MODEL, input="Name a colour.")
+        Response.model_validate(whole.to_dict())
+        assert [item.type for item in whole.output] == ["reasoning", "message"]
+        assert whole.output[0].content[0].text == "The user asks for a colour." and whole.output_text == "Blue."
+        assert whole.output[0].summary == [] and whole.output[0].status == "completed"
+
+        events = [e async for e in await client.responses.create(model=MODEL, input="Name a colour.", stream=True)]
+        for event in events:
+            RESPONSE_EVENT.validate_python(event.to_dict())
+        assert [e.type for e in events] == [
+            "response.created", "response.in_progress",
+            "response.output_item.added", "response.content_part.added",
+            "response.reasoning_text.delta", "response.reasoning_text.delta",
+            "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+            "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+            "response.output_text.done", "response.content_part.done", "response.output_item.done",
+            "response.completed"]
+        assert events[3].part.type == "reasoning_text" and events[9].text == "The user asks for a colour."
+        streamed = events[-1].response
+        assert [(i.type, i.model_dump(exclude={"id"})) for i in streamed.output] == [
+            (i.type, i.model_dump(exclude={"id"})) for i in whole.output]
+        async with client.responses.stream(model=MODEL, input="Name a colour.") as stream:
+            accumulated = await stream.get_final_response()  # the SDK's own accumulator takes the events
+        assert accumulated.output[0].content[0].text == "The user asks for a colour."
+
+        # The next turn: the SDK hands the reasoning item back with the rest.
+        history = [{"role": "user", "content": "Name a colour."}, *[i.model_dump(exclude_none=True) for i in streamed.output],
+                   {"role": "user", "content": "Another?"}]
+        await client.responses.create(model=MODEL, input=history)
+        assert seen[-1]["messages"] == [
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": [{"type": "text", "text": "Blue."}],
+             "reasoning": "The user asks for a colour."},
+            {"role": "user", "content": "Another?"},
+        ]
+        # Interleaved with tool calls: the thinking before a call goes with the call's message;
+        # reasoning that no answer follows has nowhere to go in chat.
+        tools = [{"type": "function", "name": "pick"}]
+        history = [{"role": "user", "content": "Pick one."},
+                   {"type": "reasoning", "id": "rs_1", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": "I should call pick."}]},
+                   {"type": "function_call", "call_id": "c1", "name": "pick", "arguments": "{}"},
+                   {"type": "function_call_output", "call_id": "c1", "output": "red"},
+                   {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "A summary."}]},
+                   {"role": "user", "content": "Thanks."}]
+        await client.responses.create(model=MODEL, input=history, tools=tools)
+        assert seen[-1]["messages"] == [
+            {"role": "user", "content": "Pick one."},
+            {"role": "assistant", "content": None, "reasoning": "I should call pick.",
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "pick", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "red"},
+            {"role": "user", "content": "Thanks."},
+        ]
+        assert gateway.router.inflight_requests == [0, 0]
