@@ -314,7 +314,7 @@ def _collect(choices: list[ChoiceState], usage: UsageSum, sub: int, shift: int, 
     if out.extra:
         if choice.extra is None:
             choice.extra = {}
-        choice.began = began_order(choice.began, bool(choice.text), out)
+        choice.began = began_order(choice.began, bool(choice.text), out, len(choice.extra.get("tool_calls") or ()))
         merge_delta_extra(choice.extra, out.extra)
     if out.text:
         choice.text.append(out.text)

@@ -284,10 +284,14 @@ def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
                               "items).", f"{where}.type")
         if message["role"] == "assistant":
             _give_reasoning(message, thought)
+        elif thought and last is not None and last["role"] == "assistant":
+            _give_reasoning(last, thought)  # reasoning listed after its turn's output (text that began first)
         else:
-            thought.clear()  # reasoning no answer followed: nothing in chat holds it
+            thought.clear()  # reasoning no answer came with: nothing in chat holds it
         messages.append(message)
         indexes.append(i)
+    if thought and messages and messages[-1]["role"] == "assistant":
+        _give_reasoning(messages[-1], thought)
     call.input_items = len(given)
     if len(indexes) != len(given):
         # Items folded into the message before them shift the later ones: errors
@@ -345,13 +349,16 @@ def _reasoning_text(item: dict, where: str) -> str:
 
 
 def _give_reasoning(message: dict, thought: list[str]) -> None:
-    """Hand the reasoning before an assistant's output to its chat message, as
-    vLLM's ``reasoning`` field (chat templates that show a model its earlier
-    thinking, between tool calls especially, read it there)."""
+    """Hand a turn's reasoning to its assistant chat message, where chat templates
+    that show a model its earlier thinking (between tool calls especially) find
+    it: as ``reasoning`` (vLLM's name) and ``reasoning_content`` (SGLang's, and
+    older vLLM's); a server reads the one it knows."""
     text = "\n\n".join(t for t in thought if t)
     thought.clear()
     if text:
-        message["reasoning"] = message["reasoning"] + "\n\n" + text if message.get("reasoning") else text
+        if message.get("reasoning"):
+            text = message["reasoning"] + "\n\n" + text
+        message["reasoning"] = message["reasoning_content"] = text
 
 
 def _function_call(item: dict, where: str) -> dict:

@@ -50,17 +50,24 @@ def reasoning_of(extra: dict) -> str:
     return ""
 
 
-def began_order(began: str, had_text: bool, out) -> str:
-    """``began`` (see ChoiceState) with what ``out`` begins: within one output,
-    reasoning, then text, then calls, the order a stream shows them in."""
+def began_order(began: tuple, had_text: bool, out, calls: int) -> tuple:
+    """``began`` (see ChoiceState) with what ``out`` begins, ``calls`` tool calls
+    having begun before it: within one output, reasoning, then text, then each
+    call, the order a stream shows them in.  A call's position is its index, or,
+    without one, the next (a call of its own, as shapes.merge_delta_extra reads it)."""
     if had_text and "t" not in began:
-        began += "t"
+        began += ("t",)
     if "r" not in began and reasoning_of(out.extra):
-        began += "r"
+        began += ("r",)
     if out.text and "t" not in began:
-        began += "t"
-    if "c" not in began and out.extra.get("tool_calls"):
-        began += "c"
+        began += ("t",)
+    for fragment in out.extra.get("tool_calls") or ():
+        if isinstance(fragment, dict):
+            position = fragment.get("index", calls)
+            if isinstance(position, int) and not isinstance(position, bool):
+                if position not in began:
+                    began += (position,)
+                calls = max(calls, position + 1)
     return began
 
 
@@ -125,22 +132,25 @@ class ResponseShaper:
         }
 
     def whole(self, text: str, extra: dict | None, finish: str | None, chat_usage: dict, completed_at: int,
-              began: str = "") -> dict:
+              began: tuple = ()) -> dict:
         """The response to a completion gathered whole (its message's extra fields:
         reasoning, tool calls), its items in the order they began (``began``, as
         ChoiceState notes it), as streamed."""
         extra = extra or {}
         calls, thought = extra.get("tool_calls") or [], reasoning_of(extra)
-        for kind in began + "t" * ("t" not in began):
-            if kind == "r" and thought:
-                self._reasoning_item().parts.append(thought)
-            elif kind == "t" and text:
-                self._text_item().parts.append(text)
-            elif kind == "c":
-                for call in calls:
-                    function = call.get("function") or {}
-                    self._call_item(call.get("id"), function.get("name") or "").parts.append(
-                        function.get("arguments") or "")
+        # Text not noted began after everything else; calls not noted (none should be) come last.
+        order = [*began, *(("t",) if "t" not in began else ()), *(p for p in range(len(calls)) if p not in began)]
+        for token in order:
+            if token == "r":
+                if thought:
+                    self._reasoning_item().parts.append(thought)
+            elif token == "t":
+                if text:
+                    self._text_item().parts.append(text)
+            elif 0 <= token < len(calls):
+                function = calls[token].get("function") or {}
+                self._call_item(calls[token].get("id"), function.get("name") or "").parts.append(
+                    function.get("arguments") or "")
         if not self.items:  # no output at all: an empty message
             self._text_item()
         status = _status(finish)

@@ -27,7 +27,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from itertools import islice
-from typing import Iterable, Iterator, NamedTuple, Protocol, Sequence
+from typing import Collection, Iterable, Iterator, NamedTuple, Protocol, Sequence
 
 import xxhash
 
@@ -72,7 +72,7 @@ class FleetIndex:
     Routing asks every replica at once how much of a prompt it holds.  Each
     replica's own map (``ExactIndex.tiers``) answers for that replica alone, one
     probe per block per replica: a 2,048-block prompt held by 32 replicas of a
-    million keys took ~42 ms of the event loop.  This map answers for all of them
+    million keys took 28-42 ms of the event loop.  This map answers for all of them
     in one probe per block (``match_all``).  The replicas' own maps stay the
     record of which tier holds what; this one mirrors only presence.
 
@@ -88,7 +88,8 @@ class FleetIndex:
         self.held: dict[int, int] = {}
         self._next_slot = 0
         self._free: list[int] = []  # swept slots, lowest reused first (keeps the masks small ints)
-        self._pending: list[tuple[int, Iterable[int]]] = []  # (slot, its keys) given up, not yet swept
+        # Slots given up and not yet swept: [slot, keys left, an iterator over them].
+        self._pending: list[list] = []
         self._sweeper: asyncio.Task | None = None
 
     def take_slot(self) -> int:
@@ -114,17 +115,23 @@ class FleetIndex:
             else:
                 held.pop(key, None)
 
-    def give_up(self, slot: int, keys: Iterable[int]) -> None:
+    def give_up(self, slot: int, keys: Collection[int]) -> None:
         """Forget ``slot``, which held ``keys`` (a collection nobody changes any more):
         swept in slices when a loop runs, else at once; the slot is reused after."""
-        self._pending.append((slot, keys))
+        if keys:
+            self._pending.append([slot, len(keys), iter(keys)])
+        else:
+            self._free.append(slot)  # nothing to sweep (a replica cleared, or re-indexed empty)
+        if not self._pending:
+            return
         try:
-            asyncio.get_running_loop()
+            loop = asyncio.get_running_loop()
         except RuntimeError:
             for _ in self._sweep():
                 pass
             return
-        if self._sweeper is None or self._sweeper.done():
+        # A sweeper left on a loop that has since closed never finishes: start another.
+        if self._sweeper is None or self._sweeper.done() or self._sweeper.get_loop() is not loop:
             self._sweeper = asyncio.create_task(self._sweep_in_slices(), name="kvgate-index-sweep")
 
     async def _sweep_in_slices(self) -> None:
@@ -132,13 +139,19 @@ class FleetIndex:
             await asyncio.sleep(0)
 
     def _sweep(self) -> Iterator[None]:
-        """Clear given-up slots' bits, yielding every _REBUILD_SLICE keys."""
-        while self._pending:
-            slot, keys = self._pending.pop(0)
-            it = iter(keys)
-            while part := list(islice(it, _REBUILD_SLICE)):
+        """Clear given-up slots' bits, yielding every _REBUILD_SLICE keys; the
+        smallest first, so that a resync of many replicas at once frees slots
+        (and keeps the masks short) soonest.  An entry stays listed until it is
+        swept whole, so a sweep cancelled half-way is taken up by the next."""
+        pending = self._pending
+        while pending:
+            entry = min(pending, key=lambda e: e[1])
+            slot, _, keys = entry
+            while part := list(islice(keys, _REBUILD_SLICE)):
                 self.discard(part, 1 << slot)
+                entry[1] -= len(part)
                 yield
+            pending.remove(entry)
             self._free.append(slot)
 
     def match_all(self, keys: Sequence[int], slots: Sequence[int]) -> list[int]:
@@ -188,7 +201,7 @@ class _Unshared:
     def discard(self, keys: Iterable[int], bit: int) -> None:
         pass
 
-    def give_up(self, slot: int, keys: Iterable[int]) -> None:
+    def give_up(self, slot: int, keys: Collection[int]) -> None:
         pass
 
 
@@ -247,27 +260,43 @@ class ExactIndex:
 
     def reset(self, held: dict[str, Sequence[int]]) -> None:
         """Hold exactly ``held`` (tier -> keys) from now on."""
-        tiers, slot = {}, self.fleet.take_slot()
-        for _ in self._fill(tiers, slot, held):
+        for _ in self._build(held):
             pass
-        self._switch(tiers, slot)
 
     async def rebuild(self, held: dict[str, Sequence[int]]) -> None:
         """reset() without holding the event loop: a snapshot of a million keys
         takes a few hundred milliseconds to index, so the new map (and a new
         slot in the fleet's) is built a slice at a time, other tasks running
         between slices, and replaces the old one (still routed on meanwhile) at the end."""
-        tiers: dict[int, int] = {}
-        slot = self.fleet.take_slot()
+        building = self._build(held)
         try:
-            for _ in self._fill(tiers, slot, held):
+            for _ in building:
                 await asyncio.sleep(0)
-        except BaseException:
-            self.fleet.give_up(slot, tiers)  # cancelled half-built: its bits go with it
-            raise
-        self._switch(tiers, slot)
+        finally:
+            building.close()  # cancelled half-way: the half-built slot is given up now
 
-    def _fill(self, tiers: dict[int, int], slot: int, held: dict[str, Sequence[int]]) -> Iterator[None]:
+    def _build(self, held: dict[str, Sequence[int]]) -> Iterator[None]:
+        tiers: dict[int, int] = {}
+        fleet = self.fleet
+        slot = fleet.take_slot()
+        try:
+            yield from self._fill(tiers, fleet, slot, held)
+        except BaseException:
+            fleet.give_up(slot, tiers)  # cancelled (or failed) half-built: its bits go with it
+            raise
+        if fleet is not self.fleet:
+            # Moved to another fleet meanwhile (share_fleet after the replicas
+            # started): the new map goes there, in a slot of that fleet's.
+            fleet.give_up(slot, tiers)
+            slot = self.fleet.take_slot()
+            self.fleet.add(tiers, 1 << slot)
+        old_tiers, old_slot = self.tiers, self.slot
+        self.tiers, self.slot = tiers, slot
+        self.fleet.give_up(old_slot, old_tiers)
+
+    @staticmethod
+    def _fill(tiers: dict[int, int], fleet: FleetIndex | _Unshared, slot: int,
+              held: dict[str, Sequence[int]]) -> Iterator[None]:
         """Build ``tiers`` from ``held`` and mark its keys in ``slot``, yielding every _REBUILD_SLICE keys."""
         for n, (tier, keys) in enumerate(held.items()):
             bit = _TIER_BITS.get(tier, DEVICE_BIT)
@@ -278,18 +307,14 @@ class ExactIndex:
                 tiers.update(dict.fromkeys(part, bit))
                 if both:
                     tiers.update(both)
-                self.fleet.add(part, 1 << slot)
+                fleet.add(part, 1 << slot)
                 yield
 
-    def _switch(self, tiers: dict[int, int], slot: int) -> None:
-        old_tiers, old_slot = self.tiers, self.slot
-        self.tiers, self.slot = tiers, slot
-        self.fleet.give_up(old_slot, old_tiers)
-
     def move_to(self, fleet: FleetIndex) -> None:
-        """Mirror this index in ``fleet`` from now on (before it follows any events)."""
+        """Mirror this index in ``fleet`` from now on (a rebuild under way lands there too)."""
         if fleet is not self.fleet:
-            self.fleet.give_up(self.slot, list(self.tiers))
+            if isinstance(self.fleet, FleetIndex):
+                self.fleet.give_up(self.slot, list(self.tiers))  # a copy: this map goes on changing
             self.fleet, self.slot = fleet, fleet.take_slot()
             fleet.add(self.tiers, 1 << self.slot)
 
@@ -299,8 +324,7 @@ class ExactIndex:
 
 def share_fleet(indexes: Sequence[object]) -> FleetIndex | None:
     """Mirror the ExactIndexes among ``indexes``, if there are two or more, in one
-    FleetIndex, so the router matches them all in one pass; before they follow
-    any KV events."""
+    FleetIndex, so the router matches them all in one pass."""
     exact = [index for index in indexes if isinstance(index, ExactIndex)]
     if len(exact) < 2:
         return None
@@ -311,11 +335,12 @@ def share_fleet(indexes: Sequence[object]) -> FleetIndex | None:
 
 
 def match_each(keys: Sequence[int], indexes: Sequence[PrefixIndex], cands: Sequence[int]) -> list[int]:
-    """Each candidate's matched blocks: one pass over ``keys`` when the candidates'
-    indexes share a FleetIndex, else one per candidate."""
+    """Each candidate's matched blocks: one pass over ``keys`` for those whose
+    indexes share a FleetIndex, one per candidate for the others (external
+    servers' approximate indexes)."""
     first = indexes[cands[0]]
     fleet = first.fleet if isinstance(first, ExactIndex) else None
-    if isinstance(fleet, FleetIndex):
+    if isinstance(fleet, FleetIndex):  # the usual case: every candidate on it
         slots = []
         for i in cands:
             index = indexes[i]
@@ -324,7 +349,26 @@ def match_each(keys: Sequence[int], indexes: Sequence[PrefixIndex], cands: Seque
             slots.append(index.slot)
         else:
             return fleet.match_all(keys, slots)
-    return [indexes[i].match(keys) for i in cands]
+    fleet = None
+    slots = []
+    shared: list[int] = []  # positions in cands of the indexes on ``fleet``
+    for pos, i in enumerate(cands):
+        index = indexes[i]
+        if isinstance(index, ExactIndex) and isinstance(index.fleet, FleetIndex):
+            if fleet is None:
+                fleet = index.fleet
+            if index.fleet is fleet:
+                slots.append(index.slot)
+                shared.append(pos)
+    if fleet is None:
+        return [indexes[i].match(keys) for i in cands]
+    matched = fleet.match_all(keys, slots)
+    if len(shared) == len(cands):
+        return matched
+    out = [-1] * len(cands)
+    for pos, m in zip(shared, matched):
+        out[pos] = m
+    return [m if m >= 0 else indexes[cands[pos]].match(keys) for pos, m in enumerate(out)]
 
 
 class ApproxIndex:

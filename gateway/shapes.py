@@ -100,9 +100,9 @@ class ChoiceState:
     # An external server's other message fields (tool_calls, reasoning).
     extra: dict | None = None
     # The order a Responses answer lists its items in: "r" (reasoning), "t" (text)
-    # and "c" (tool calls) as each began, noted from the first extra field on
-    # (text that began after them all is not noted: it comes last).
-    began: str = ""
+    # and each tool call's position, as each began, noted from the first extra
+    # field on (text that began after them all is not noted: it comes last).
+    began: tuple = ()
 
 
 def merge_delta_extra(acc: dict, delta: dict) -> None:

@@ -23,6 +23,15 @@ from tests.engine_procs import tiny_config
 TIERS = {"device": router.DEVICE_BIT, "host": router.HOST_BIT}
 
 
+async def _swept(fleet: FleetIndex) -> None:
+    """Let the fleet's sweeper run out (a bounded wait: a sweeper that never ends fails here)."""
+    for _ in range(10_000):
+        if fleet._sweeper is None or fleet._sweeper.done():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the sweep did not finish")
+
+
 class OneMapPerReplica:
     """What a replica holds, kept the obvious way (the model the fleet map must equal)."""
 
@@ -141,8 +150,7 @@ async def test_slots_given_up_are_swept_in_slices_and_reused():
     for round_ in range(6):
         await a.rebuild({"device": many if round_ % 2 == 0 else many[:10], "host": [7]})
     a.apply("cleared", [], "device")
-    while fleet._sweeper is not None and not fleet._sweeper.done():
-        await asyncio.sleep(0)
+    await _swept(fleet)
     stop.set()
     await ticker
     assert turns > 6 * 3  # the fills and the sweeps yielded
@@ -162,8 +170,7 @@ async def test_a_rebuild_cancelled_halfway_leaves_the_index_as_it_was():
         await asyncio.sleep(0)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    while fleet._sweeper is not None and not fleet._sweeper.done():
-        await asyncio.sleep(0)
+    await _swept(fleet)
     assert index.tiers == {1: 1, 2: 1} and len(index) == 2
     assert fleet.held == {1: 1 << index.slot, 2: 1 << index.slot}  # the half-built slot's keys are gone
 
@@ -178,3 +185,59 @@ def test_a_gateways_engine_replicas_share_one_map(tiny_model_dir):
     assert replicas[0].index.fleet is replicas[1].index.fleet
     assert replicas[0].index.slot != replicas[1].index.slot
     assert isinstance(replicas[2].index, router.ApproxIndex)
+
+
+async def test_an_index_shared_while_it_rebuilds_lands_whole_in_the_shared_map():
+    """share_fleet after a replica started re-indexing (a replica list handed to a
+    second app, say): the new map lands in a slot of the shared fleet, and no
+    replica is reported holding another's blocks."""
+    a, b = ExactIndex(), ExactIndex()
+    b.reset({"device": [-9]})
+    task = asyncio.create_task(a.rebuild({"device": list(range(1, 3 * router._REBUILD_SLICE))}))
+    await asyncio.sleep(0)
+    fleet = share_fleet([a, b])
+    await task
+    await _swept(fleet)
+    assert a.fleet is b.fleet is fleet and a.slot != b.slot
+    assert match_each([1, 2, 3], [a, b], [0, 1]) == [a.match([1, 2, 3]), b.match([1, 2, 3])] == [3, 0]
+    assert match_each([-9], [a, b], [0, 1]) == [0, 1]
+    assert sum(1 for bits in fleet.held.values() if bits & (1 << b.slot)) == 1
+
+
+async def test_a_sweep_cut_short_is_finished_by_the_next_and_empty_slots_come_back_at_once():
+    fleet = FleetIndex()
+    a, b = ExactIndex(fleet), ExactIndex(fleet)
+    a.reset({"device": list(range(5 * router._REBUILD_SLICE))})
+    a.apply("cleared", [], "device")  # its old slot is being swept
+    for _ in range(2):
+        await asyncio.sleep(0)
+    fleet._sweeper.cancel()
+    await asyncio.gather(fleet._sweeper, return_exceptions=True)
+    assert fleet._pending  # the cut sweep left the rest listed
+    taken = fleet._next_slot
+    for _ in range(5):
+        b.apply("cleared", [], "device")  # an empty slot is free again at once
+    assert fleet._next_slot <= taken + 1  # (a new slot is taken before the old one is given up)
+    b.reset({"device": [1]})  # gives up b's empty slot; a new sweeper finishes the cut one
+    a.reset({"device": [2]})
+    await _swept(fleet)
+    assert not fleet._pending and fleet.held == {1: 1 << b.slot, 2: 1 << a.slot}
+
+
+def test_a_sweeper_left_on_a_closed_loop_does_not_stop_later_sweeps():
+    fleet = FleetIndex()
+    a, b = ExactIndex(fleet), ExactIndex(fleet)
+
+    async def resync(keys, settle=True):
+        await a.rebuild({"device": keys})
+        if settle:
+            await _swept(fleet)
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(resync(list(range(3 * router._REBUILD_SLICE))))
+    loop.run_until_complete(resync([5], settle=False))  # the big slot's sweep is still under way...
+    loop.close()  # ...when its loop closes without running it out
+    asyncio.run(resync([6]))
+    asyncio.run(resync([7]))
+    assert a.tiers == {7: 1} and fleet.held == {7: 1 << a.slot}
+    assert not fleet._pending and fleet._next_slot <= 4

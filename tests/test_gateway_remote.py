@@ -2806,23 +2806,17 @@ async def test_reasoning_through_the_responses_api_is_a_reasoning_item_and_goes_
     answers it as a reasoning item ahead of the message, whole or streamed as
     OpenAI's reasoning_text events; handed back in the next turn (as the SDK
     documents for stateless use) it reaches the server as the assistant message's
-    ``reasoning``, before a tool call too, where chat templates show a model its
-    earlier thinking."""
+    ``reasoning`` and ``reasoning_content``, before a tool call too, where chat
+    templates show a model its earlier thinking."""
     seen = []
 
     async def thinks(request):
-        body = await request.json()
-        seen.append(body)
+        seen.append(await request.json())
         chunks = [{"choices": [{"index": 0, "delta": {field: piece}, "finish_reason": None}]}
                   for piece in ("The user asks ", "for a colour.")]
         chunks += [{"choices": [{"index": 0, "delta": {"content": "Blue."}, "finish_reason": None}]},
                    {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
                    {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}}]
-        if not body.get("stream"):  # the whole answer, as a server sends it unstreamed
-            message = {"role": "assistant", "content": "Blue.", field: "The user asks for a colour."}
-            return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": MODEL,
-                                      "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-                                      "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}})
         return web.Response(body=_sse(*chunks) + b"data: [DONE]\n\n", content_type="text/event-stream")
 
     router = RouterConfig(policy="round-robin", health_interval_s=60)
@@ -2859,7 +2853,7 @@ async def test_reasoning_through_the_responses_api_is_a_reasoning_item_and_goes_
         assert seen[-1]["messages"] == [
             {"role": "user", "content": "Name a colour."},
             {"role": "assistant", "content": [{"type": "text", "text": "Blue."}],
-             "reasoning": "The user asks for a colour."},
+             "reasoning": "The user asks for a colour.", "reasoning_content": "The user asks for a colour."},
             {"role": "user", "content": "Another?"},
         ]
         # Interleaved with tool calls: the thinking before a call goes with the call's message;
@@ -2876,8 +2870,61 @@ async def test_reasoning_through_the_responses_api_is_a_reasoning_item_and_goes_
         assert seen[-1]["messages"] == [
             {"role": "user", "content": "Pick one."},
             {"role": "assistant", "content": None, "reasoning": "I should call pick.",
-             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "pick", "arguments": "{}"}}]},
+             "reasoning_content": "I should call pick.", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "pick", "arguments": "{}"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "red"},
             {"role": "user", "content": "Thanks."},
         ]
         assert gateway.router.inflight_requests == [0, 0]
+
+
+
+@pytest.mark.parametrize("answer, items", [
+    ("call, text, call", [("function_call", "a"), ("message", "Then "), ("function_call", "b")]),
+    ("text, reasoning", [("message", "Hi. "), ("reasoning", "Hmm.")]),
+    ("reasoning only", [("reasoning", "Hmm.")]),
+    ("reasoning and text at once, then a call", [("reasoning", "Hmm."), ("message", "Hi. "), ("function_call", "a")]),
+])
+async def test_responses_items_keep_the_order_they_began_in_whole_and_streamed(tiny_model_dir, answer, items):
+    """However a server interleaves reasoning, text and tool calls, the whole
+    response lists its items as the stream added them; handed back, a turn's
+    reasoning listed after its message still goes with that message."""
+    seen = []
+
+    def delta(**fields):
+        return {"choices": [{"index": 0, "delta": fields, "finish_reason": None}]}
+
+    def call(index, name):
+        return delta(tool_calls=[{"index": index, "id": f"call_{name}", "type": "function",
+                                  "function": {"name": name, "arguments": "{}"}}])
+
+    script = {
+        "call, text, call": [call(0, "a"), delta(content="Then "), call(1, "b")],
+        "text, reasoning": [delta(content="Hi. "), delta(reasoning="Hmm.")],
+        "reasoning only": [delta(reasoning="Hmm.")],
+        "reasoning and text at once, then a call": [delta(reasoning="Hmm.", content="Hi. "), call(0, "a")],
+    }[answer]
+
+    async def server(request):
+        seen.append(await request.json())
+        chunks = [*script, {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+        return web.Response(body=_sse(*chunks) + b"data: [DONE]\n\n", content_type="text/event-stream")
+
+    def shape(output):
+        return [(item.type, getattr(item, "name", None) or (item.content[0].text if item.content else None))
+                for item in output]
+
+    tools = [{"type": "function", "name": "a"}, {"type": "function", "name": "b"}]
+    router = RouterConfig(policy="round-robin", health_interval_s=60)
+    async with _gateway_over_pair(tiny_model_dir, server, server, ("a", "b"), router) as (_, _, client, _):
+        whole = await client.responses.create(model=MODEL, input="Go.", tools=tools)
+        events = [e async for e in await client.responses.create(model=MODEL, input="Go.", tools=tools, stream=True)]
+        for event in events:
+            RESPONSE_EVENT.validate_python(event.to_dict())
+        added = [e.item.type for e in events if e.type == "response.output_item.added"]
+        assert shape(whole.output) == shape(events[-1].response.output) == items
+        assert added == [kind for kind, _ in items]
+        if answer == "text, reasoning":
+            history = [{"role": "user", "content": "Go."}, *[i.model_dump(exclude_none=True) for i in whole.output],
+                       {"role": "user", "content": "Again."}]
+            await client.responses.create(model=MODEL, input=history)
+            assert seen[-1]["messages"][1]["reasoning"] == "Hmm." and seen[-1]["messages"][1]["role"] == "assistant"
