@@ -45,6 +45,7 @@ _QUOTED = re.compile(r"""((?<!\w)'[^']*'(?!\w)|"[^"]*"|`[^`]*`)""")
 _FIELD_PATH = re.compile(r"messages(?:\[\d+\].*)?|max_(?:completion_)?tokens|response_format.*")
 # The translated request's fields that the client sent under another name.
 _SENT_AS = {"reasoning_effort": "reasoning"}
+_SUMMARIES = ("auto", "concise", "detailed")
 _MAX_METADATA_KEYS = 16
 _MAX_METADATA_KEY = 64
 _MAX_METADATA_VALUE = 512
@@ -175,7 +176,13 @@ def _typed(body: dict, key: str, kind: type, expected: str, where: str = "") -> 
 
 def _reasoning_effort(body: dict) -> str | None:
     reasoning = _typed(body, "reasoning", dict, "an object")
-    return None if reasoning is None else _typed(reasoning, "effort", str, "a string", "reasoning.")
+    if reasoning is None:
+        return None
+    summary = reasoning.get("summary")
+    if summary is not None and summary not in _SUMMARIES:
+        raise bad_request(f"Invalid value for 'reasoning.summary': {json.dumps(summary)[:60]}. Supported values are: "
+                          "'auto', 'concise' and 'detailed'.", "reasoning.summary")
+    return _typed(reasoning, "effort", str, "a string", "reasoning.")
 
 
 def _list(body: dict, name: str, where: str = "") -> list:
@@ -202,7 +209,7 @@ def _echo(body: dict) -> dict:
                 raise bad_request(f"Invalid 'metadata': keys may be at most {_MAX_METADATA_KEY} characters and values "
                                   f"at most {_MAX_METADATA_VALUE}.", f"metadata.{key[:_MAX_METADATA_KEY]}")
     reasoning = body.get("reasoning")
-    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    reasoning = reasoning if isinstance(reasoning, dict) else {}
     return {
         "instructions": body.get("instructions"),
         "max_output_tokens": body.get("max_output_tokens"),
@@ -211,7 +218,8 @@ def _echo(body: dict) -> dict:
         "parallel_tool_calls": _given(body, "parallel_tool_calls", True),
         "previous_response_id": None,
         "prompt_cache_key": body.get("prompt_cache_key"),
-        "reasoning": {"effort": effort, "summary": None},
+        # As sent (a summary is the model's to write: a server's reasoning comes whole, summary empty).
+        "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
         "safety_identifier": body.get("safety_identifier"),
         "service_tier": "default",
         "store": False,

@@ -2635,9 +2635,9 @@ async def test_a_response_reaches_an_external_server_as_the_chat_request_it_asks
         fmt = {"type": "json_schema", "name": "colour", "schema": {"type": "object"}, "strict": True}
         resp = await client.responses.create(model=MODEL, instructions="Be brief.", input="Name a colour.",
                                              max_output_tokens=20, temperature=0.5, text={"format": fmt},
-                                             reasoning={"effort": "low"})
+                                             reasoning={"effort": "low", "summary": "auto"})
         assert resp.status == "completed" and resp.output_text == "Fine" and resp.text.format.type == "json_schema"
-        assert resp.reasoning.effort == "low"
+        assert (resp.reasoning.effort, resp.reasoning.summary) == ("low", "auto")  # as sent
         assert (resp.usage.input_tokens, resp.usage.input_tokens_details.cached_tokens, resp.usage.output_tokens) == (
             12, 8, 2)
         sent = seen[-1]

@@ -118,6 +118,7 @@ async def test_a_streamed_response_sends_openais_events_in_order(gw):
     ({}, "input", "Missing required parameter: 'input'"),
     ({"input": 5}, "input", "expected a string or an array of input items"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type", "not supported by kvgate"),
+    ({"input": "hi", "reasoning": {"summary": "brief"}}, "reasoning.summary", "Supported values are: 'auto'"),
     ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "summary_text", "text": "x"}]}]},
      "input[0].content[0]", "expected a reasoning_text part"),
     ({"input": [{"type": "reasoning", "summary": [], "content": "x"}]}, "input[0].content", "expected an array"),
