@@ -403,6 +403,15 @@ class RouterConfig(Section):
     health_timeout_s: float = Field(5.0, gt=0, le=HOUR_S)
     breaker_failures: int = Field(3, ge=1)
     breaker_reset_s: float = Field(10.0, gt=0)
+    # A request whose replica's connection broke while it ran it (the replica may
+    # have died of it: a "query of death") is tried on at most this many replicas;
+    # then it fails, and the same prompt is refused for lost_quarantine_s (0: not
+    # refused), so that one prompt cannot bring a fleet down one replica at a
+    # time, nor again with each retry of its client.  (Two replicas lost one after
+    # the other for other reasons while running the same request would refuse an
+    # innocent prompt that long: hence minutes, not hours.)
+    lost_attempts: int = Field(2, ge=1)
+    lost_quarantine_s: float = Field(300.0, ge=0, le=24 * HOUR_S)
 
 
 class ClassifierRule(Section):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -31,6 +32,7 @@ from gateway.replicas import (
     Replica,
     ReplicaAnswerFailed,
     ReplicaBusy,
+    ReplicaLost,
     ReplicaStopping,
     ReplicaUnavailable,
     UpstreamError,
@@ -40,6 +42,8 @@ from gateway.upstream import USAGE_ALL
 from gateway.usage import UsageSum
 
 log = logging.getLogger(__name__)
+# Prompts remembered as lost (router.lost_quarantine_s), the oldest dropped first.
+_QUARANTINE_MAX = 1024
 
 # What ``Dispatcher.outputs`` yields when a non-streaming request's replica failed
 # after some output: the sub-request starts over on another replica, and what it
@@ -70,6 +74,8 @@ class Dispatcher:
         self.observer = observer
         # Each replica keeps one index object for its life (reset in place).
         self._indexes = [r.index for r in replicas]
+        # Prompts lost with router.lost_attempts replicas: refused until the monotonic time given.
+        self._quarantine: dict[tuple, float] = {}
 
     def run(self, subs: list[Sub], parsed: ParsedRequest) -> tuple[AsyncIterator, bool]:
         """The outputs of all ``subs`` and whether there is a single one.
@@ -106,6 +112,8 @@ class Dispatcher:
                   parsed.id if not sub.shift else f"{parsed.id}-{sub.shift}")
         load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
         prompt_len = len(sub.prompt.token_ids)
+        if self._quarantine:
+            self._refuse_if_quarantined(sub)
         tries = _Tries(time.monotonic())
         try:
             while True:
@@ -149,6 +157,11 @@ class Dispatcher:
                     tries.tried.append(decision.replica)
                     if isinstance(exc, ReplicaAnswerFailed):
                         tries.answer_failed.append((replica, exc))
+                    if isinstance(exc, ReplicaLost):
+                        tries.lost += 1
+                        if tries.lost >= router.cfg.lost_attempts:
+                            self._quarantine_prompt(sub, parsed, tries.lost)
+                            raise errors.request_lost(tries.lost) from None
                 except UpstreamError as exc:
                     status = exc.status if 400 <= exc.status < 600 else 502
                     if attempt.produced and status >= 500:
@@ -197,6 +210,38 @@ class Dispatcher:
             raise errors.relayed(failed.status, failed.body, "The model server failed the request.",
                                  "api_error") from None
         raise errors.no_replica()
+
+    def _prompt_id(self, sub: Sub) -> tuple:
+        """A prompt's identity: its length, its last full block's key (which chains
+        every block before it, images and salt included) and the tokens after it."""
+        prompt = sub.prompt
+        whole_blocks = len(prompt.keys) * self.router.block_size
+        return len(prompt.token_ids), prompt.keys[-1] if prompt.keys else None, tuple(prompt.token_ids[whole_blocks:])
+
+    def _quarantine_prompt(self, sub: Sub, parsed: ParsedRequest, lost: int) -> None:
+        seconds = self.router.cfg.lost_quarantine_s
+        log.warning("%s: the replicas running it failed while running it, %d in a row; not tried on another%s",
+                    parsed.id, lost, f", and its prompt is refused for {seconds:g} s" if seconds else "")
+        if not seconds:
+            return
+        now = time.monotonic()
+        quarantine = self._quarantine
+        for key in [key for key, until in quarantine.items() if until <= now]:
+            del quarantine[key]
+        if len(quarantine) >= _QUARANTINE_MAX:
+            del quarantine[next(iter(quarantine))]  # the oldest
+        quarantine[self._prompt_id(sub)] = now + seconds
+
+    def _refuse_if_quarantined(self, sub: Sub) -> None:
+        key = self._prompt_id(sub)
+        until = self._quarantine.get(key)
+        if until is None:
+            return
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._quarantine[key]
+            return
+        raise errors.request_quarantined(math.ceil(left))
 
     def _failed(self, exc: ReplicaUnavailable, attempt: _Attempt, parsed: ParsedRequest) -> None:
         """A replica failed an attempt: counted, and the client's error if it has had
@@ -295,7 +340,7 @@ class Dispatcher:
 class _Tries:
     """A sub-request's attempts so far, on one replica after another."""
 
-    __slots__ = ("arrival", "tried", "busy", "retry_after", "answer_failed", "unrecorded")
+    __slots__ = ("arrival", "tried", "busy", "retry_after", "answer_failed", "unrecorded", "lost")
 
     def __init__(self, arrival: float) -> None:
         self.arrival = arrival  # time.monotonic() when it was first routed
@@ -307,6 +352,7 @@ class _Tries:
         self.answer_failed: list[tuple[Replica, ReplicaAnswerFailed]] = []
         # An attempt cut for a restart, until a later one that produced (or ended) records itself.
         self.unrecorded: Finished | None = None
+        self.lost = 0  # attempts whose replica's connection broke while it ran them (ReplicaLost)
 
 
 class _Attempt:

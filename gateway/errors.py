@@ -159,5 +159,16 @@ def upstream_error(message: str) -> ApiError:
     return ApiError(502, message, "api_error", None, "upstream_error")
 
 
+def request_lost(servers: int) -> ApiError:
+    return ApiError(502, f"The model server running this request failed while running it, {servers} time(s) on "
+                         "different servers; it is not tried on another, in case it is what brings them down.",
+                    "api_error", None, "request_lost")
+
+
+def request_quarantined(seconds: int) -> ApiError:
+    return ApiError(502, f"Model servers failed while running this prompt; it is refused for the next {seconds} s, "
+                         "in case it is what brings them down.", "api_error", None, "request_quarantined")
+
+
 def internal_error() -> ApiError:
     return ApiError(500, "The server had an error while processing your request.", "server_error", None, None)

@@ -935,6 +935,8 @@ class RemoteReplica(Replica):
                 # One malformed or cut-short answer from a replica that still talks
                 # HTTP: counted, but not worth cutting every stream it serves.
                 self._note_failure()
+            if _lost(exc):
+                raise ReplicaLost(f"replica {self.name} failed mid-request: {reason}") from exc
             if isinstance(exc, ReplicaUnavailable):
                 raise
             raise ReplicaUnavailable(f"replica {self.name} failed mid-request: {reason}") from exc
@@ -973,7 +975,8 @@ class RemoteReplica(Replica):
             raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             self._note_failure()
-            raise ReplicaUnavailable(f"replica {self.name}: {_plain_reason(exc)}") from exc
+            kind = ReplicaLost if _lost(exc) else ReplicaUnavailable  # sent, then the connection broke
+            raise kind(f"replica {self.name}: {_plain_reason(exc)}") from exc
 
     async def _refusal(self, resp: aiohttp.ClientResponse) -> Exception:
         """What an answer other than 200 means: at capacity, stopping, the
@@ -1038,6 +1041,20 @@ KV_EVENTS_HEARTBEAT_S = 5.0
 _KV_EVENTS_SILENT_S = 4 * KV_EVENTS_HEARTBEAT_S
 class _EndedEarly(ReplicaUnavailable):
     """A stream that ended cleanly (no broken connection) before [DONE]."""
+
+
+class ReplicaLost(ReplicaUnavailable):
+    """The replica's connection broke while it ran the request (it had it, and
+    then was gone): it may have died of the request itself."""
+
+
+def _lost(exc: BaseException) -> bool:
+    """A connection that broke after the request reached the replica (not one
+    that never opened: a replica already down had nothing to do with it)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return False
+    return isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError,
+                            ConnectionResetError, _EndedEarly))
 
 
 # ----------------------------------------------------------------------------- construction

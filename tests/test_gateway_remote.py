@@ -2928,3 +2928,57 @@ async def test_responses_items_keep_the_order_they_began_in_whole_and_streamed(t
                        {"role": "user", "content": "Again."}]
             await client.responses.create(model=MODEL, input=history)
             assert seen[-1]["messages"][1]["reasoning"] == "Hmm." and seen[-1]["messages"][1]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("when", ["before its answer", "mid-answer"])
+async def test_a_prompt_that_brings_replicas_down_is_not_passed_along_the_fleet(tiny_model_dir, when):
+    """A "query of death": the replica running a prompt dies of it (its connection
+    breaks while it has the request).  The prompt is tried on at most
+    router.lost_attempts replicas, then fails with a 502 naming why, and is refused
+    for lost_quarantine_s without reaching a replica, so neither the fleet nor the
+    client's retries feed it more replicas; other prompts are served as before."""
+    hit = {"a": 0, "b": 0}
+
+    def dies_of_poison(name):
+        async def handler(request):
+            body = await request.json()
+            if "poison" not in body["messages"][-1]["content"]:
+                return await _answer_fine(request)
+            hit[name] += 1
+            if when == "mid-answer":
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]}))
+            request.transport.close()  # the process is gone: its connections break
+            return web.Response()
+        return handler
+
+    poison = [{"role": "user", "content": "poison"}]
+    router = RouterConfig(policy="round-robin", health_interval_s=60, lost_attempts=1, lost_quarantine_s=60)
+    async with _gateway_over_pair(tiny_model_dir, dies_of_poison("a"), dies_of_poison("b"), ("a", "b"), router) as (
+            gateway, _, client, _):
+        with pytest.raises(openai.APIStatusError) as lost:
+            await client.chat.completions.create(model=MODEL, messages=poison, max_tokens=5)
+        assert lost.value.status_code == 502 and lost.value.body["code"] == "request_lost"
+        assert sum(hit.values()) == 1  # not passed on to the other replica
+        for _ in range(2):  # the client's retries
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.chat.completions.create(model=MODEL, messages=poison, max_tokens=5)
+            assert refused.value.status_code == 502 and refused.value.body["code"] == "request_quarantined"
+            assert "refused for the next" in refused.value.body["message"]
+        assert sum(hit.values()) == 1
+        fine = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=5)
+        assert fine.choices[0].message.content == "Fine"
+        assert gateway.router.inflight_requests == [0, 0]
+
+        # The default (2): one more replica may take it, since a replica can die of
+        # something else; the quarantine off: each request tries it anew.
+        gateway.router.cfg = gateway.router.cfg.model_copy(update={"lost_attempts": 2, "lost_quarantine_s": 0})
+        for r in gateway.replicas:
+            r.healthy = True  # back in routing, as if their pods had restarted
+        hit.update(a=0, b=0)
+        with pytest.raises(openai.APIStatusError) as lost:
+            await client.chat.completions.create(model=MODEL, messages=poison + [{"role": "user", "content": "poison 2"}],
+                                                 max_tokens=5)
+        assert lost.value.body["code"] == "request_lost" and hit == {"a": 1, "b": 1}
