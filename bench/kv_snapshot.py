@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.loop_watch import LoopWatch  # noqa: E402
 from gateway import kv_wire  # noqa: E402
 from gateway.router import ExactIndex  # noqa: E402
 
@@ -52,31 +53,16 @@ def _encode(snapshot: dict, packed: bool) -> tuple[bytes, float]:
 
 async def _index(frame: bytes, packed: bool) -> tuple[float, float]:
     """(seconds from frame to index, the longest the loop was held in that time)."""
-    longest = 0.0
-    done = False
-
-    async def ticker():
-        nonlocal longest
-        last = time.perf_counter()
-        while not done:
-            await asyncio.sleep(0)
-            now = time.perf_counter()
-            longest = max(longest, now - last)
-            last = now
-
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0)  # the ticker's first turn
-    start = time.perf_counter()
-    index = ExactIndex()
-    data = json.loads(frame)
-    if packed:
-        await index.rebuild(kv_wire.held_from_snapshot(data))
-    else:
-        index.reset(data["keys"])
-    elapsed = time.perf_counter() - start
-    done = True
-    await task
-    return elapsed, longest
+    async with LoopWatch() as watch:
+        start = time.perf_counter()
+        index = ExactIndex()
+        data = json.loads(frame)
+        if packed:
+            await index.rebuild(kv_wire.held_from_snapshot(data))
+        else:
+            index.reset(data["keys"])
+        elapsed = time.perf_counter() - start
+    return elapsed, watch.longest
 
 
 def measure(n: int, repeat: int) -> dict:

@@ -44,6 +44,7 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.loop_watch import LoopWatch  # noqa: E402
 from gateway import router  # noqa: E402
 from gateway.config import RouterConfig  # noqa: E402
 from gateway.router import ExactIndex, FleetIndex, Router  # noqa: E402
@@ -108,27 +109,14 @@ def _median_us(fn, repeat: int) -> float:
 
 async def _reindex(index, held: dict[str, list[int]], fleet: FleetIndex | None) -> dict:
     """Rebuild ``index`` from ``held`` on this loop: time to routable, to reclaimed, longest hold."""
-    longest = 0.0
-    done = False
-
-    async def ticker():
-        nonlocal longest
-        last = time.perf_counter()
-        while not done:
+    async with LoopWatch() as watch:
+        start = time.perf_counter()
+        await index.rebuild(held)
+        routable = time.perf_counter() - start
+        while fleet is not None and fleet._sweeper is not None and not fleet._sweeper.done():
             await asyncio.sleep(0)
-            now = time.perf_counter()
-            longest, last = max(longest, now - last), now
-
-    tick = asyncio.create_task(ticker())
-    start = time.perf_counter()
-    await index.rebuild(held)
-    routable = time.perf_counter() - start
-    while fleet is not None and fleet._sweeper is not None and not fleet._sweeper.done():
-        await asyncio.sleep(0)
-    reclaimed = time.perf_counter() - start
-    done = True
-    await tick
-    return {"routable_ms": routable * 1e3, "reclaimed_ms": reclaimed * 1e3, "loop_held_ms": longest * 1e3}
+        reclaimed = time.perf_counter() - start
+    return {"routable_ms": routable * 1e3, "reclaimed_ms": reclaimed * 1e3, "loop_held_ms": watch.longest * 1e3}
 
 
 def run_cell(contender: str, replicas: int, keys: int, prompts: list[int], repeat: int) -> dict:
