@@ -61,13 +61,8 @@ class PerReplicaMapsBaseline:
     def __init__(self) -> None:
         self.tiers: dict[int, int] = {}
 
-    def match(self, keys: Sequence[int]) -> int:
-        tiers, n = self.tiers, 0
-        for key in keys:
-            if key not in tiers:
-                break
-            n += 1
-        return n
+    # The same probe of its own dict as the gateway's ExactIndex.match (which also still has one).
+    match = ExactIndex.match
 
     def apply(self, kind: str, keys: Sequence[int], tier: str) -> None:
         bit, tiers = router._TIER_BITS[tier], self.tiers
