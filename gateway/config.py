@@ -405,11 +405,12 @@ class RouterConfig(Section):
     breaker_reset_s: float = Field(10.0, gt=0)
     # A request whose replica's connection broke while it ran it (the replica may
     # have died of it: a "query of death") is tried on at most this many replicas;
-    # then it fails, and the same prompt is refused for lost_quarantine_s (0: not
-    # refused), so that one prompt cannot bring a fleet down one replica at a
-    # time, nor again with each retry of its client.  (Two replicas lost one after
-    # the other for other reasons while running the same request would refuse an
-    # innocent prompt that long: hence minutes, not hours.)
+    # then it fails.  A prompt lost that often, and the only one common to those
+    # losses, is then refused for lost_quarantine_s (0: never; gateway/quarantine.py),
+    # so that one prompt cannot bring a fleet down one replica at a time, nor again
+    # with each retry of its client.  (Replicas lost one after the other for other
+    # reasons while running one request alone would refuse an innocent prompt that
+    # long: hence minutes, not hours.)
     lost_attempts: int = Field(2, ge=1)
     lost_quarantine_s: float = Field(300.0, ge=0, le=24 * HOUR_S)
 

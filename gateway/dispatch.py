@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -27,6 +26,7 @@ from gateway.metrics import GatewayMetrics, RequestSeries
 from gateway.observe import Finished, Observer
 from gateway.prefix import Prompt
 from gateway.protocol import ParsedRequest, new_id
+from gateway.quarantine import LostPrompts
 from gateway.replicas import (
     Job,
     Replica,
@@ -42,8 +42,6 @@ from gateway.upstream import USAGE_ALL
 from gateway.usage import UsageSum
 
 log = logging.getLogger(__name__)
-# Prompts remembered as lost (router.lost_quarantine_s), the oldest dropped first.
-_QUARANTINE_MAX = 1024
 
 # What ``Dispatcher.outputs`` yields when a non-streaming request's replica failed
 # after some output: the sub-request starts over on another replica, and what it
@@ -74,8 +72,8 @@ class Dispatcher:
         self.observer = observer
         # Each replica keeps one index object for its life (reset in place).
         self._indexes = [r.index for r in replicas]
-        # Prompts lost with router.lost_attempts replicas: refused until the monotonic time given.
-        self._quarantine: dict[tuple, float] = {}
+        # Prompts that bring replicas down, refused for a while (gateway/quarantine.py).
+        self._lost = LostPrompts(lambda: router.cfg)
 
     def run(self, subs: list[Sub], parsed: ParsedRequest) -> tuple[AsyncIterator, bool]:
         """The outputs of all ``subs`` and whether there is a single one.
@@ -112,8 +110,8 @@ class Dispatcher:
                   parsed.id if not sub.shift else f"{parsed.id}-{sub.shift}")
         load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
         prompt_len = len(sub.prompt.token_ids)
-        if self._quarantine:
-            self._refuse_if_quarantined(sub)
+        if self._lost and (refusal := self._lost.refusal(self._prompt_id(sub, parsed))):
+            raise refusal
         tries = _Tries(time.monotonic())
         try:
             while True:
@@ -152,6 +150,8 @@ class Dispatcher:
                         tries.retry_after = exc.retry_after
                     tries.tried.append(decision.replica)
                 except ReplicaUnavailable as exc:
+                    if isinstance(exc, ReplicaLost):  # a stream under way too: its client may well retry
+                        self._lost.note(self._prompt_id(sub, parsed), exc.event)
                     self._failed(exc, attempt, parsed)  # raises when the client has had output
                     restart = attempt.produced
                     tries.tried.append(decision.replica)
@@ -160,7 +160,8 @@ class Dispatcher:
                     if isinstance(exc, ReplicaLost):
                         tries.lost += 1
                         if tries.lost >= router.cfg.lost_attempts:
-                            self._quarantine_prompt(sub, parsed, tries.lost)
+                            log.warning("%s: lost with the replicas running it, %d in a row: not tried on another",
+                                        parsed.id, tries.lost)
                             raise errors.request_lost(tries.lost) from None
                 except UpstreamError as exc:
                     status = exc.status if 400 <= exc.status < 600 else 502
@@ -211,37 +212,15 @@ class Dispatcher:
                                  "api_error") from None
         raise errors.no_replica()
 
-    def _prompt_id(self, sub: Sub) -> tuple:
+    def _prompt_id(self, sub: Sub, parsed: ParsedRequest) -> tuple:
         """A prompt's identity: its length, its last full block's key (which chains
-        every block before it, images and salt included) and the tokens after it."""
+        every block before it, their images and the tenant's salt included), the
+        tokens after it, its images and its cache salt (for the tail's sake)."""
         prompt = sub.prompt
         whole_blocks = len(prompt.keys) * self.router.block_size
-        return len(prompt.token_ids), prompt.keys[-1] if prompt.keys else None, tuple(prompt.token_ids[whole_blocks:])
-
-    def _quarantine_prompt(self, sub: Sub, parsed: ParsedRequest, lost: int) -> None:
-        seconds = self.router.cfg.lost_quarantine_s
-        log.warning("%s: the replicas running it failed while running it, %d in a row; not tried on another%s",
-                    parsed.id, lost, f", and its prompt is refused for {seconds:g} s" if seconds else "")
-        if not seconds:
-            return
-        now = time.monotonic()
-        quarantine = self._quarantine
-        for key in [key for key, until in quarantine.items() if until <= now]:
-            del quarantine[key]
-        if len(quarantine) >= _QUARANTINE_MAX:
-            del quarantine[next(iter(quarantine))]  # the oldest
-        quarantine[self._prompt_id(sub)] = now + seconds
-
-    def _refuse_if_quarantined(self, sub: Sub) -> None:
-        key = self._prompt_id(sub)
-        until = self._quarantine.get(key)
-        if until is None:
-            return
-        left = until - time.monotonic()
-        if left <= 0:
-            del self._quarantine[key]
-            return
-        raise errors.request_quarantined(math.ceil(left))
+        return (len(prompt.token_ids), prompt.keys[-1] if prompt.keys else None,
+                tuple(prompt.token_ids[whole_blocks:]), tuple(prompt.mm_hashes), parsed.cache_salt,
+                sub.context.tenant)
 
     def _failed(self, exc: ReplicaUnavailable, attempt: _Attempt, parsed: ParsedRequest) -> None:
         """A replica failed an attempt: counted, and the client's error if it has had

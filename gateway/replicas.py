@@ -62,6 +62,12 @@ log = logging.getLogger(__name__)
 
 # Failed /metrics polls of an external server after which its last load figures are dropped.
 _METRICS_KEEP_POLLS = 3
+# Requests a replica loses (ReplicaLost) within this many seconds of each other are one loss.
+_LOSS_BURST_S = 1.0
+# Idle pooled connections to a replica are closed after this long: below the 5 s
+# of uvicorn (vLLM's and SGLang's server), so that the gateway never reuses one as
+# the server closes it (that POST would break as if the server had died with it).
+_KEEPALIVE_S = 4.0
 
 # A `kvgate engine`'s streams carry the seconds their request queued before its
 # first step, which the gateway cannot see from outside (gateway/respond.py).
@@ -393,11 +399,14 @@ class RemoteReplica(Replica):
         self._models_unread = False  # warned that its /v1/models could not be read
         self._model_unlisted = False  # warned that its /v1/models does not list replicas[].model
         self._stream_lost_said = False  # said the KV event stream was lost, since its last snapshot
+        self._losses = 0  # requests lost together (ReplicaLost), counted as one each time
+        self._last_loss = float("-inf")
 
     # -- lifecycle
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(keepalive_timeout=_KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s),
             # Named, so that a server's logs tell a gateway's polls from clients (a
             # kvgate gateway behind leaves its probes of /v1/models out of its access log).
@@ -936,7 +945,7 @@ class RemoteReplica(Replica):
                 # HTTP: counted, but not worth cutting every stream it serves.
                 self._note_failure()
             if _lost(exc):
-                raise ReplicaLost(f"replica {self.name} failed mid-request: {reason}") from exc
+                raise ReplicaLost(f"replica {self.name} failed mid-request: {reason}", self._loss_event()) from exc
             if isinstance(exc, ReplicaUnavailable):
                 raise
             raise ReplicaUnavailable(f"replica {self.name} failed mid-request: {reason}") from exc
@@ -975,8 +984,18 @@ class RemoteReplica(Replica):
             raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             self._note_failure()
-            kind = ReplicaLost if _lost(exc) else ReplicaUnavailable  # sent, then the connection broke
-            raise kind(f"replica {self.name}: {_plain_reason(exc)}") from exc
+            if _lost(exc):  # sent, then the connection broke
+                raise ReplicaLost(f"replica {self.name}: {_plain_reason(exc)}", self._loss_event()) from exc
+            raise ReplicaUnavailable(f"replica {self.name}: {_plain_reason(exc)}") from exc
+
+    def _loss_event(self) -> tuple:
+        """The requests this replica loses within _LOSS_BURST_S of each other are one
+        loss (it died, and every connection it held broke), named by a count."""
+        now = time.monotonic()
+        if now - self._last_loss > _LOSS_BURST_S:
+            self._losses += 1
+        self._last_loss = now
+        return self.name, self._losses
 
     async def _refusal(self, resp: aiohttp.ClientResponse) -> Exception:
         """What an answer other than 200 means: at capacity, stopping, the
@@ -1045,16 +1064,22 @@ class _EndedEarly(ReplicaUnavailable):
 
 class ReplicaLost(ReplicaUnavailable):
     """The replica's connection broke while it ran the request (it had it, and
-    then was gone): it may have died of the request itself."""
+    then was gone): it may have died of the request itself.  ``event`` names the
+    loss: the requests a replica lost together (its death) share it."""
+
+    def __init__(self, message: str, event: tuple) -> None:
+        super().__init__(message)
+        self.event = event
 
 
 def _lost(exc: BaseException) -> bool:
     """A connection that broke after the request reached the replica (not one
-    that never opened: a replica already down had nothing to do with it)."""
+    that never opened: a replica already down had nothing to do with it; nor a
+    stream that ended early over a connection that stayed whole)."""
     if isinstance(exc, aiohttp.ClientConnectorError):
         return False
     return isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError,
-                            ConnectionResetError, _EndedEarly))
+                            ConnectionResetError))
 
 
 # ----------------------------------------------------------------------------- construction

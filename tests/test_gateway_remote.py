@@ -2982,3 +2982,55 @@ async def test_a_prompt_that_brings_replicas_down_is_not_passed_along_the_fleet(
             await client.chat.completions.create(model=MODEL, messages=poison + [{"role": "user", "content": "poison 2"}],
                                                  max_tokens=5)
         assert lost.value.body["code"] == "request_lost" and hit == {"a": 1, "b": 1}
+
+
+async def test_requests_lost_beside_a_prompt_of_death_are_not_refused(tiny_model_dir):
+    """A replica that dies of a prompt takes every request it held with it; those
+    move on with the prompt and may die with it again.  Only the prompt common to
+    every loss is refused: the others' retries are served."""
+    live: dict[str, set] = {"a": set(), "b": set()}
+    hits = {"poison": 0}
+
+    def replica(name):
+        async def handler(request):
+            body = await request.json()
+            live[name].add(request.transport)
+            try:
+                if "poison" in body["messages"][-1]["content"]:
+                    hits["poison"] += 1
+                    await asyncio.sleep(0.3)  # its prefill; then the process dies:
+                    for transport in list(live[name]):  # every connection it holds breaks
+                        transport.close()
+                    return web.Response()
+                await asyncio.sleep(1.0)  # a slow innocent answer
+                return await _answer_fine(request)
+            finally:
+                live[name].discard(request.transport)
+        return handler
+
+    async def ask(content):
+        try:
+            out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                                       max_tokens=5)
+            return out.choices[0].message.content
+        except openai.APIStatusError as exc:
+            return exc.body["code"]
+
+    # The scripted servers come straight back: no breaker wait between the rounds.
+    router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=1000)
+    async with _gateway_over_pair(tiny_model_dir, replica("a"), replica("b"), ("a", "b"), router) as (
+            gateway, _, client, _):
+        innocents = [asyncio.create_task(ask(f"innocent question {i}")) for i in range(6)]
+        await asyncio.sleep(0.1)
+        assert await ask("poison") == "request_lost"
+        first = await asyncio.gather(*innocents)
+        assert set(first) <= {"Fine", "request_lost"}
+        answers = []
+        for _ in range(4):  # the poison's client retries: refused once singled out
+            answers.append(await ask("poison"))
+            if answers[-1] == "request_quarantined":
+                break
+        assert answers[-1] == "request_quarantined" and hits["poison"] <= 4
+        for i in range(6):  # the innocents' retries are served
+            assert await ask(f"innocent question {i}") == "Fine"
+        assert gateway.router.inflight_requests == [0, 0]

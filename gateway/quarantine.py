@@ -1,0 +1,94 @@
+"""Prompts that bring replicas down ("queries of death"), found and refused.
+
+A replica that dies loses every request it held, and the dispatcher sends those
+elsewhere (each to at most router.lost_attempts replicas).  A prompt that is
+itself the cause goes on killing a replica with every try, and again with every
+retry of its client.  So each loss is recorded: the prompts a replica lost
+together (one death) against that loss, and the losses against each prompt.  A
+prompt lost in lost_attempts losses is refused for lost_quarantine_s once it is
+the only prompt common to all of them.  The innocent requests that died beside
+it on one replica do not follow it into every later loss; where some did (moved
+with it each time), it takes one more loss to single it out, and they are not
+refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Callable
+
+from gateway.config import RouterConfig
+from gateway.errors import ApiError, request_quarantined
+
+log = logging.getLogger(__name__)
+
+# Bounds on what is remembered (the oldest goes first): losses, and prompts lost.
+_MAX_LOSSES = 256
+_MAX_PROMPTS = 4096
+# How often expired records are dropped while requests are checked.
+_PRUNE_EVERY_S = 10.0
+
+
+class LostPrompts:
+    def __init__(self, config: Callable[[], RouterConfig], clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = config  # read at each use: the router's settings as they are now
+        self._clock = clock
+        self._losses: dict[tuple, tuple[float, set]] = {}  # loss -> (when, prompts lost in it)
+        self._prompts: dict[tuple, list[tuple]] = {}  # prompt -> the losses it was in
+        self._refused: dict[tuple, float] = {}  # prompt -> refused until
+        self._next_prune = 0.0
+
+    def __bool__(self) -> bool:
+        """Anything to check a request against (else the request path skips it)."""
+        return bool(self._prompts or self._refused)
+
+    def note(self, prompt: tuple, loss: tuple) -> None:
+        """``prompt`` was lost in ``loss`` (ReplicaLost.event)."""
+        window = self._config().lost_quarantine_s
+        if not window:
+            return
+        now = self._clock()
+        record = self._losses.get(loss)
+        if record is None:
+            record = self._losses[loss] = (now, set())
+            if len(self._losses) > _MAX_LOSSES:
+                del self._losses[next(iter(self._losses))]
+        record[1].add(prompt)
+        seen = self._prompts.setdefault(prompt, [])
+        if loss not in seen:
+            seen.append(loss)
+        if len(self._prompts) > _MAX_PROMPTS:
+            del self._prompts[next(iter(self._prompts))]
+
+    def refusal(self, prompt: tuple) -> ApiError | None:
+        """The error to refuse ``prompt`` with, or None to serve it."""
+        now = self._clock()
+        if now >= self._next_prune:
+            self._prune(now)
+        until = self._refused.get(prompt)
+        if until is not None:
+            if until > now:
+                return request_quarantined(math.ceil(until - now))
+            del self._refused[prompt]
+        seen = self._prompts.get(prompt)
+        if seen is None:
+            return None
+        cfg = self._config()
+        since = now - cfg.lost_quarantine_s  # losses older than the window are forgotten
+        losses = [record[1] for loss in seen if (record := self._losses.get(loss)) and record[0] > since]
+        if len(losses) < cfg.lost_attempts or set.intersection(*losses) != {prompt}:
+            return None  # not lost often enough yet, or not singled out from those lost beside it
+        self._refused[prompt] = now + cfg.lost_quarantine_s
+        log.warning("a prompt lost with %d replicas, alone among the requests lost with them each time, is "
+                    "refused for %g s (router.lost_quarantine_s)", len(losses), cfg.lost_quarantine_s)
+        return request_quarantined(math.ceil(cfg.lost_quarantine_s))
+
+    def _prune(self, now: float) -> None:
+        window = self._config().lost_quarantine_s
+        self._next_prune = now + _PRUNE_EVERY_S
+        self._refused = {prompt: until for prompt, until in self._refused.items() if until > now}
+        self._losses = {loss: record for loss, record in self._losses.items() if record[0] > now - window}
+        self._prompts = {prompt: kept for prompt, seen in self._prompts.items()
+                         if (kept := [loss for loss in seen if loss in self._losses])}

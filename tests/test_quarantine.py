@@ -1,0 +1,66 @@
+"""Which prompts are refused after replicas died running them (gateway/quarantine.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from engine.context import RequestContext
+from gateway.config import RouterConfig
+from gateway.dispatch import Dispatcher, Sub
+from gateway.prefix import Prompt
+from gateway.quarantine import LostPrompts
+
+
+def _lost_prompts(**settings):
+    clock = [100.0]
+    cfg = RouterConfig(**settings)
+    return LostPrompts(lambda: cfg, clock=lambda: clock[0]), clock
+
+
+def test_only_the_prompt_common_to_every_loss_is_refused():
+    lost, clock = _lost_prompts()  # two losses, 300 s
+    assert not lost
+    # Replica a dies holding P and two others; P and x move on to b, which dies too.
+    for prompt in ("P", "x", "y"):
+        lost.note((prompt,), ("a", 1))
+    for prompt in ("P", "x", "z"):
+        lost.note((prompt,), ("b", 1))
+    assert lost and lost.refusal(("y",)) is None and lost.refusal(("z",)) is None
+    assert lost.refusal(("P",)) is None and lost.refusal(("x",)) is None  # not singled out yet
+    lost.note(("P",), ("a", 2))  # P's client retries, and kills a again (alone this time)
+    refused = lost.refusal(("P",))
+    assert refused.status == 502 and refused.code == "request_quarantined" and "300 s" in refused.message
+    assert lost.refusal(("x",)) is None
+    clock[0] += 299
+    assert lost.refusal(("P",)).message.count("1 s")
+    clock[0] += 2  # the window has passed: served again, its losses forgotten
+    assert lost.refusal(("P",)) is None
+    clock[0] += 10
+    assert lost.refusal(("Q",)) is None and not lost  # pruned: requests skip the check again
+
+
+def test_one_loss_is_enough_when_lost_attempts_is_one_and_nothing_is_kept_when_off():
+    lost, _ = _lost_prompts(lost_attempts=1, lost_quarantine_s=60)
+    lost.note(("P",), ("a", 1))
+    assert lost.refusal(("P",)).code == "request_quarantined"
+    off, _ = _lost_prompts(lost_quarantine_s=0)
+    off.note(("P",), ("a", 1))
+    assert not off and off.refusal(("P",)) is None
+
+
+def test_a_prompts_identity_tells_images_salts_and_tenants_apart():
+    dispatcher = Dispatcher.__new__(Dispatcher)  # _prompt_id reads the router's block size only
+    dispatcher.router = SimpleNamespace(block_size=4)
+
+    def identity(tokens, keys=(), images=(), salt=None, tenant=None):
+        sub = Sub(Prompt(list(tokens), list(images), list(keys)), None, RequestContext(tenant=tenant), 0, 5)
+        return dispatcher._prompt_id(sub, SimpleNamespace(cache_salt=salt))
+
+    short = [1, 2, 3]
+    assert identity(short) == identity(list(short))
+    assert len({identity(short), identity(short, salt="s"), identity(short, tenant="t"),
+                identity(short, images=[(0, b"cat")]), identity(short, images=[(0, b"dog")]),
+                identity([1, 2, 4])}) == 6
+    # Whole blocks are told apart by their last key (it chains the rest), the tail by its tokens.
+    assert identity([1, 2, 3, 4, 5], keys=[11]) != identity([1, 2, 3, 4, 5], keys=[12])
+    assert identity([1, 2, 3, 4, 5], keys=[11]) != identity([1, 2, 3, 4, 6], keys=[11])
