@@ -111,6 +111,7 @@ class Dispatcher:
         load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
         prompt_len = len(sub.prompt.token_ids)
         if self._lost and (refusal := self._lost.refusal(self._prompt_id(sub, parsed))):
+            self.metrics.lost_requests.labels("refused").inc()
             raise refusal
         tries = _Tries(time.monotonic())
         try:
@@ -162,6 +163,7 @@ class Dispatcher:
                         if tries.lost >= router.cfg.lost_attempts:
                             log.warning("%s: lost with the replicas running it, %d in a row: not tried on another",
                                         parsed.id, tries.lost)
+                            self.metrics.lost_requests.labels("failed").inc()
                             raise errors.request_lost(tries.lost) from None
                 except UpstreamError as exc:
                     status = exc.status if 400 <= exc.status < 600 else 502

@@ -159,6 +159,14 @@ class GatewayMetrics:
             "is no failure.",
             ["replica", "stage"], registry=routing,
         )
+        self.lost_requests = LoopCounter(
+            "kvgate_requests_lost", "Requests whose replicas' connections broke while they ran them "
+            "(router.lost_attempts in a row): failed, not tried on another; and requests refused because their "
+            "prompt was lost that way (router.lost_quarantine_s): a prompt that may bring replicas down.",
+            ["outcome"], registry=routing,
+        )
+        for outcome in ("failed", "refused"):
+            self.lost_requests.labels(outcome)  # from zero: an alert sees the first one
         self.inflight = Gauge("kvgate_replica_inflight", "Requests in flight on a replica.", ["replica"], registry=routing)
         self.healthy = Gauge("kvgate_replica_healthy", "1 if the replica takes traffic.", ["replica"], registry=routing)
         self.index_blocks = Gauge(

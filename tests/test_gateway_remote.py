@@ -2956,7 +2956,7 @@ async def test_a_prompt_that_brings_replicas_down_is_not_passed_along_the_fleet(
     poison = [{"role": "user", "content": "poison"}]
     router = RouterConfig(policy="round-robin", health_interval_s=60, lost_attempts=1, lost_quarantine_s=60)
     async with _gateway_over_pair(tiny_model_dir, dies_of_poison("a"), dies_of_poison("b"), ("a", "b"), router) as (
-            gateway, _, client, _):
+            gateway, url, client, _):
         with pytest.raises(openai.APIStatusError) as lost:
             await client.chat.completions.create(model=MODEL, messages=poison, max_tokens=5)
         assert lost.value.status_code == 502 and lost.value.body["code"] == "request_lost"
@@ -2971,6 +2971,11 @@ async def test_a_prompt_that_brings_replicas_down_is_not_passed_along_the_fleet(
                                                     max_tokens=5)
         assert fine.choices[0].message.content == "Fine"
         assert gateway.router.inflight_requests == [0, 0]
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/metrics") as resp:
+                scrape = await resp.text()
+        assert 'kvgate_requests_lost_total{outcome="failed"} 1.0' in scrape
+        assert 'kvgate_requests_lost_total{outcome="refused"} 2.0' in scrape
 
         # The default (2): one more replica may take it, since a replica can die of
         # something else; the quarantine off: each request tries it anew.
