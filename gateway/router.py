@@ -287,7 +287,7 @@ class ExactIndex:
         if fleet is not self.fleet:
             # Moved to another fleet meanwhile (share_fleet after the replicas
             # started): the new map goes there, in a slot of that fleet's.
-            fleet.give_up(slot, tiers)
+            fleet.give_up(slot, list(tiers))  # a copy: this map goes on changing
             slot = self.fleet.take_slot()
             self.fleet.add(tiers, 1 << slot)
         old_tiers, old_slot = self.tiers, self.slot
