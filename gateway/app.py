@@ -702,7 +702,8 @@ class Gateway:
             sources = [None]
             size = parsed.content_chars
         else:
-            work = lambda: [hasher.text(p, salt) for p in parsed.prompts]  # noqa: E731
+            specials = parsed.add_special_tokens
+            work = lambda: [hasher.text(p, salt, specials) for p in parsed.prompts]  # noqa: E731
             sources = parsed.prompts
             # Characters of text, or ids of token lists (hashing a million ids stalls the loop too).
             size = sum(len(p) for p in parsed.prompts)

@@ -8,11 +8,14 @@ are handed to the engine with the request, so a prompt is tokenised once.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, NamedTuple, Sequence
 
 from engine.block_hash import block_hashes, chain_salt, content_hash
 from engine.chat_tokens import ChatTokenizer
 from gateway.protocol import IMAGE_PLACEHOLDER
+
+log = logging.getLogger(__name__)
 
 
 class Prompt(NamedTuple):
@@ -47,6 +50,9 @@ class PrefixHasher:
         # Default: the tokenizer's own template, tokenised whole (no piece cache).
         self._template = template or ChatTokenizer(tokenizer, cache_tokens=0).whole
         self._encoder = encoder
+        # What encode(text, add_special_tokens=True) puts around a completions
+        # prompt's own ids (vLLM's default): None when nothing, as for SmolLM2 or Qwen.
+        self._specials = special_tokens_around(tokenizer)
         try:
             self.vocab_size = len(tokenizer)
         except TypeError:
@@ -57,9 +63,14 @@ class PrefixHasher:
         mm = self._image_offsets(messages, images) if images else []
         return Prompt(ids, mm, block_hashes(ids, self.block_size, chain_salt(self.salt, cache_salt), mm))
 
-    def text(self, prompt: str | list[int], cache_salt: str | None = None) -> Prompt:
+    def text(self, prompt: str | list[int], cache_salt: str | None = None, add_special_tokens: bool = True) -> Prompt:
+        """A completions prompt: text gets the tokenizer's special tokens unless
+        ``add_special_tokens`` is false; token ids are taken as they are (vLLM's rules)."""
         if isinstance(prompt, str):
             ids = self.encode(prompt, cache_salt or "")
+            if add_special_tokens and self._specials is not None:
+                before, after = self._specials
+                ids = before + ids + after
         else:
             ids = prompt
         return Prompt(ids, [], block_hashes(ids, self.block_size, chain_salt(self.salt, cache_salt)))
@@ -95,3 +106,27 @@ class PrefixHasher:
         """The prefix signature of a file request: a hash of its first tokens."""
         data = b"".join(t.to_bytes(4, "little") for t in token_ids)
         return int.from_bytes(content_hash(data)[:8], "little")
+
+
+def special_tokens_around(tokenizer: Any) -> tuple[list[int], list[int]] | None:
+    """The ids the tokenizer adds before and after a text's own when asked for
+    its special tokens (Llama's and Gemma's BOS), or None when it adds none.
+
+    Found once by encoding a probe both ways, so that the piece cache, which
+    tokenises without them, can serve completions prompts too.
+    """
+    probe = "Hello world"
+    try:
+        bare = list(tokenizer.encode(probe, add_special_tokens=False))
+        full = list(tokenizer.encode(probe, add_special_tokens=True))
+    except Exception:  # noqa: BLE001 - a tokenizer without the option adds nothing
+        return None
+    if full == bare:
+        return None
+    for start in range(len(full) - len(bare) + 1):
+        if full[start:start + len(bare)] == bare:
+            return full[:start], full[start + len(bare):]
+    # Special tokens merged into the text's own: no tokenizer known does this.
+    log.warning("the tokenizer's special tokens cannot be told apart from a text's (%r encodes as %s alone and %s "
+                "with them): completions prompts are tokenised without them", probe, bare, full)
+    return None

@@ -67,12 +67,15 @@ class ParsedRequest:
     # chat logprobs use the chat shape; completions the legacy shape.
     logprobs: bool = False
     # completions: the legacy top_logprobs also hold the sampled token (OpenAI
-    # and vLLM); not in engine mode, where a gateway reads chat's shape from them.
+    # and vLLM); not for a gateway's requests to its engines, which read chat's shape from them.
     top_with_sampled: bool = False
     # completions: echo the prompt before the completion; echo_texts are the
     # prompts' texts when the gateway does it itself (not an external server).
     echo: bool = False
     echo_texts: list[str] | None = None
+    # completions: a text prompt gets the tokenizer's special tokens (a BOS for
+    # Llama, Gemma, Mistral), as vLLM's add_special_tokens does by default.
+    add_special_tokens: bool = True
     # (message, param) of the first field the kvgate engine cannot honour
     # (tools, JSON output, ...): such requests are for external servers only.
     engine_unsupported: tuple[str, str] | None = None
@@ -136,8 +139,11 @@ def _holds_lone_surrogate(body: dict) -> bool:
 
 
 def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: bool = False) -> ParsedRequest:
-    """Validate a request body; ``engine_mode`` (`kvgate engine`) lets completions
-    carry chat's top_logprobs range, since a gateway forwards chat as token ids."""
+    """Validate a request body; ``engine_mode``: for a `kvgate engine`, where a
+    gateway's completions (its kvgate_context says so) carry chat's top_logprobs
+    range and shape, since a gateway forwards chat as token ids.  A client
+    calling the engine directly gets OpenAI's completions, as from a gateway."""
+    from_gateway = engine_mode and "kvgate_context" in body
     model = body.get("model")
     if model is None or model == "":
         raise bad_request("you must provide a model parameter", "model")
@@ -163,7 +169,7 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
             raise bad_request(f"'cache_salt' must be a non-empty string of at most {_MAX_CACHE_SALT} characters.",
                               "cache_salt")
         req.cache_salt = salt
-    _parse_sampling(req, body, limits, _MAX_TOP_LOGPROBS_CHAT if engine_mode else _MAX_LOGPROBS_COMPLETIONS)
+    _parse_sampling(req, body, limits, _MAX_TOP_LOGPROBS_CHAT if from_gateway else _MAX_LOGPROBS_COMPLETIONS)
     if body.get("prompt_logprobs") is not None:
         # No replica honours it through a gateway, external ones included: the gateway
         # streams from its replicas, and vLLM gives prompt logprobs to non-streaming requests only.
@@ -176,7 +182,7 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
             _parse_chat_extras(req, body)
     else:
         _parse_prompt(req, body, limits)
-        req.top_with_sampled = not engine_mode
+        req.top_with_sampled = not from_gateway
         req.token_ids_out = engine_mode and body.get("kvgate_token_ids") is True
         if "echo" in body or "suffix" in body or "best_of" in body:
             _parse_completion_extras(req, body)
@@ -213,7 +219,7 @@ _READ_STREAM_OPTIONS = frozenset({"include_usage"})
 _READ_FIELDS = {
     CHAT: _READ_BY_BOTH | {"messages", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
                            "response_format"},
-    COMPLETIONS: _READ_BY_BOTH | {"prompt", "echo", "suffix", "best_of"},
+    COMPLETIONS: _READ_BY_BOTH | {"prompt", "echo", "suffix", "best_of", "add_special_tokens"},
 }
 
 # Request fields the kvgate engine does not do (vLLM's extensions, OpenAI's audio
@@ -565,6 +571,7 @@ def _parse_prompt(req: ParsedRequest, body: dict, limits: LimitsConfig) -> None:
         raise bad_request(f"Too many prompts: {len(prompts)}. This server allows at most {limits.max_prompts}.", "prompt")
     req.prompts = prompts
     req.user_turns = 1
+    req.add_special_tokens = _bool(body, "add_special_tokens", True)
 
 
 def _is_token_list(x: list) -> bool:

@@ -291,6 +291,77 @@ async def test_engine_server_behind_gateway_end_to_end(tiny_model_dir):
         await engine_server.stop()
 
 
+async def test_a_client_calling_an_engine_directly_gets_what_a_gateway_would_answer(tiny_model_dir):
+    """A `kvgate engine` serves its gateways' forwarded requests (kvgate_context) and
+    clients calling it directly: those get OpenAI's completions logprobs, as
+    through a gateway (the sampled token among top_logprobs, logprobs at most 5)."""
+    config = _config(tiny_model_dir, replicas=0)
+    engine_server = await start_server(create_app(config, engine_mode=True))
+    app = create_app(config.model_copy(update={"replicas": [ReplicaConfig(kind="engine", url=engine_server.url)]}))
+    gateway = await start_server(app)
+    direct = openai.AsyncOpenAI(base_url=engine_server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    through = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    try:
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, 10)
+        answers = []
+        for client in (direct, through):
+            for logprobs in (0, 2):
+                resp = await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                                                       temperature=0, logprobs=logprobs)
+                lp = resp.choices[0].logprobs
+                for token, top in zip(lp.tokens, lp.top_logprobs):
+                    assert top is not None and token in top and len(top) <= logprobs + 1
+                answers.append((resp.choices[0].text, lp.tokens, lp.top_logprobs))
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.completions.create(model=MODEL, prompt="x", max_tokens=1, logprobs=6)
+            assert info.value.param == "logprobs"
+        assert answers[:2] == answers[2:]
+    finally:
+        await direct.close()
+        await through.close()
+        await gateway.stop()
+        await engine_server.stop()
+
+
+def _bos_model_dir(tiny_model_dir: str, tmp_path) -> str:
+    """The tiny model with a tokenizer that puts a BOS before a text, as Llama's and Gemma's do."""
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    path = shutil.copytree(tiny_model_dir, tmp_path / "bos-model")
+    raw = Tokenizer.from_file(str(path / "tokenizer.json"))
+    raw.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", raw.token_to_id("<|endoftext|>"))])
+    raw.save(str(path / "tokenizer.json"))
+    return str(path)
+
+
+async def test_completions_prompts_get_the_models_bos_as_in_vllm(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    model_dir = _bos_model_dir(tiny_model_dir, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = "The capital of France is"
+    with_bos = tokenizer.encode(prompt, add_special_tokens=True)
+    bare = tokenizer.encode(prompt, add_special_tokens=False)
+    assert with_bos == [tokenizer.convert_tokens_to_ids("<|endoftext|>")] + bare
+    async with serving(create_app(_config(model_dir, replicas=1))) as (app, server, client):
+        async def complete(prompt, **extra):
+            resp = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                                   extra_body=extra or None)
+            return resp.choices[0].text, resp.usage.prompt_tokens
+
+        assert await complete(prompt) == await complete(with_bos) == ((await complete(with_bos))[0], len(with_bos))
+        assert await complete(prompt, add_special_tokens=False) == await complete(bare) == (
+            (await complete(bare))[0], len(bare))
+        # Chat is its template's alone (which writes its own BOS where the model wants one).
+        chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=1)
+        assert chat.usage.prompt_tokens == len(tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
 async def _long_streams_under_way(client, count: int) -> list:
     """``count`` streamed completions of 400 tokens, each past its first chunk (in flight)."""
     body = dict(model=MODEL, prompt="Count:", max_tokens=400, stream=True, extra_body={"ignore_eos": True})

@@ -200,6 +200,40 @@ def test_completions_prompt_forms():
         parse_request(COMPLETIONS, {"model": "m", "prompt": "x", "logprobs": 6}, LIMITS)
 
 
+def _with_specials(tok, single: str, token: str):
+    """``tok`` with a post-processor adding ``token`` as ``single`` places it (real
+    Llama 3 and Gemma tokenizers ship one that adds their BOS)."""
+    from tokenizers import processors
+
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, special_tokens=[(token, tok.convert_tokens_to_ids(token))])
+    return tok
+
+
+def test_completions_text_prompts_get_the_tokenizers_special_tokens_as_vllm_adds_them():
+    from engine.chat_tokens import ChatTokenizer
+    from tests.tokenizer_families import llama3_like, qwen2_like
+
+    bos_first = _with_specials(llama3_like(), "<|begin_of_text|> $A", "<|begin_of_text|>")
+    eos_last = _with_specials(llama3_like(), "$A <|eot_id|>", "<|eot_id|>")
+    for tok in (bos_first, eos_last, qwen2_like()):
+        # Through the piece cache too: a prompt written in the chat markup by the client.
+        hasher = PrefixHasher(tok, 4, "salt", encoder=ChatTokenizer(tok).encode_text)
+        for text in ("The capital of France is", "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>", ""):
+            assert hasher.text(text).token_ids == tok.encode(text, add_special_tokens=True)
+            assert hasher.text(text, add_special_tokens=False).token_ids == tok.encode(text, add_special_tokens=False)
+        assert hasher.text([5, 6, 7]).token_ids == [5, 6, 7]  # token ids are the client's, as they are
+    assert PrefixHasher(bos_first, 4, "salt").text("hi").token_ids[0] == bos_first.convert_tokens_to_ids("<|begin_of_text|>")
+    assert PrefixHasher(eos_last, 4, "salt").text("hi").token_ids[-1] == eos_last.convert_tokens_to_ids("<|eot_id|>")
+    # The request's own say, as in vLLM: on completions, a boolean.
+    parse = lambda **kw: parse_request(COMPLETIONS, {"model": "m", "prompt": "x", **kw}, LIMITS)  # noqa: E731
+    assert parse().add_special_tokens and not parse(add_special_tokens=False).add_special_tokens
+    assert parse(add_special_tokens=False).ignored is None
+    with pytest.raises(ApiError) as info:
+        parse(add_special_tokens="no")
+    assert info.value.param == "add_special_tokens"
+
+
 def test_stream_formatter_frames():
     fmt = StreamFormatter(CHAT, "chatcmpl-1", 5, "m", include_usage=True)
     frame = fmt.role(0)
