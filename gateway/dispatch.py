@@ -110,7 +110,7 @@ class Dispatcher:
                   parsed.id if not sub.shift else f"{parsed.id}-{sub.shift}")
         load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
         prompt_len = len(sub.prompt.token_ids)
-        if self._lost and (refusal := self._lost.refusal(self._prompt_id(sub, parsed))):
+        if self._lost and (refusal := self._lost.refusal(self._prompt_id(sub, parsed), job.forwarded_id)):
             self.metrics.lost_requests.labels("refused").inc()
             raise refusal
         tries = _Tries(time.monotonic())
@@ -138,6 +138,9 @@ class Dispatcher:
                             tries.answer_failed.clear()
                         yield attempt.take(batch, prompt_len)
                     attempt.exhausted = True
+                    if self._lost:
+                        # Answered in full: whatever this prompt was lost in, it was not the cause.
+                        self._lost.served(self._prompt_id(sub, parsed))
                     return
                 except ValueError as exc:
                     # The engine refuses requests it cannot run (prompt too long for its
@@ -152,7 +155,7 @@ class Dispatcher:
                     tries.tried.append(decision.replica)
                 except ReplicaUnavailable as exc:
                     if isinstance(exc, ReplicaLost):  # a stream under way too: its client may well retry
-                        self._lost.note(self._prompt_id(sub, parsed), exc.event)
+                        self._lost.note(self._prompt_id(sub, parsed), exc.event, job.forwarded_id)
                     self._failed(exc, attempt, parsed)  # raises when the client has had output
                     restart = attempt.produced
                     tries.tried.append(decision.replica)

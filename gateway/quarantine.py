@@ -9,7 +9,10 @@ prompt lost in lost_attempts losses is refused for lost_quarantine_s once it is
 the only prompt common to all of them.  The innocent requests that died beside
 it on one replica do not follow it into every later loss; where some did (moved
 with it each time), it takes one more loss to single it out, and they are not
-refused.
+refused.  A prompt served in full after a loss (on another replica, or asked
+again) has shown it does not kill its replica: its losses are forgotten, so
+that replicas dying for other reasons (out of memory, a node lost) never add up
+to refusing a prompt that was merely being run each time, as a canary's is.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ class LostPrompts:
     def __init__(self, config: Callable[[], RouterConfig], clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config  # read at each use: the router's settings as they are now
         self._clock = clock
-        self._losses: dict[tuple, tuple[float, set]] = {}  # loss -> (when, prompts lost in it)
+        # loss -> (when, {prompt lost in it: the id of the request that held it}).
+        self._losses: dict[tuple, tuple[float, dict[tuple, str]]] = {}
         self._prompts: dict[tuple, list[tuple]] = {}  # prompt -> the losses it was in
         self._refused: dict[tuple, float] = {}  # prompt -> refused until
         self._next_prune = 0.0
@@ -44,26 +48,35 @@ class LostPrompts:
         """Anything to check a request against (else the request path skips it)."""
         return bool(self._prompts or self._refused)
 
-    def note(self, prompt: tuple, loss: tuple) -> None:
-        """``prompt`` was lost in ``loss`` (ReplicaLost.event)."""
+    def note(self, prompt: tuple, loss: tuple, request_id: str) -> None:
+        """``prompt`` was lost in ``loss`` (ReplicaLost.event), held by ``request_id``."""
         window = self._config().lost_quarantine_s
         if not window:
             return
         now = self._clock()
         record = self._losses.get(loss)
         if record is None:
-            record = self._losses[loss] = (now, set())
+            record = self._losses[loss] = (now, {})
             if len(self._losses) > _MAX_LOSSES:
                 del self._losses[next(iter(self._losses))]
-        record[1].add(prompt)
+        record[1][prompt] = request_id
         seen = self._prompts.setdefault(prompt, [])
         if loss not in seen:
             seen.append(loss)
         if len(self._prompts) > _MAX_PROMPTS:
             del self._prompts[next(iter(self._prompts))]
 
-    def refusal(self, prompt: tuple) -> ApiError | None:
-        """The error to refuse ``prompt`` with, or None to serve it."""
+    def served(self, prompt: tuple) -> None:
+        """``prompt`` was answered in full: not what brought its replicas down.  (It
+        also leaves the losses it was in, so that it no longer hides which prompt of
+        those lost beside it did.)"""
+        for loss in self._prompts.pop(prompt, ()):
+            record = self._losses.get(loss)
+            if record is not None:
+                record[1].pop(prompt, None)
+
+    def refusal(self, prompt: tuple, request_id: str) -> ApiError | None:
+        """The error to refuse ``prompt`` with (``request_id`` asks for it), or None to serve it."""
         now = self._clock()
         if now >= self._next_prune:
             self._prune(now)
@@ -78,11 +91,13 @@ class LostPrompts:
         cfg = self._config()
         since = now - cfg.lost_quarantine_s  # losses older than the window are forgotten
         losses = [record[1] for loss in seen if (record := self._losses.get(loss)) and record[0] > since]
-        if len(losses) < cfg.lost_attempts or set.intersection(*losses) != {prompt}:
+        if len(losses) < cfg.lost_attempts or set(losses[0]).intersection(*losses[1:]) != {prompt}:
             return None  # not lost often enough yet, or not singled out from those lost beside it
         self._refused[prompt] = now + cfg.lost_quarantine_s
-        log.warning("a prompt lost with %d replicas, alone among the requests lost with them each time, is "
-                    "refused for %g s (router.lost_quarantine_s)", len(losses), cfg.lost_quarantine_s)
+        # Named by the requests that held it, which the access log and the clients' errors carry.
+        log.warning("%s: its prompt was lost with %d replicas (in %s), alone among the requests lost with them "
+                    "each time: refused for %g s (router.lost_quarantine_s)", request_id, len(losses),
+                    ", ".join(lost[prompt] for lost in losses), cfg.lost_quarantine_s)
         return request_quarantined(math.ceil(cfg.lost_quarantine_s))
 
     def _prune(self, now: float) -> None:

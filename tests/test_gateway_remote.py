@@ -2989,6 +2989,39 @@ async def test_a_prompt_that_brings_replicas_down_is_not_passed_along_the_fleet(
         assert lost.value.body["code"] == "request_lost" and hit == {"a": 1, "b": 1}
 
 
+async def test_a_prompt_answered_elsewhere_after_its_replica_died_is_never_refused(tiny_model_dir):
+    """Replicas dying of something else (out of memory, a node lost) while a canary
+    runs, one after the other: each time its request is answered by the other
+    replica, which shows the prompt is not what kills them.  It stays served."""
+    dies_next = [False]
+
+    def replica(name):
+        async def handler(request):
+            await request.read()
+            if dies_next[0]:  # whichever replica has the request dies
+                dies_next[0] = False
+                request.transport.close()
+                return web.Response()
+            return await _answer_fine(request)
+        return handler
+
+    router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=1000)
+    async with _gateway_over_pair(tiny_model_dir, replica("a"), replica("b"), ("a", "b"), router) as (
+            gateway, url, client, _):
+        canary = [{"role": "user", "content": "canary"}]
+        for _ in range(3):
+            dies_next[0] = True
+            out = await client.chat.completions.create(model=MODEL, messages=canary, max_tokens=5)
+            assert out.choices[0].message.content == "Fine" and not dies_next[0]
+            await asyncio.sleep(1.1)  # a replica's losses within a second are one
+        out = await client.chat.completions.create(model=MODEL, messages=canary, max_tokens=5)
+        assert out.choices[0].message.content == "Fine"
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/metrics") as resp:
+                scrape = await resp.text()
+        assert 'kvgate_requests_lost_total{outcome="refused"} 0.0' in scrape
+
+
 async def test_requests_lost_beside_a_prompt_of_death_are_not_refused(tiny_model_dir):
     """A replica that dies of a prompt takes every request it held with it; those
     move on with the prompt and may die with it again.  Only the prompt common to

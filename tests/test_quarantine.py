@@ -22,30 +22,49 @@ def test_only_the_prompt_common_to_every_loss_is_refused():
     assert not lost
     # Replica a dies holding P and two others; P and x move on to b, which dies too.
     for prompt in ("P", "x", "y"):
-        lost.note((prompt,), ("a", 1))
+        lost.note((prompt,), ("a", 1), f"req-{prompt}")
     for prompt in ("P", "x", "z"):
-        lost.note((prompt,), ("b", 1))
-    assert lost and lost.refusal(("y",)) is None and lost.refusal(("z",)) is None
-    assert lost.refusal(("P",)) is None and lost.refusal(("x",)) is None  # not singled out yet
-    lost.note(("P",), ("a", 2))  # P's client retries, and kills a again (alone this time)
-    refused = lost.refusal(("P",))
+        lost.note((prompt,), ("b", 1), f"req-{prompt}")
+    assert lost and lost.refusal(("y",), "req-new") is None and lost.refusal(("z",), "req-new") is None
+    assert lost.refusal(("P",), "req-new") is None and lost.refusal(("x",), "req-new") is None  # not singled out yet
+    lost.note(("P",), ("a", 2), "req-P2")  # P's client retries, and kills a again (alone this time)
+    refused = lost.refusal(("P",), "req-new")
     assert refused.status == 502 and refused.code == "request_quarantined" and "300 s" in refused.message
-    assert lost.refusal(("x",)) is None
+    assert lost.refusal(("x",), "req-new") is None
     clock[0] += 299
-    assert lost.refusal(("P",)).message.count("1 s")
+    assert lost.refusal(("P",), "req-new").message.count("1 s")
     clock[0] += 2  # the window has passed: served again, its losses forgotten
-    assert lost.refusal(("P",)) is None
+    assert lost.refusal(("P",), "req-new") is None
     clock[0] += 10
-    assert lost.refusal(("Q",)) is None and not lost  # pruned: requests skip the check again
+    assert lost.refusal(("Q",), "req-new") is None and not lost  # pruned: requests skip the check again
+
+
+def test_a_prompt_answered_in_full_after_a_loss_is_not_the_cause(caplog):
+    lost, _ = _lost_prompts()
+    # Replicas dying of something else, one after the other, while a canary's prompt runs.
+    lost.note(("canary",), ("a", 1), "req-1")
+    lost.served(("canary",))  # its retry was answered by b
+    lost.note(("canary",), ("b", 1), "req-2")
+    assert lost.refusal(("canary",), "req-3") is None
+    # Answered in full, a prompt also leaves the losses it shared: the one common to the rest stands out sooner.
+    for loss in (("a", 2), ("b", 2)):
+        for prompt in ("P", "x"):
+            lost.note((prompt,), loss, f"req-{prompt}{loss[1]}{loss[0]}")
+    assert lost.refusal(("P",), "req-P3") is None  # x died beside it both times
+    lost.served(("x",))
+    with caplog.at_level("WARNING", logger="gateway.quarantine"):
+        assert lost.refusal(("P",), "req-P3").code == "request_quarantined"
+    # The log names the request refused and those that were lost, which the access log and clients quote.
+    assert "req-P3: its prompt was lost with 2 replicas (in req-P2a, req-P2b)" in caplog.text
 
 
 def test_one_loss_is_enough_when_lost_attempts_is_one_and_nothing_is_kept_when_off():
     lost, _ = _lost_prompts(lost_attempts=1, lost_quarantine_s=60)
-    lost.note(("P",), ("a", 1))
-    assert lost.refusal(("P",)).code == "request_quarantined"
+    lost.note(("P",), ("a", 1), "req-P")
+    assert lost.refusal(("P",), "req-new").code == "request_quarantined"
     off, _ = _lost_prompts(lost_quarantine_s=0)
-    off.note(("P",), ("a", 1))
-    assert not off and off.refusal(("P",)) is None
+    off.note(("P",), ("a", 1), "req-P")
+    assert not off and off.refusal(("P",), "req-new") is None
 
 
 def test_a_prompts_identity_tells_images_salts_and_tenants_apart():
