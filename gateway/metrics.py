@@ -154,9 +154,10 @@ class GatewayMetrics:
             ["replica", "reason"], registry=routing,
         )
         self.replica_failures = LoopCounter(
-            "kvgate_replica_failures", "Requests a replica failed (refused, cut, timed out, 5xx): before_first_token ones "
-            "were retried on another replica, mid_stream ones ended with an error event.  A replica shutting down "
-            "is no failure.",
+            "kvgate_replica_failures", "Requests a replica failed (refused, cut, timed out, 5xx), by when: "
+            "before_first_token ones were tried on another replica; mid_stream ones, after its first output, ended "
+            "with an error event when streamed and were tried on another replica when not (what clients got is in "
+            "kvgate_requests_total).  A replica shutting down is no failure.",
             ["replica", "stage"], registry=routing,
         )
         self.lost_requests = LoopCounter(

@@ -22,6 +22,7 @@ import contextlib
 import inspect
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -373,6 +374,7 @@ class RemoteReplica(Replica):
         # for read_timeout_s while nothing else came either is a hung replica's.
         self._last_output = time.monotonic()
         self._open_until = 0.0
+        self._wait_said = False  # said that it answers again but waits out its breaker
         self._instance: object = _UNSEEN  # a `kvgate engine`'s process, as /kvgate/info names it
         self._trip_reason = ""
         self._following = False
@@ -455,7 +457,7 @@ class RemoteReplica(Replica):
 
     async def _fetch_info(self) -> bool:
         """Learn the engine's block identity and limits; True when it is another
-        process than the one seen before."""
+        process than the one seen before (or the first seen)."""
         async with self._session.get(
             self.base + "/kvgate/info", headers=self.auth_headers(), timeout=aiohttp.ClientTimeout(total=5)
         ) as resp:
@@ -464,7 +466,9 @@ class RemoteReplica(Replica):
         instance = data.get("instance")  # None from an engine before 0.2
         # Another process than the one seen before (a restart, an upgrade from an engine
         # that named none): the breaker's record is its predecessor's.
-        restarted = instance is not None and self._instance is not _UNSEEN and instance != self._instance
+        # The first answer ever is a new process too: whatever opened the breaker
+        # before it (probes of a server not up yet) was no failure of its own.
+        restarted = instance is not None and instance != self._instance
         self._instance = instance
         self._learn(ReplicaInfo(data["model"], int(data["block_size"]), data["hash_salt"], int(data["max_model_len"])))
         return restarted
@@ -571,7 +575,14 @@ class RemoteReplica(Replica):
                 self._note_failure(probe=True)
 
     def _maybe_rejoin(self) -> None:
-        if time.monotonic() < self._open_until or (self.kind == "engine" and not self._following):
+        if self.kind == "engine" and not self._following:
+            return
+        wait = self._open_until - time.monotonic()
+        if wait > 0:
+            if not self._wait_said:  # else a replica back from a hang looks forgotten
+                log.info("replica %s answers again: back in routing in %.0f s, when its breaker closes "
+                         "(router.breaker_reset_s)", self.name, wait)
+                self._wait_said = True
             return
         if not self.healthy:
             log.info("replica %s is healthy: %s routing", self.name, "back in" if self._was_healthy else "in")
@@ -614,6 +625,7 @@ class RemoteReplica(Replica):
             last = f" (last probe: {self._probe_failure})" if self._probe_failures else ""
             log.warning("replica %s leaves routing: %s%s", self.name, why, last)
         self.trips += 1
+        self._wait_said = False
         self.healthy = False
         self._trip_reason = why  # what the streams it cuts tell their clients
         self._forgive(probes=True, requests=True)
@@ -735,7 +747,11 @@ class RemoteReplica(Replica):
             except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
                 # Nothing listens there: the engine is down, not merely resyncing.
                 if self.healthy:
-                    self._trip(f"unreachable ({exc})")
+                    self._trip(_plain_reason(exc))
+                elif self.draining:
+                    # It drained and exited: down now, until a process answers there again.
+                    log.info("replica %s has stopped (%s)", self.name, _plain_reason(exc))
+                    self.draining = False
             except Exception as exc:  # noqa: BLE001 - any other failure means: resync
                 if not (self.draining or self._key_refused or self._no_events):  # each said already, or on purpose
                     # Once an outage (a hung engine's stream fails every 20 s): then at DEBUG.
@@ -1036,7 +1052,11 @@ def _plain_reason(exc: BaseException) -> str:
     if isinstance(exc, asyncio.TimeoutError):  # aiohttp's timeouts are these too
         return "it did not answer in time"
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return f"cannot connect ({exc.strerror or exc.os_error})"
+        # Not asyncio's own words, which name the address ("Connect call failed
+        # ('10.0.0.5', 8001)"): a trip's reason reaches the clients whose streams it cuts.
+        errno = exc.errno
+        words = os.strerror(errno) if isinstance(errno, int) and errno > 0 else exc.strerror
+        return f"cannot connect ({words or exc.os_error.__class__.__name__})"
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return "it closed the connection"
     if isinstance(exc, aiohttp.ClientPayloadError):

@@ -46,13 +46,15 @@ class ScriptedEngine:
         self.opened = 0
         self.server = None
         self.instance = "first"  # /kvgate/info's name for the engine process
+        self.draining = False  # what its snapshots say
+        self.streams: set = set()  # the transports of its open /kv_events
 
-    async def start(self) -> str:
+    async def start(self, port: int = 0) -> str:
         app = web.Application()
         app.router.add_get("/kvgate/info", self._info)
         app.router.add_get("/health", self._health)
         app.router.add_get("/kv_events", self._kv_events)
-        self.server = await start_server(app)
+        self.server = await start_server(app, port=port)
         return self.server.url
 
     async def _info(self, request):
@@ -65,12 +67,20 @@ class ScriptedEngine:
             return web.json_response({"error": {"message": "down"}}, status=503)
         return web.json_response({"status": "ok", "requests": 0, "kv_usage": 0.0})
 
+    async def crash(self) -> None:
+        """Gone as a killed process goes: its connections break, nothing listens."""
+        for transport in self.streams:
+            transport.close()
+        await self.server.stop()
+        self.server = None
+
     async def _kv_events(self, request):
         self.opened += 1
+        self.streams.add(request.transport)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if not self.hung:
-            snapshot = {"seq": 0, "model": MODEL, "keys": {"device": list(self.keys)}, "draining": False}
+            snapshot = {"seq": 0, "model": MODEL, "keys": {"device": list(self.keys)}, "draining": self.draining}
             await resp.write(b"event: snapshot\ndata: " + json.dumps(snapshot).encode() + b"\n\n")
         await asyncio.sleep(3600)
         return resp
@@ -92,7 +102,8 @@ async def scripted():
     yield engine, follow
     for replica in followers:
         await replica.close()
-    await engine.server.stop()
+    if engine.server is not None:
+        await engine.server.stop()
 
 
 async def test_a_snapshot_far_past_aiohttps_line_limit_is_followed(scripted):
@@ -121,7 +132,7 @@ async def test_after_the_breaker_an_engine_rejoins_on_a_fresh_snapshot(scripted)
 
 
 @pytest.mark.parametrize("before, after", [("first", "second"), (None, "second"), ("first", "first")])
-async def test_a_restarted_engine_rejoins_without_waiting_out_its_predecessors_breaker(scripted, before, after):
+async def test_a_restarted_engine_rejoins_without_waiting_out_its_predecessors_breaker(scripted, before, after, caplog):
     """Probes fail while an engine restarts (a rolling upgrade), which opens its
     breaker.  The process that comes back, another instance by /kvgate/info (or
     the first to name one: an engine upgraded from 0.1), rejoins on its first
@@ -138,9 +149,57 @@ async def test_a_restarted_engine_rejoins_without_waiting_out_its_predecessors_b
         await wait_for(lambda: replica.healthy, what="back in routing")
         assert sorted(replica.index.tiers) == [222] and not replica.breaker_open
     else:
+        caplog.set_level(logging.INFO, logger="gateway.replicas")
         await wait_for(lambda: engine.opened == 2 and replica._following, what="resynced")
         await asyncio.sleep(0.5)  # several good probes
         assert not replica.healthy and replica.breaker_open
+        # Said once, so that an operator does not take it for forgotten.
+        said = [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()]
+        assert len(said) == 1 and "back in routing in 6" in said[0] and "(router.breaker_reset_s)" in said[0]
+
+
+async def test_an_engine_first_seen_after_its_breaker_opened_rejoins_on_its_first_snapshot(unused_tcp_port_factory):
+    """The gateway started first: probes of an engine not up yet opened its breaker.
+    That is no failure of the process that then answers, which joins at once
+    rather than after breaker_reset_s (503s meanwhile, with the engine ready)."""
+    port = unused_tcp_port_factory()
+    replica = RemoteReplica(ReplicaConfig(kind="engine", url=f"http://127.0.0.1:{port}", connect_timeout_s=0.2),
+                            RouterConfig(health_interval_s=0.05, breaker_failures=2, breaker_reset_s=60),
+                            ReplicaInfo(MODEL, 16, MODEL, 1024))
+    engine = ScriptedEngine()
+    try:
+        await replica.start()
+        await wait_for(lambda: replica.breaker_open, what="breaker open while nothing answers")
+        engine.keys = [111]
+        await engine.start(port)
+        await wait_for(lambda: replica.healthy, 5, what="in routing")
+        assert sorted(replica.index.tiers) == [111]
+    finally:
+        await replica.close()
+        if engine.server is not None:
+            await engine.server.stop()
+
+
+async def test_an_engine_gone_says_so_without_its_address_and_a_drained_one_is_down(scripted, caplog):
+    """An engine that disappears leaves routing for a reason clients may read (the
+    streams it cuts carry it): no address in it.  One that drained and exited is
+    down, not draining for ever, and the log says it stopped."""
+    engine, follow = scripted
+    replica = await follow(health_interval_s=30)
+    await wait_for(lambda: replica.healthy, what="in routing")
+    port = int(engine.server.url.rsplit(":", 1)[1])
+    await engine.crash()
+    await wait_for(lambda: not replica.healthy, what="left routing")
+    assert replica._trip_reason == "cannot connect (Connection refused)"
+
+    engine.draining = True  # back, and stopping
+    await engine.start(port)
+    await wait_for(lambda: replica.draining, what="draining")
+    caplog.set_level(logging.INFO, logger="gateway.replicas")
+    await engine.crash()
+    await wait_for(lambda: not replica.draining, what="down")
+    assert not replica.healthy
+    assert f"replica {replica.name} has stopped (cannot connect (Connection refused))" in caplog.messages
 
 
 async def test_a_breaker_that_opens_while_a_restarted_engine_resyncs_stands(scripted, monkeypatch):
