@@ -136,7 +136,7 @@ class AsyncEngine:
             log.warning("max_model_len lowered to %d (model or KV pool limit)", self._max_model_len)
         self.scheduler = Scheduler(self.pool, bs, engine_cfg.max_num_seqs, engine_cfg.max_batched_tokens,
                                    tenant_fair=engine_cfg.scheduling_policy == "tenant-fair")
-        self.runner = ModelRunner(loaded.model, self.kv, bs, loaded.device)
+        self.runner = ModelRunner(loaded.model, self.kv, bs, loaded.device, self._max_model_len)
         self.eos_ids = _eos_ids(loaded)
         self._requests: dict[str, _RequestState] = {}
         self._pending_adds: list[_RequestState] = []

@@ -22,6 +22,7 @@ failure of a form disables it for the rest of the process.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -172,9 +173,82 @@ def register() -> str:
     return ATTN_NAME
 
 
+# Settings a layer may hand its attention function that the paged function does
+# not apply: answers with them would be silently wrong, so such models are refused.
+_UNAPPLIED = {
+    "softcap": "attention logit soft-capping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+}
+
+
+def check_paged_attention(model, device: torch.device, max_model_len: int) -> None:
+    """Refuse a model the paged attention cannot serve exactly (ConfigError on
+    model.path): one whose layers never call transformers' attention interface
+    (ALiBi models such as Bloom and MPT: their decode would see no context), drop
+    the engine's ``paged=`` keyword on the way (Falcon: every step would fail),
+    or ask for what it does not apply: a sliding window shorter than
+    max_model_len, soft-capped logits, attention sinks (Gemma 2 and 3, gpt-oss,
+    Mistral and Phi-3 past their windows), whose outputs would differ from the
+    model's own.  Found by one forward of two tokens through a recording function."""
+    from transformers import AttentionInterface
+
+    from engine.config import ConfigError
+
+    seen: dict = {}
+
+    def probe(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+        seen[getattr(module, "layer_idx", len(seen))] = kwargs
+        return query.transpose(1, 2), None  # [1, T, H, D], as the paged function returns
+
+    sentinel = object()
+    # A name of its own: the paged function stays as it is for engines already
+    # serving in this process (a gateway's in-process replicas load side by side).
+    name = f"{ATTN_NAME}_probe_{next(_probes)}"
+    AttentionInterface.register(name, probe)
+    _set_attention(model, name)
+    try:
+        with torch.inference_mode():
+            ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+            model(input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False, paged=sentinel)
+    except Exception as exc:  # noqa: BLE001 - whatever the model's forward makes of it
+        raise ConfigError(f"the model's forward fails with the engine's attention ({exc.__class__.__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}); serve it with vLLM behind the gateway",
+                          "model.path") from None
+    finally:
+        _set_attention(model, register())
+    kind = getattr(model.config, "model_type", "this model")
+    unfit = None
+    if not seen:
+        unfit = "its layers do not call transformers' attention interface (ALiBi models such as Bloom and MPT)"
+    elif any(kwargs.get("paged") is not sentinel for kwargs in seen.values()):
+        unfit = "its layers do not pass the engine's step keywords down to attention (as Falcon's)"
+    else:
+        for layer, kwargs in sorted(seen.items(), key=lambda item: str(item[0])):
+            window = kwargs.get("sliding_window")
+            if window is not None and window < max_model_len:
+                unfit = (f"layer {layer} attends through a sliding window of {window} tokens, which the engine does "
+                         f"not apply (it attends to the whole context): model.max_model_len at most {window} keeps "
+                         "every request inside it")
+                break
+            asked = next((name for name in _UNAPPLIED if kwargs.get(name) is not None), None)
+            if asked is not None:
+                unfit = f"layer {layer} asks for {_UNAPPLIED[asked]}, which the engine does not apply"
+                break
+    if unfit is not None:
+        raise ConfigError(f"the kvgate engine cannot serve {kind} exactly: {unfit}; its answers would differ from the "
+                          "model's own. Serve it with vLLM behind the gateway (deploy/vllm.md).", "model.path")
+
+
+_probes = itertools.count()
+
+
 def use_paged_attention(model) -> None:
     """Switch a loaded model to the paged attention function."""
-    name = register()
+    _set_attention(model, register())
+
+
+def _set_attention(model, name: str) -> None:
     setter = getattr(model, "set_attn_implementation", None)
     if setter is not None:
         try:

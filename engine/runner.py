@@ -12,14 +12,14 @@ import itertools
 
 import torch
 
-from engine.attention import PagedBatch, PrefillItem, use_paged_attention
+from engine.attention import PagedBatch, PrefillItem, check_paged_attention, use_paged_attention
 from engine.kv_cache import KVCache
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCache, block_size: int, device: torch.device) -> None:
+    def __init__(self, model, kv: KVCache, block_size: int, device: torch.device, max_model_len: int) -> None:
         self.model = model
         self.kv = kv
         self.block_size = block_size
@@ -27,6 +27,7 @@ class ModelRunner:
         # varlen_attn metadata; CUDA only (tests may force it to check the metadata).
         self.build_varlen = device.type == "cuda"
         use_paged_attention(model)
+        check_paged_attention(model, device, max_model_len)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor | None, list[Sequence]]:

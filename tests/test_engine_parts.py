@@ -374,3 +374,46 @@ def test_the_conversion_draws_no_bar_into_a_log_and_says_how_long_it_took(tiny_m
     assert drawn == [True]  # pytest's stderr is no terminal
     assert gguf_utils.tqdm is original
     assert any(re.fullmatch(r"converted tiny\.gguf in \d+ s", r.getMessage()) for r in caplog.records)
+
+
+def _tiny_arch_dir(path, config) -> str:
+    """A random tiny model of another architecture, with the tiny tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_model import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_models_the_paged_attention_would_serve_wrongly_are_refused_at_load(tmp_path):
+    """Answers that differ from the model's own are worse than no answers: a model
+    whose layers ask for what the engine's attention does not apply, or bypass it,
+    is refused when it loads, naming why and model.path (the CLI puts its FILE:LINE
+    in front).  What it does apply loads."""
+    from transformers import BloomConfig, Gemma2Config, MistralConfig, Qwen2Config
+
+    from engine.config import ConfigError
+    from tests.engine_helpers import make_engine
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=1024)
+    refused = {
+        "a sliding window of 8 tokens": MistralConfig(sliding_window=8, **small),
+        "attention logit soft-capping": Gemma2Config(head_dim=8, query_pre_attn_scalar=8, sliding_window=4096,
+                                                     **small),
+        "do not call transformers' attention interface": BloomConfig(hidden_size=32, n_layer=2, n_head=4),
+    }
+    for why, config in refused.items():
+        with pytest.raises(ConfigError) as info:
+            make_engine(_tiny_arch_dir(tmp_path / config.model_type, config))
+        assert info.value.key == "model.path" and why in str(info.value), str(info.value)
+        assert f"cannot serve {config.model_type} exactly" in str(info.value)
+    # A window no request can outgrow (max_model_len 1024 here), or none (Qwen2's default): served.
+    for config in (MistralConfig(sliding_window=4096, **small), Qwen2Config(**small)):
+        engine = make_engine(_tiny_arch_dir(tmp_path / f"{config.model_type}-ok", config))
+        assert engine._max_model_len == 1024
