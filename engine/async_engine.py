@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -99,6 +100,9 @@ class AsyncEngine:
         cache_cfg = cache_cfg or CacheConfig()
         self.loaded = loaded
         self.engine_cfg = engine_cfg
+        # Seeds for requests that give none, from engine.seed (vLLM's --seed): the
+        # same requests taken in the same order sample alike from one run to the next.
+        self._seeds = random.Random(engine_cfg.seed)
         self.chat_tokens = ChatTokenizer(loaded.tokenizer, tokenize_cache_tokens)
         self.token_pieces = TokenPieces(loaded.tokenizer)  # logprobs' token texts, shared by every sampler
         config = loaded.model.config
@@ -410,11 +414,12 @@ class AsyncEngine:
 
     def _add(self, state: _RequestState) -> None:
         request = state.request
+        unseeded = self._seeds.getrandbits(63) if request.sampling.seed is None else None
         for index in range(request.sampling.n):
             seq = Sequence(self._next_seq_id, request, index, self.block_size, self.hash_salt)
             self._next_seq_id += 1
             seq.sampler = SequenceSampler(request.sampling, self.tokenizer, request.prompt_token_ids, self.eos_ids, index,
-                                          self.token_pieces)
+                                          self.token_pieces, unseeded)
             state.seqs.append(seq)
         first, *forks = state.seqs
         # Siblings wait until the first choice has computed (and published) the

@@ -103,6 +103,8 @@ class EngineConfig(Section):
     # CPU threads for torch; None keeps torch's default.  At most 1024: torch
     # starts them all, and a typo of 100000 crashed the process.
     threads: int | None = Field(None, ge=1, le=1024)
+    # Seeds torch and the requests that give no seed of their own (vLLM's --seed):
+    # the same requests, in the same order, sample alike from one run to the next.
     # What torch.manual_seed takes: 64 bits (it reads a negative seed as seed +
     # 2**64, so those are refused: one seed, one spelling).
     seed: int = Field(0, ge=0, lt=2**64)

@@ -81,7 +81,10 @@ class SequenceSampler:
         eos_ids: set[int],
         index: int = 0,
         pieces: TokenPieces | None = None,
+        unseeded: int | None = None,
     ) -> None:
+        """``unseeded``: the seed of a request that gives none (the engine draws it
+        from engine.seed); None: a random one."""
         self.params = params
         self.tokenizer = tokenizer
         self.pieces = pieces or TokenPieces(tokenizer)
@@ -92,7 +95,10 @@ class SequenceSampler:
         self._prompt_ids = prompt_ids if params.repetition_penalty != 1.0 else None
         self._seen: torch.Tensor | None = None
         self._end_ids: torch.Tensor | None = None  # min_tokens: EOS and stop ids, masked while short
-        seed = params.seed + index if params.seed is not None else random.getrandbits(63)
+        if params.seed is not None:
+            seed = params.seed + index
+        else:
+            seed = (unseeded if unseeded is not None else random.getrandbits(63)) + index
         self.generator = torch.Generator(device="cpu").manual_seed(generator_seed(seed))
         self.counts: Counter[int] = Counter()
         self.text = ""

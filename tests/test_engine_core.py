@@ -448,6 +448,26 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(engines
     assert len(tokens(out[0])) == 4
 
 
+async def test_engine_seed_makes_unseeded_requests_repeat_from_one_run_to_the_next(engines):
+    """vLLM's --seed: requests that give no seed are seeded from engine.seed, so the
+    same requests in the same order sample alike in another process; another
+    engine.seed samples otherwise, and so does each request of a run."""
+    prompt = prompt_of(20, seed=6)
+
+    async def run(engine) -> list[list[list[int]]]:
+        params = SamplingParams(max_tokens=24, temperature=1.5, ignore_eos=True, n=2)
+        out = []
+        for i in range(3):
+            choices = await collect(engine, GenerationRequest(f"u{i}", prompt, params))
+            out.append([tokens(choices[0]), tokens(choices[1])])
+        return out
+
+    first, again, other = await run(engines(seed=5)), await run(engines(seed=5)), await run(engines(seed=6))
+    assert first == again and first != other
+    samples = [choice for request in first for choice in request]
+    assert len({tuple(choice) for choice in samples}) == len(samples)  # every choice of every request its own
+
+
 async def test_a_seed_whose_choices_overflow_64_bits_is_refused(engines):
     """Choice i is seeded with seed + i: past 2**64 - 1 torch cannot take it, so
     the request is refused up front (it used to hang its reader)."""
