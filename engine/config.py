@@ -171,12 +171,13 @@ class WAModelConfig(Section):
 
     @field_validator("prior_lambda")
     @classmethod
-    def _positive_rates(cls, value: dict[str, float]) -> dict[str, float]:
+    def _positive_rates_over_defaults(cls, value: dict[str, float]) -> dict[str, float]:
         for workload, rate in value.items():
             if not 0 < rate <= MAX_WEIGHT:
                 raise ValueError(f"prior_lambda.{workload} must be a rate above 0 and at most {MAX_WEIGHT:g} "
                                  f"(1/s; a bound against typos), got {rate}")
-        return value
+        # A workload left out keeps its default, as any key left out does (it took to-c's rate).
+        return {**cls.model_fields["prior_lambda"].default_factory(), **value}
     # Metadata-only access history (recently seen and evicted keys): how long a
     # key is remembered, so reuses after eviction are still observed ...
     history_horizon_s: float = Field(600.0, gt=0, le=WEEK_S)

@@ -159,7 +159,7 @@ class _Runner:
 
     def score(self, settings: dict[str, Any], label: str, policy: str = "wa", deadline: float | None = None) -> float:
         key = (policy, tuple(sorted(settings.items())))
-        if key not in self.cache:
+        if not self.has_scored(settings, policy):
             cfg = self.base.model_copy(update={"policy": policy,
                                                "workload_aware": with_settings(self.base.workload_aware, settings)})
             began = time.monotonic()
@@ -173,6 +173,9 @@ class _Runner:
             if self.progress is not None:
                 self.progress(self.done, max(self.planned, self.done), label)
         return self.cache[key]
+
+    def has_scored(self, settings: dict[str, Any], policy: str = "wa") -> bool:
+        return (policy, tuple(sorted(settings.items()))) in self.cache
 
     def search_deadline(self) -> float:
         """The deadline less the time the held-out check will take, so that the
@@ -291,11 +294,12 @@ def _rounds(run: _Runner, knobs: Space, state: _Descent, max_rounds: int, min_ga
             for value in values:
                 if value == state.best.settings[dotted]:
                     continue
-                reason = run.out_of_budget()
+                trial = {**state.best.settings, dotted: value}
+                # Only a replay costs time: a trial scored before is no reason to stop.
+                reason = None if run.has_scored(trial) else run.out_of_budget()
                 if reason:
                     state.stopped = reason
                     return
-                trial = {**state.best.settings, dotted: value}
                 try:
                     ratio = run.score(trial, f"round {state.rounds}: {dotted}={value}")
                 except ValueError:
@@ -392,7 +396,12 @@ def _yaml_scalar(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, float) and math.isfinite(value) and value == int(value):
         return f"{value:.1f}"
-    return str(value)
+    text = str(value)
+    if isinstance(value, float) and "e" in text and "." not in text:
+        # YAML reads 5e-05 as text; 5.0e-05 is the float.
+        mantissa, _, exponent = text.partition("e")
+        text = f"{mantissa}.0e{exponent}"
+    return text
 
 
 def format_report(result: TuneResult, trace_name: str, requests: int, unique_blocks: int) -> str:

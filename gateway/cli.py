@@ -205,7 +205,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     engine = sub.add_parser("engine", help="run one engine replica over HTTP")
     engine.add_argument("--config", help="config.yaml")
-    engine.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    engine.add_argument("--host", default=None, help="listen address (default: server.host of --config, 127.0.0.1)")
     engine.add_argument("--port", type=_port, default=8001, help="listen port (default 8001)")
     engine.add_argument("--log-level", help="debug, info (default), warning or error; also KVGATE_LOG_LEVEL")
     engine.set_defaults(run=_run_engine)

@@ -806,3 +806,22 @@ def test_server_log_times_carry_their_utc_offset():
     record = logging.LogRecord("kvgate", logging.INFO, __file__, 1, "hello", None, None)
     line = _ServerLogFormat("%(asctime)s %(levelname)s %(name)s: %(message)s").format(record)
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d{4} INFO kvgate: hello", line), line
+
+
+def test_engine_listens_where_its_help_says(tmp_path, capsys, monkeypatch):
+    """`kvgate engine` takes server.host from --config, as `kvgate serve` does, and
+    its --help says so (it promised 127.0.0.1, while a config shared with a gateway
+    on 0.0.0.0 exposed the engine on every interface)."""
+    import gateway.server
+
+    for command in ("serve", "engine"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "listen address (default: server.host of --config, 127.0.0.1)" in " ".join(capsys.readouterr().out.split())
+    listened = []
+    monkeypatch.setattr(gateway.server, "run_engine_server", lambda config, host, port: listened.append((host, port)))
+    config = tmp_path / "c.yaml"
+    config.write_text("server:\n  host: 127.0.0.2\n")
+    main(["engine", "--config", str(config), "--port", "19999"])
+    main(["engine", "--config", str(config), "--port", "19999", "--host", "127.0.0.3"])
+    assert listened == [("127.0.0.2", 19999), ("127.0.0.3", 19999)]

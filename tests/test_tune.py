@@ -58,6 +58,12 @@ def test_budget_stops_the_search(trace_path):
     trace = load_trace(trace_path)
     result = tune(trace, 500, time_limit_s=120.0, max_evaluations=4, space=SMALL_SPACE)
     assert result.stopped == "evaluation limit" and result.evaluations == 4
+    # A budget that lasts the whole search: its last round meets only trials scored before,
+    # which take no replay, so the search converged (it said the budget stopped it).
+    whole = tune(trace, 500, time_limit_s=120.0, space=SMALL_SPACE)
+    assert whole.stopped == "converged" and whole.rounds >= 2
+    again = tune(trace, 500, time_limit_s=120.0, max_evaluations=whole.evaluations, space=SMALL_SPACE)
+    assert (again.stopped, again.evaluations, again.best) == ("converged", whole.evaluations, whole.best)
 
 
 def test_search_space_names_real_knobs():
@@ -266,12 +272,19 @@ def test_the_snippet_is_the_whole_section_that_was_scored(trace_path):
     snippet of changes alone, pasted over the section, dropped them unscored."""
     trace = load_trace(trace_path)
     capacity = max(1, round(0.05 * trace.unique_blocks()))
-    base = CacheConfig.model_validate({"workload_aware": {"weights": {"reuse": 0.7}, "lifetime_c": 4.0}})
+    # A small float (printed 5e-05 it is text to YAML), and one prior of three (the
+    # others, their defaults, are left out of the snippet and must stay so on loading).
+    base = CacheConfig.model_validate({"workload_aware": {"weights": {"reuse": 0.7}, "lifetime_c": 4.0,
+                                                          "fallback": {"margin": 0.00005},
+                                                          "model": {"prior_lambda": {"to-c": 0.3, "to-b": 0.8}}}})
     result = tune(trace, capacity, base, time_limit_s=120.0, space=SMALL_SPACE)
     section = yaml.safe_load(config_snippet(result))
     assert section["cache"]["workload_aware"]["weights"]["reuse"] == 0.7
     assert section["cache"]["workload_aware"]["lifetime_c"] == 4.0
+    assert section["cache"]["workload_aware"]["fallback"]["margin"] == 0.00005
+    assert section["cache"]["workload_aware"]["model"]["prior_lambda"] == {"to-c": 0.3}
     cfg = KvgateConfig.model_validate(section)
+    assert cfg.cache.workload_aware == with_settings(result.base, result.best.settings)  # what was scored
     assert replay(trace, "wa", capacity, cfg.cache).hit_ratio == pytest.approx(result.best.hit_ratio, abs=1e-12)
 
 

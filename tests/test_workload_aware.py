@@ -791,6 +791,9 @@ def test_config_section_validates():
         WorkloadAwareConfig.model_validate({"weights": {"reuse": 0, "spatial": 0, "lifetime": 0}})
     with pytest.raises(ValidationError, match="prior_lambda.to-b"):
         WorkloadAwareConfig.model_validate({"model": {"prior_lambda": {"to-b": -1.0}}})
+    # A workload left out keeps its default, as any key left out does (it took to-c's rate).
+    partial = WorkloadAwareConfig.model_validate({"model": {"prior_lambda": {"to-c": 0.3}}}).model.prior_lambda
+    assert partial == {"to-c": 0.3, "to-b": 0.8, "multimodal": 0.15}
     with pytest.raises(ValidationError) as info:
         CacheConfig.model_validate({"workload_aware": {"rhythm": {"spike_factr": 2}}})
     message = format_config_error(info.value, "config.yaml", CacheConfig)
