@@ -141,6 +141,11 @@ def write_errors_as(error: type[Exception], flag: str, path: str | Path) -> Iter
         raise error(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
 
 
+class OutputsInterrupted(KeyboardInterrupt):
+    """A second signal while the outputs were written: which were, and which
+    not, is said already (the CLI adds no line of its own)."""
+
+
 def write_outputs(error: type[Exception], outputs: Sequence[tuple[str, str | None, Callable[[str], None]]]) -> bool:
     """Write each (flag, path, writer) whose path is set, with Ctrl-C and SIGTERM
     held until they are written: the runs behind them are finished, and a plot
@@ -163,6 +168,7 @@ def write_outputs(error: type[Exception], outputs: Sequence[tuple[str, str | Non
         for signum in (signal.SIGINT, signal.SIGTERM):
             if signal.getsignal(signum) is not signal.SIG_IGN:
                 previous[signum] = signal.signal(signum, hold)
+    written: list[str] = []
     try:
         for flag, path, write in outputs:
             if not path:
@@ -171,9 +177,11 @@ def write_outputs(error: type[Exception], outputs: Sequence[tuple[str, str | Non
                 with write_errors_as(error, flag, path), written_whole(path) as target:
                     write(target)
             except KeyboardInterrupt:
+                done = f"; {', '.join(written)} written" if written else ""
                 print(f"kvgate: {flag} {path} not written (interrupted while written; "
-                      f"any earlier file there is unchanged)", file=sys.stderr)
-                raise
+                      f"any earlier file there is unchanged){done}", file=sys.stderr)
+                raise OutputsInterrupted from None
+            written.append(f"{flag} {path}")
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
@@ -221,6 +229,8 @@ def print_row(line: str) -> None:
 
 
 def interrupted_note(done: int, planned: int) -> str:
+    if not done:
+        return "kvgate: interrupted before any run finished"
     if done == planned:  # Ctrl-C while the outputs were written, which it waited for
         return "kvgate: interrupted after every run had finished; the outputs were written first"
     return f"kvgate: interrupted after {done} of {planned} runs; the results above are partial"

@@ -115,11 +115,15 @@ def _run(args: argparse.Namespace) -> int:
         # ulimit, or memory that went elsewhere meanwhile.
         print(f"kvgate: out of memory ({_MEMORY_HINTS[args.command]})", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         # What reached here stopped before any output file (those are written whole
-        # or not at all); replay and tune report their own interruptions later on.
+        # or not at all), or while they were written, which said what it left.
+        # Replay and tune report their own interruptions later on.
         if offline:
-            print("kvgate: interrupted; no file written", file=sys.stderr)
+            from engine.replay_report import OutputsInterrupted  # loaded by then, if any output was
+
+            if not isinstance(exc, OutputsInterrupted):
+                print("kvgate: interrupted; no file written", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         _discard_stdout()
@@ -537,7 +541,8 @@ def _run_replay(args: argparse.Namespace) -> int:
     print(table_header(summary, args.host_blocks), flush=True)
     ideal = summary["ideal_hit_ratio"]
     results, interrupted = collect_until_interrupted(runs, on_result=lambda r: print_row(table_row(r, ideal)))
-    print(table_footer(summary, results))
+    if results:  # else its capacity plan would be a heading over nothing
+        print(table_footer(summary, results))
     if not results and (note := unfinished_outputs([("--json", args.json), ("--plot", args.plot)])):
         print(note, file=sys.stderr)
     interrupted |= write_outputs(CliError, [

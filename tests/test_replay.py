@@ -332,7 +332,9 @@ def test_cli_ctrl_c_while_the_plot_is_drawn(tmp_path, capsys, monkeypatch, press
         assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "interrupted after every run had finished; the outputs were written first" in err
     else:  # the earlier plot stays whole rather than half replaced, and nothing is left beside it
-        assert f"--plot {out_png} not written (interrupted while written; any earlier file there is unchanged)" in err
+        # ... and that --json was (it said "no file written" too).
+        assert err.endswith(f"--plot {out_png} not written (interrupted while written; any earlier file there is "
+                            f"unchanged); --json {out_json} written\n")
         assert out_png.read_bytes() == b"an earlier run's plot"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.png", "t.jsonl"]
 
@@ -354,7 +356,10 @@ def test_cli_ctrl_c_before_any_run_leaves_the_earlier_outputs(tmp_path, capsys, 
     code = main(["replay", str(trace), "--policies", "lru", "--capacity-blocks", "8", "--plot", str(out_png),
                  "--json", str(out_json), "--replicas", str(replicas), "--no-progress"])
     assert code == 130
-    assert f"kvgate: --json {out_json}, --plot {out_png} not written: no run finished" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[-2:] == [f"kvgate: --json {out_json}, --plot {out_png} not written: no run finished",
+                                              "kvgate: interrupted before any run finished"]
+    assert "capacity planning" not in captured.out  # a heading over nothing
     assert out_json.read_text() == "an earlier run's results" and out_png.read_bytes() == b"an earlier run's plot"
 
 
