@@ -590,7 +590,8 @@ def _measure(trace: Trace) -> dict:
     first = turns <= 1
     stats["multi_turn_requests"] = _ratio((~first).sum(), n)
     # A next turn may fall after the trace ends: leave the last stretch out.
-    early = times <= times[-1] - CENSOR_S if span > 2 * CENSOR_S else np.ones(n, dtype=bool)
+    stats["next_turn_censored"] = censored = span > 2 * CENSOR_S
+    early = times <= times[-1] - CENSOR_S if censored else np.ones(n, dtype=bool)
     # In a mixed trace the chat population's turn structure is the one to compare.
     chat = np.array([t != "api" for t in types], dtype=bool)
     if chat.any() and not chat.all():
@@ -626,6 +627,7 @@ def _measure(trace: Trace) -> dict:
     # Hits: with chained keys a seen key implies its whole prefix was seen.
     hits_by_req = np.bincount(reuse_req, minlength=n)
     total_hits = int(hits_by_req.sum())
+    stats["hits"] = total_hits
     stats["single_turn_hit_share"] = _ratio(hits_by_req[first].sum(), total_hits)
     group_first_req = grouped_req[np.flatnonzero(starts)][np.cumsum(starts) - 1]
     creator_session = sessions[group_first_req][reuse]
@@ -727,6 +729,10 @@ def format_statistics(stats: dict) -> str:
 
     pct = lambda v: f"{100 * v:.2f}%" if 0 < v < 0.01 else f"{100 * v:.1f}%"  # noqa: E731
     secs = _seconds
+    # A trace of 20 minutes or less keeps its last turns, whose next turns may fall after its end.
+    low = "" if stats.get("next_turn_censored", True) else " (short trace: low)"
+    # Shares of the hits, of none at all: nothing to measure.
+    of_hits = pct if stats.get("hits", 1) else lambda v: "n/a"  # noqa: E731
     rows: list[tuple[str, str, str]] = [
         ("trace format", stats.get("format", "bailian"), ""),
         ("requests", f"{stats['requests']}", ""),
@@ -737,13 +743,13 @@ def format_statistics(stats: dict) -> str:
     for name, share in stats["type_mix"].items():
         rows.append((f"type {name}", pct(share), paper(f"type_{name}", pct)))
     rows += [
-        ("multi-turn sessions (first turns followed)", pct(stats["multi_turn_sessions"]),
+        ("multi-turn sessions (first turns followed)", pct(stats["multi_turn_sessions"]) + low,
          paper("multi_turn_sessions", pct)),
         ("multi-turn requests (turn >= 2)", pct(stats["multi_turn_requests"]),
          paper("multi_turn_requests", lambda v: f"<{100 * v:.1f}%")),
-        ("P(next turn | turn 1)", f"{stats['next_turn_after_first']:.2f}",
+        ("P(next turn | turn 1)", f"{stats['next_turn_after_first']:.2f}{low}",
          paper("next_turn_after_first", lambda v: f"~{v:.1f}")),
-        ("P(next turn | turn >= 2)", f"{stats['next_turn_after_later']:.2f}",
+        ("P(next turn | turn >= 2)", f"{stats['next_turn_after_later']:.2f}{low}",
          paper("next_turn_after_later", lambda v: f"~{v:.1f}")),
         ("reuses within 10 s", pct(stats["reuse_within_10s"]), paper("reuse_within_10s", pct)),
         ("reuses within 10 min", pct(stats["reuse_within_600s"]), paper("reuse_within_600s", pct)),
@@ -766,9 +772,9 @@ def format_statistics(stats: dict) -> str:
         ("block lifespan p90 (90% dead after)", secs(life["p90"]), paper("lifespan_p90_s", secs)),
         ("block lifespan p99", secs(life["p99"]), paper("lifespan_p99_s", secs)),
         ("reuses on the top 10% of blocks", pct(stats["top10_reuse_share"]), paper("top10_reuse_share", pct)),
-        ("hits from single-turn requests", pct(stats["single_turn_hit_share"]), paper("single_turn_hit_share", pct)),
+        ("hits from single-turn requests", of_hits(stats["single_turn_hit_share"]), paper("single_turn_hit_share", pct)),
         # to-B calls are one session each: there, these are a tenant's own template hits.
-        ("hits on blocks another session created", pct(stats["cross_session_hit_share"]), ""),
+        ("hits on blocks another session created", of_hits(stats["cross_session_hit_share"]), ""),
         ("input tokens p50 / p90 / p99", " / ".join(f"{stats['input_tokens'][k]:.0f}" for k in ("p50", "p90", "p99")),
          ""),
         ("output tokens p50 / p90", " / ".join(f"{stats['output_tokens'][k]:.0f}" for k in ("p50", "p90")), ""),

@@ -197,3 +197,24 @@ def test_statistics_table_names_the_paper_figures(traces):
     assert "62.0%" in synth.format_statistics(traces["to-c"][2])
     assert "54.0%" in synth.format_statistics(traces["to-b"][2])
     json.dumps(traces["to-c"][2])  # plain data, ready for --json style use
+
+
+def test_a_short_traces_next_turn_figures_are_marked_and_shares_of_no_hits_are_na(tmp_path, traces):
+    """Next-turn probabilities leave out the last 10 minutes, which a trace of 20
+    minutes or less cannot spare: its figures keep the turns whose next turn may
+    fall after the end, run low, and are marked so.  A share of hits, when there
+    are none, is no 0%."""
+    assert "(short trace: low)" not in synth.format_statistics(traces["to-c"][2])
+    path = tmp_path / "short.jsonl"
+    synth.write_trace(synth.synthesize("to-c", 600.0, RATE, seed=7), path)
+    table = synth.format_statistics(synth.trace_statistics(load_trace(path, "bailian")))
+    marked = [line for line in table.splitlines() if "(short trace: low)" in line]
+    assert [line.split("  ")[0] for line in marked] == [
+        "multi-turn sessions (first turns followed)", "P(next turn | turn 1)", "P(next turn | turn >= 2)"]
+    lone = tmp_path / "lone.jsonl"
+    lone.write_text(json.dumps({"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.0, "input_length": 32,
+                                "output_length": 4, "type": "text", "turn": 1, "hash_ids": [1, 2]}) + "\n")
+    table = synth.format_statistics(synth.trace_statistics(load_trace(lone, "bailian")))
+    rows = {line.split("  ")[0]: line for line in table.splitlines()}
+    assert rows["hits from single-turn requests"].split()[-1] == "n/a"
+    assert rows["hits on blocks another session created"].split()[-1] == "n/a"
