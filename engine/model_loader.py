@@ -238,6 +238,52 @@ def _reason(exc: Exception) -> str:
     return reason if len(reason) <= 400 else reason[:399] + "\u2026"
 
 
+# What a model's generation_config.json may set for requests that leave it out,
+# as vLLM's --generation-config auto reads it, with transformers' own defaults
+# (a value equal to one of these is no setting of the model's).
+_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def sampling_defaults(cfg: ModelConfig) -> dict[str, float]:
+    """The sampling settings the model's generation_config.json gives (Qwen2.5's
+    temperature 0.7, top_p 0.8, top_k 20, ...), for requests that give none, as
+    vLLM applies them; {} for a model that gives none, a GGUF file, or a hub id
+    not in the local cache.  Read as JSON: a gateway without torch calls it too."""
+    try:
+        source = _model_source(cfg.path) if cfg.path is not None else default_model_dir(cfg.cache_dir)
+    except ModelLoadError:
+        return {}  # said by whatever loads the model
+    if source.endswith(".gguf"):
+        return {}
+    if os.path.isdir(source):
+        path = os.path.join(source, "generation_config.json")
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(source, "generation_config.json")
+        if not isinstance(path, str):
+            return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            given = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(given, dict):
+        return {}
+    out = {}
+    for name, default in _SAMPLING_DEFAULTS.items():
+        value = given.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value == default:
+            continue
+        # What a request could say (protocol._parse_sampling's ranges): else it is left out.
+        if (name == "temperature" and 0 <= value <= 2 or name in ("top_p", "min_p") and 0 < value <= 1
+                or name == "top_k" and value >= 0 and value == int(value) or name == "repetition_penalty" and 0 < value <= 100):
+            out[name] = int(value) if name == "top_k" else float(value)
+        else:
+            log.warning("%s: %s %r is out of range for a request; left out of the sampling defaults", path, name, value)
+    return out
+
+
 def load_tokenizer(cfg: ModelConfig):
     """The configured model's tokenizer alone, for a gateway whose engines are all
     remote; raises ModelLoadError as load_model does."""

@@ -132,6 +132,8 @@ class Gateway:
         self.created = now_s()
         # Request fields no one reads, each logged once (clients pick the names: bounded).
         self.ignored_logged: set[str] = set()
+        # The model's own sampling defaults (its generation_config.json), for the fields requests leave out.
+        self.sampling_defaults: dict = {}
 
     # -- lifecycle
 
@@ -157,6 +159,12 @@ class Gateway:
             # not after waiting out a replica that is not answering yet.
             tokenizer = self._tokenizer or await in_daemon_thread(load_tokenizer, self.config)
         await asyncio.gather(*(r.start() for r in self.replicas))
+        from engine.model_loader import sampling_defaults
+
+        self.sampling_defaults = await in_daemon_thread(sampling_defaults, self.config.model)
+        if self.sampling_defaults:
+            log.info("the model's generation_config sets %s for requests that leave them out (as vLLM's "
+                     "--generation-config auto)", ", ".join(f"{k}={v:g}" for k, v in self.sampling_defaults.items()))
         if local is not None:
             eng = local.engine
             chat_tokens = getattr(eng, "chat_tokens", None)
@@ -518,13 +526,13 @@ class Gateway:
                 tenant_admitted = principal.tenant
             if endpoint == RESPONSES:
                 body, call = chat_request(body)
-                parsed = parse_request(CHAT, body, self.limits, engine_mode=self.engine_mode)
+                parsed = parse_request(CHAT, body, self.limits, self.engine_mode, self.sampling_defaults)
                 parsed.responses, parsed.id = call, new_id("resp_")
                 parsed.ignored = call.ignored_as_sent(parsed.ignored)
                 if call.ignored and self.has_external:
                     self.note_ignored(call.ignored)  # this API's own: no server gets them either
             else:
-                parsed = parse_request(endpoint, body, self.limits, engine_mode=self.engine_mode)
+                parsed = parse_request(endpoint, body, self.limits, self.engine_mode, self.sampling_defaults)
             given_id = request.headers.get("X-Request-Id")
             if given_id is not None:
                 parsed.id = _named_completion_id(given_id, parsed.id)

@@ -138,11 +138,14 @@ def _holds_lone_surrogate(body: dict) -> bool:
     return False
 
 
-def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: bool = False) -> ParsedRequest:
+def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: bool = False,
+                  sampling_defaults: dict | None = None) -> ParsedRequest:
     """Validate a request body; ``engine_mode``: for a `kvgate engine`, where a
     gateway's completions (its kvgate_context says so) carry chat's top_logprobs
     range and shape, since a gateway forwards chat as token ids.  A client
-    calling the engine directly gets OpenAI's completions, as from a gateway."""
+    calling the engine directly gets OpenAI's completions, as from a gateway.
+    ``sampling_defaults``: the model's own (engine.model_loader.sampling_defaults),
+    for the sampling fields a request leaves out or sends as null, as vLLM does."""
     from_gateway = engine_mode and "kvgate_context" in body
     model = body.get("model")
     if model is None or model == "":
@@ -170,6 +173,10 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
                               "cache_salt")
         req.cache_salt = salt
     _parse_sampling(req, body, limits, _MAX_TOP_LOGPROBS_CHAT if from_gateway else _MAX_LOGPROBS_COMPLETIONS)
+    if sampling_defaults:
+        for name, value in sampling_defaults.items():
+            if body.get(name) is None:
+                setattr(req.sampling, name, value)
     if body.get("prompt_logprobs") is not None:
         # No replica honours it through a gateway, external ones included: the gateway
         # streams from its replicas, and vLLM gives prompt logprobs to non-streaming requests only.

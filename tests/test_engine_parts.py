@@ -417,3 +417,23 @@ def test_models_the_paged_attention_would_serve_wrongly_are_refused_at_load(tmp_
     for config in (MistralConfig(sliding_window=4096, **small), Qwen2Config(**small)):
         engine = make_engine(_tiny_arch_dir(tmp_path / f"{config.model_type}-ok", config))
         assert engine._max_model_len == 1024
+
+
+def test_a_models_generation_config_gives_the_sampling_defaults_vllm_takes(tmp_path, caplog):
+    from engine.model_loader import sampling_defaults
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    assert sampling_defaults(ModelConfig(path=str(folder))) == {}  # none given
+    (folder / "generation_config.json").write_text(json.dumps({
+        "temperature": 0.7, "top_k": 20, "top_p": 1.0, "repetition_penalty": 1.05, "do_sample": True,
+        "min_p": 5, "eos_token_id": 2}))
+    with caplog.at_level("WARNING", logger="engine.model_loader"):
+        given = sampling_defaults(ModelConfig(path=str(folder)))
+    # transformers' own defaults (top_p 1.0) are no setting of the model's; what no request could say is left out.
+    assert given == {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.05}
+    assert "min_p 5 is out of range for a request" in caplog.text
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert sampling_defaults(ModelConfig(path=str(gguf))) == {}
+    assert sampling_defaults(ModelConfig(path="no-such-org/no-such-model")) == {}  # a hub id not cached here

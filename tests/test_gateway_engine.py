@@ -577,3 +577,24 @@ async def test_defaults_stay_within_the_servers_max_tokens(tiny_model_dir):
         chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                     extra_body=fixed)
         assert chat.usage.completion_tokens == 8
+
+
+async def test_the_models_generation_config_sets_the_sampling_a_request_leaves_out(tiny_model_dir, tmp_path, caplog):
+    """vLLM's --generation-config auto: a model whose generation_config.json sets
+    temperature 0 answers greedily a request that gives none, whatever its seed;
+    a request's own temperature still wins."""
+    import shutil
+
+    model_dir = shutil.copytree(tiny_model_dir, tmp_path / "greedy-model")
+    config = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0}))
+    caplog.set_level(logging.INFO, logger="gateway.app")
+    async with serving(create_app(_config(str(model_dir), replicas=1))) as (app, server, client):
+        async def text(**kw):
+            out = await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, **kw)
+            return out.choices[0].text
+
+        left_out = {await text(seed=seed) for seed in range(4)}
+        assert left_out == {await text(temperature=0)}
+        assert len({await text(seed=seed, temperature=1.5) for seed in range(4)}) > 1
+    assert any("generation_config sets temperature=0 for requests that leave them out" in m for m in caplog.messages)

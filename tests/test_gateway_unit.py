@@ -189,6 +189,15 @@ def test_limits():
     assert parse_json(deep.replace(b'"\\udc00"', b"1"))["content"] == "\U0001f600"
 
 
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out():
+    defaults = {"temperature": 0.7, "top_k": 20}
+    parse = lambda **kw: parse_request(  # noqa: E731
+        CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}, LIMITS, False, defaults).sampling
+    assert (parse().temperature, parse().top_k) == (0.7, 20)
+    assert (parse(temperature=None).temperature, parse(temperature=0).temperature, parse(top_k=-1).top_k) == (0.7, 0, 0)
+    assert chat().sampling.temperature == 1.0  # none given: OpenAI's
+
+
 def test_completions_prompt_forms():
     for prompt, count in (("hi", 1), (["a", "b"], 2), ([1, 2, 3], 1), ([[1, 2], [3]], 2)):
         req = parse_request(COMPLETIONS, {"model": "m", "prompt": prompt}, LIMITS)
