@@ -468,9 +468,19 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
             # A tool's answer names the call it answers; OpenAI refuses one that does not.
             raise bad_request(f"Missing required parameter: '{where}.tool_call_id'.", f"{where}.tool_call_id")
         text = _content_text(req, msg.get("content"), where, mapped)
+        entry = {"role": mapped, "content": text}
         if mapped == "user":
             req.user_turns += 1
-        out.append({"role": mapped, "content": text})
+        elif mapped == "assistant":
+            if msg.get("tool_calls"):
+                entry["tool_calls"] = _template_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+        elif mapped == "tool":
+            # What chat templates name a tool's answer by (vLLM hands both on).
+            if isinstance(msg.get("tool_call_id"), str):
+                entry["tool_call_id"] = msg["tool_call_id"]
+            if isinstance(msg.get("name"), str):
+                entry["name"] = msg["name"]
+        out.append(entry)
         req.image_ends.append(len(req.images))
         lengths.append(len(text))
     req.messages = out
@@ -481,6 +491,32 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
         longest = max(user, key=lengths.__getitem__)
         req.longest_message = longest
         req.longest_share = lengths[longest] / total
+
+
+def _template_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An earlier answer's tool calls as chat templates take them (and vLLM hands
+    them on): each call's arguments as an object, not the JSON text of one
+    (templates write ``arguments | tojson``).  Arguments that are no JSON object
+    stay text, as OpenAI takes any string there."""
+    if not isinstance(calls, list):
+        raise bad_request(_type_msg(where, "an array", calls), where)
+    out = []
+    for cwhere, call in each_object(calls, where):
+        function = call.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"Missing required parameter: '{cwhere}.function.name'.", f"{cwhere}.function.name")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments) if arguments.strip() else {}
+            except ValueError:
+                parsed = None
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        elif arguments is None:
+            arguments = {}
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": function["name"],
+                                                                          "arguments": arguments}})
+    return out
 
 
 def _content_text(req: ParsedRequest, content: Any, where: str, role: str) -> str:

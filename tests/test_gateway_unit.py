@@ -132,7 +132,7 @@ def test_valid_chat_fields_are_honoured_and_unknown_ignored():
     # A tool's answer names the call it answers, as OpenAI requires.
     history = [{"role": "user", "content": "add"}, {"role": "assistant", "content": None}]
     answered = chat(messages=history + [{"role": "tool", "tool_call_id": "call_1", "content": "3"}])
-    assert answered.messages[-1] == {"role": "tool", "content": "3"}
+    assert answered.messages[-1] == {"role": "tool", "content": "3", "tool_call_id": "call_1"}
     with pytest.raises(ApiError) as info:
         chat(messages=history + [{"role": "tool", "content": "3"}])
     assert info.value.param == "messages[2].tool_call_id"
@@ -196,6 +196,38 @@ def test_the_models_sampling_defaults_fill_what_a_request_leaves_out():
     assert (parse().temperature, parse().top_k) == (0.7, 20)
     assert (parse(temperature=None).temperature, parse(temperature=0).temperature, parse(top_k=-1).top_k) == (0.7, 0, 0)
     assert chat().sampling.temperature == 1.0  # none given: OpenAI's
+
+
+def test_earlier_tool_calls_reach_the_chat_template_as_vllm_hands_them_on():
+    """An assistant turn's tool calls and a tool's answer were cut down to role and
+    content: a template that writes them (Qwen2.5's, Llama 3.1's) got another
+    prompt than under vLLM, silently.  Arguments go as an object (templates write
+    ``arguments | tojson``), as vLLM turns them; text that is no object stays text."""
+    from engine.chat_tokens import ChatTokenizer
+    from tests.tiny_model import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} {{ c.function.arguments | tojson }}</call>"
+        "{% endfor %}{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "note", "arguments": "not json"}}]
+    req = chat(messages=[{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": None, "tool_calls": calls},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "22C"}])
+    assert req.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert req.messages[1]["tool_calls"][1]["function"]["arguments"] == "not json"
+    assert req.messages[2]["tool_call_id"] == "call_1"
+    hasher = PrefixHasher(tokenizer, 4, "salt", ChatTokenizer(tokenizer).encode_chat)
+    ids = hasher.chat(req.messages).token_ids
+    text = tokenizer.decode(ids)
+    assert '<call>get_weather {"city": "Paris"}</call>' in text and "[call_1]" in text
+    assert ids == tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    with pytest.raises(ApiError) as info:
+        chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}])
+    assert info.value.param == "messages[0].tool_calls[0].function.name"
 
 
 def test_completions_prompt_forms():
