@@ -416,14 +416,20 @@ class RemoteReplica(Replica):
         )
         if self.kind == "engine":
             # The hash salt and block size must come from the engine itself, or the
-            # index will never match; give a server that is still starting a moment.
-            deadline = time.monotonic() + self.cfg.connect_timeout_s
+            # index will never match; give a server that is still starting a moment
+            # (connect_timeout_s).  Where nothing listens at all, a second: an engine
+            # binds its port before it loads, and one not started yet joins once it
+            # answers, while the gateway serves (and answers its probes) meanwhile.
+            began = time.monotonic()
             while True:
                 try:
                     await self._fetch_info()
                     break
                 except Exception as exc:  # noqa: BLE001
-                    if time.monotonic() >= deadline:
+                    nothing_listens = isinstance(exc, aiohttp.ClientConnectorError)
+                    limit = min(_NOTHING_LISTENS_WAIT_S, self.cfg.connect_timeout_s) if nothing_listens \
+                        else self.cfg.connect_timeout_s
+                    if time.monotonic() - began >= limit:
                         log.warning("replica %s (%s) is not answering (%s): out of routing until it does",
                                     self.name, without_userinfo(self.base), _plain_reason(exc))
                         break
@@ -1068,6 +1074,8 @@ def _plain_reason(exc: BaseException) -> str:
     return str(exc) or exc.__class__.__name__
 
 
+# How long a gateway starting waits for an engine where nothing listens (RemoteReplica.start).
+_NOTHING_LISTENS_WAIT_S = 1.0
 # RemoteReplica._instance before /kvgate/info first answered (None: an engine that names no process).
 _UNSEEN = object()
 # Longest wait before reopening /kv_events; also the wait while the engine drains.

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 
 import aiohttp
 import openai
@@ -364,6 +365,25 @@ async def test_credentials_in_a_replica_url_stay_out_of_its_name_and_logs(tiny_m
         await client.close()
         await gw.stop()
         await upstream.stop()
+
+
+async def test_a_gateway_started_before_its_engines_serves_at_once(tiny_model_dir, unused_tcp_port_factory):
+    """Nothing listens where the engine will be: the gateway does not wait out
+    connect_timeout_s before it answers anything (its probes, /metrics and
+    clients hung for those seconds); it answers 503 until the engine joins."""
+    port = unused_tcp_port_factory()
+    replica = ReplicaConfig(kind="engine", url=f"http://127.0.0.1:{port}", connect_timeout_s=30)
+    began = time.monotonic()
+    gw = await start_server(create_app(tiny_config(tiny_model_dir, [replica])))
+    try:
+        assert time.monotonic() - began < 10
+        async with aiohttp.ClientSession() as session:
+            async with session.get(gw.url + "/ready") as resp:
+                assert resp.status == 503
+            async with session.post(gw.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"}) as resp:
+                assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_healthy_replica"
+    finally:
+        await gw.stop()
 
 
 async def test_an_external_server_gets_no_client_kvgate_fields_and_shared_tenants_are_warned(tiny_model_dir,
