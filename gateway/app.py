@@ -250,6 +250,12 @@ class Gateway:
                 log.warning("replica %s is an external server without send_cache_salt: tenants share its prefix cache "
                             "(server.isolate_tenant_caches holds on kvgate engines only); set send_cache_salt: true "
                             "for a vLLM V1 server", replica.name)
+            elif replica.kind == "engine" and not replica.auth_headers():
+                # The tenants' salts are easily guessed: the engine is the boundary.
+                log.warning("replica %s is a kvgate engine reached without a key: whoever can reach it (any process "
+                            "on its host, for one on loopback) may send it a tenant's cache_salt and learn what that "
+                            "tenant sent (cached_tokens, its /kv_events); start engines with KVGATE_API_KEYS and "
+                            "give this replica api_key_env", replica.name)
 
     def _warn_if_no_file_class(self) -> None:
         """A prompt of file_min_tokens or more leaves no room for an answer in
@@ -416,7 +422,11 @@ class Gateway:
     def authenticate(self, request: web.Request) -> Principal:
         if not self.principals:
             return ANONYMOUS
-        scheme, _, key = request.headers.get("Authorization", "").strip().partition(" ")
+        sent = request.headers.getall("Authorization", ())
+        if len(sent) > 1:
+            # One credential: a proxy adding its own beside the client's must not find the client's taking its place.
+            raise errors.unauthorized()
+        scheme, _, key = (sent[0] if sent else "").strip().partition(" ")
         key = key.strip()
         if not key and scheme.lower() in ("", "bearer"):  # no header, or "Bearer" alone
             raise errors.missing_api_key()
@@ -431,10 +441,15 @@ class Gateway:
 
     async def read_body(self, request: web.Request) -> dict:
         content_type = request.headers.get("Content-Type")
-        if content_type and not _is_json_media_type(content_type):
-            # A page on any site may make a browser POST text/plain or a form here with
-            # no CORS preflight: reading such a body as JSON would run its request.
-            raise errors.unsupported_media_type(content_type.split(";")[0].strip()[:60])
+        if content_type:
+            if not _is_json_media_type(content_type):
+                # A page on any site may make a browser POST text/plain or a form here with
+                # no CORS preflight: reading such a body as JSON would run its request.
+                raise errors.unsupported_media_type(content_type.split(";")[0].strip()[:60])
+        elif "Origin" in request.headers:
+            # So may it a body of no type (fetch of a Blob, mode no-cors): only
+            # browsers send Origin, and a client of the API sends its JSON typed.
+            raise errors.unsupported_media_type("none")
         coding = request.headers.get("Content-Encoding")
         if coding is not None and coding.strip().lower() not in _READ_ENCODINGS:
             # aiohttp would hand such a body over as it came, to fail as JSON if

@@ -857,8 +857,10 @@ class RemoteReplica(Replica):
         else:
             body = dict(parsed.body)
             # kvgate's own fields are for a gateway's engines, set by the gateway: a
-            # client's (a forged tenant or workload) reaches no server.
-            for own in ("kvgate_context", "kvgate_mm_hashes", "kvgate_token_ids"):
+            # client's (a forged tenant or workload) reaches no server.  Nor do vLLM's
+            # fields that steer the server rather than the answer: one tenant's priority
+            # over the others', where a disaggregated prefill sends its KV.
+            for own in _NOT_FROM_CLIENTS:
                 body.pop(own, None)
             # The server's own name once learnt: the gateway may serve it under an alias.
             body["model"] = self.cfg.model or (self.info.model if self.info_known else parsed.model)
@@ -1074,6 +1076,9 @@ def _plain_reason(exc: BaseException) -> str:
     return str(exc) or exc.__class__.__name__
 
 
+# Request fields an external server never gets from a client (RemoteReplica._payload).
+_NOT_FROM_CLIENTS = ("kvgate_context", "kvgate_mm_hashes", "kvgate_token_ids", "priority", "kv_transfer_params",
+                     "vllm_xargs")
 # How long a gateway starting waits for an engine where nothing listens (RemoteReplica.start).
 _NOTHING_LISTENS_WAIT_S = 1.0
 # RemoteReplica._instance before /kvgate/info first answered (None: an engine that names no process).

@@ -416,8 +416,11 @@ async def test_an_external_server_gets_no_client_kvgate_fields_and_shared_tenant
         await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}],
             extra_body={"kvgate_context": {"tenant": "globex", "workload": "to-b"}, "kvgate_mm_hashes": [],
-                        "kvgate_token_ids": True})
-        assert bodies and not {"kvgate_context", "kvgate_mm_hashes", "kvgate_token_ids"} & set(bodies[0])
+                        "kvgate_token_ids": True, "priority": -1000, "vllm_xargs": {"x": 1},
+                        "kv_transfer_params": {"remote_host": "10.0.0.9", "remote_block_ids": [1]}, "top_k": 5})
+        assert bodies and not {"kvgate_context", "kvgate_mm_hashes", "kvgate_token_ids", "priority", "vllm_xargs",
+                               "kv_transfer_params"} & set(bodies[0])
+        assert bodies[0]["top_k"] == 5  # what shapes the answer still goes
     finally:
         await client.close()
         await gw.stop()
@@ -427,6 +430,15 @@ async def test_an_external_server_gets_no_client_kvgate_fields_and_shared_tenant
     with caplog.at_level(logging.WARNING, logger="gateway.app"):
         create_app(config)
     assert not [r for r in caplog.records if "send_cache_salt" in r.getMessage()]
+    # A kvgate engine reached without a key is the tenants' boundary no longer: whoever
+    # reaches it may send a tenant's (guessable) cache salt.  Said at start, as above.
+    for key, warned in ((None, True), ("sk-engine", False)):
+        caplog.clear()
+        engine = ReplicaConfig(kind="engine", url="http://127.0.0.1:9", name="eng", api_key=key)
+        with caplog.at_level(logging.WARNING, logger="gateway.app"):
+            create_app(config.model_copy(update={"replicas": [engine]}))
+        said = [r.getMessage() for r in caplog.records if "reached without a key" in r.getMessage()]
+        assert len(said) == warned and (not said or said[0].startswith("replica eng is a kvgate engine"))
 
 
 async def test_a_stream_left_before_an_external_servers_usage_is_no_miss_on_the_dashboard(tiny_model_dir):

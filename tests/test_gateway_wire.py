@@ -19,6 +19,7 @@ import openai
 import pytest
 import pytest_asyncio
 from aiohttp import web
+from multidict import CIMultiDict
 
 from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, ReplicaConfig
@@ -373,6 +374,10 @@ async def test_auth_from_config_and_env(monkeypatch, tiny_model_dir):
         await bad.close()
         # No key is not a wrong key: OpenAI's 401 for it has no code.
         async with aiohttp.ClientSession() as session:
+            # Two credentials, the client's and a proxy's beside it: neither is taken (the first was).
+            twice = CIMultiDict([("Authorization", "Bearer sk-good"), ("Authorization", "Bearer sk-x")])
+            async with session.get(server.url + "/v1/models", headers=twice) as r:
+                assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
             for headers in ({}, {"Authorization": "Bearer"}, {"Authorization": "Bearer   "}, {"Authorization": "sk-good"}):
                 async with session.get(server.url + "/v1/models", headers=headers) as r:
                     error = (await r.json())["error"]

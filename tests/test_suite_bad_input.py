@@ -158,6 +158,13 @@ def test_a_body_sent_as_another_media_type_is_refused(server, content_type):
         conn.request("POST", "/v1/chat/completions", body=_chat())  # http.client sends no Content-Type
         resp = conn.getresponse()
         assert resp.status == 200 and json.loads(resp.read())["choices"]
+        # ... but not from a browser (it sends Origin), whose fetch of an untyped Blob needs no
+        # preflight either: a page on any site would run its request here.
+        conn.request("POST", "/v1/chat/completions", body=_chat(), headers={"Origin": "https://evil.example"})
+        resp = conn.getresponse()
+        data = json.loads(resp.read())
+        assert resp.status == 415 and data["error"]["code"] == "unsupported_media_type"
+        assert data["error"]["message"].startswith("Content-Type none is not supported here")
     finally:
         conn.close()
 
