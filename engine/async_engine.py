@@ -144,6 +144,8 @@ class AsyncEngine:
         self.eos_ids = _eos_ids(loaded)
         self._requests: dict[str, _RequestState] = {}
         self._pending_adds: list[_RequestState] = []
+        # Siblings of n > 1 waiting on their first choice's prefill, in no queue (Sequence.forks).
+        self._parked = 0
         self._pending_aborts: list[str] = []
         self._subscribers: list[KVEventCallback] = []
         # The keys each tier holds, as the delivered events say: a dict per tier
@@ -426,6 +428,7 @@ class AsyncEngine:
         # prompt, then take its blocks from the prefix cache.
         first.forks = forks
         self.scheduler.add(first)
+        self._parked += len(forks)
 
     def _fail_add(self, state: _RequestState, exc: Exception) -> None:
         """Drop a request whose intake raised and hand the error to its reader."""
@@ -452,16 +455,25 @@ class AsyncEngine:
                 usage = Usage(len(state.request.prompt_token_ids), 0, 0)
                 state.queue.put_nowait(GenerationOutput(request_id, index, [], "", finish_reason="abort", usage=usage))
             return
+        self._unpark(state.seqs[0])
         for seq in state.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
                 state.queue.put_nowait(self._final(seq, GenerationOutput(request_id, seq.index, [], ""), "abort"))
+
+    def _unpark(self, first: Sequence) -> None:
+        """``first``'s siblings leave the count of those waiting on its prefill
+        (queued now, or ended with it)."""
+        self._parked -= len(first.forks)
+        first.forks = []
 
     def _fail_all(self, exc: BaseException) -> None:
         """Fail every request after a step raised; the loop serves on.  A
         sequence the failed step left half-updated is dropped even if its blocks
         cannot be given back (logged): a hung engine would be worse."""
         for request_id, state in list(self._requests.items()):
+            if state.seqs:
+                self._unpark(state.seqs[0])
             for seq in state.seqs:
                 try:
                     self.scheduler.finish(seq, "abort")
@@ -500,7 +512,7 @@ class AsyncEngine:
             if seq.forks and seq.num_computed >= seq.num_prompt_tokens:
                 for fork in reversed(seq.forks):
                     self.scheduler.add(fork, front=True)
-                seq.forks = []
+                self._unpark(seq)
         return outputs
 
     def _accept(self, seq: Sequence, token: int, logprob) -> GenerationOutput:
@@ -591,7 +603,7 @@ class AsyncEngine:
         return {
             "requests": len(self._requests),
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting) + len(self._pending_adds),
+            "waiting": self._waiting_sequences(),
             "kv_usage": pool.num_in_use() / pool.num_device if pool.num_device else 0.0,
         }
 
@@ -608,6 +620,13 @@ class AsyncEngine:
             if self._last_stats is None:
                 raise
         return self._last_stats
+
+    def _waiting_sequences(self) -> int:
+        """Sequences not running: those queued, all n of each request not yet taken
+        in, and the siblings of a first choice whose prefill they wait for (n > 1:
+        parked on it, in no queue; left out, n=4 requests read as one sequence each)."""
+        pending = sum(state.request.sampling.n for state in list(self._pending_adds))
+        return len(self.scheduler.waiting) + self._parked + pending
 
     def _compute_stats(self) -> dict:
         pool = self.pool
@@ -633,7 +652,7 @@ class AsyncEngine:
             "swap_bytes": {"device_to_host": self.kv.bytes_to_host, "host_to_device": self.kv.bytes_to_device},
             "prefix_cache": {"query_tokens": sched.prefix_query_tokens, "hit_tokens": sched.prefix_hit_tokens},
             "running": len(sched.running),
-            "waiting": len(sched.waiting) + len(self._pending_adds),
+            "waiting": self._waiting_sequences(),
             "preemptions": sched.num_preemptions,
             "policy_name": pool.policy_name,
             "policy": pool.device_policy.state(sched.clock()),

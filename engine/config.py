@@ -248,6 +248,9 @@ class WAAlarmConfig(Section):
     # over `window_s` (blog: 40%, 5 min).
     threshold: float = Field(0.40, ge=0, le=1)
     window_s: float = Field(300.0, gt=0, le=WEEK_S)
+    # Block lookups a window needs before it is judged: a nearly idle cache (a
+    # few unique prompts) says nothing of its size, and an alert on it would page.
+    min_accesses: int = Field(1000, ge=1)
 
 
 class WorkloadAwareConfig(Section):

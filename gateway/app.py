@@ -971,11 +971,13 @@ def openai_errors(handler):
 
 
 async def _unmatched(request: web.Request) -> web.Response:
-    """The last route: 404 for an unknown path, 405 for a known one asked with the wrong method."""
+    """The last route: 404 for an unknown path, 405 for a known one asked with the wrong method
+    (counted: a client with a typo in its base URL leaves a trace, as no endpoint counts it)."""
     allowed: set[str] = set()
     for resource in request.app.router.resources():
         if resource is not request.match_info.route.resource:
             allowed |= (await resource.resolve(request))[1]
+    request.app[GATEWAY].metrics.refused(405 if allowed else 404)
     if allowed:
         resp = ApiError(405, f"Method {request.method} not allowed for {request.path}.", code="method_not_allowed").response()
         resp.headers["Allow"] = ", ".join(sorted(allowed))  # a 405 says what is allowed (RFC 9110)

@@ -99,11 +99,12 @@ class GatewayMetrics:
                     self.requests.labels(endpoint, workload, status)
         self.http_refused = LoopCounter(
             "kvgate_http_refused", "Requests answered before any endpoint's handler, so in no kvgate_requests_total "
-            "series: HTTP that does not parse (400), headers slower than limits.header_timeout_s (408), and an "
-            "Expect: 100-continue refused before the body (401, 404, 405, 413, 417).",
+            "series: HTTP that does not parse (400), headers slower than limits.header_timeout_s (408), a path no "
+            "endpoint serves (404) or a method it does not take (405), and an Expect: 100-continue refused before "
+            "the body (401, 404, 405, 413, 417).",
             ["status"], registry=r,
         )
-        for status in ("400", "408"):
+        for status in ("400", "404", "405", "408"):
             self.http_refused.labels(status)  # from zero, as the request counts
         self.ttft = LoopHistogram(
             "kvgate_time_to_first_token_seconds", "Time from request arrival until the gateway has the first "

@@ -468,6 +468,28 @@ async def test_engine_seed_makes_unseeded_requests_repeat_from_one_run_to_the_ne
     assert len({tuple(choice) for choice in samples}) == len(samples)  # every choice of every request its own
 
 
+async def test_queued_sequences_count_every_choice_of_every_request(engines):
+    """kvgate_engine_requests{state} and the load a gateway prices an engine by count
+    sequences (a request of n choices is n): the n-1 siblings waiting for their first
+    choice's prefill, parked on it, were in no count (8 requests of n=4 read 11, not 32)."""
+    from tests.engine_procs import wait_for
+    from tests.gateway_helpers import hung_model_steps
+
+    engine = engines(max_num_seqs=2)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=3)
+    with hung_model_steps(engine):
+        tasks = [asyncio.create_task(collect(engine, GenerationRequest(f"n{i}", prompt_of(20, seed=i), params)))
+                 for i in range(3)]
+        await asyncio.sleep(0)  # submitted, not yet taken in: all n of each
+        for taken_in in (False, True):
+            if taken_in:  # by the worker, whose step then hangs: first choices queued, siblings parked
+                await wait_for(lambda: not engine._pending_adds, what="the requests taken in")
+            stats, load = engine.stats(), engine.load()
+            assert stats["running"] + stats["waiting"] == 9 == load["running"] + load["waiting"], taken_in
+    outputs = await asyncio.gather(*tasks)
+    assert all(len(choices) == 3 for choices in outputs)
+
+
 async def test_a_seed_whose_choices_overflow_64_bits_is_refused(engines):
     """Choice i is seeded with seed + i: past 2**64 - 1 torch cannot take it, so
     the request is refused up front (it used to hang its reader)."""

@@ -20,6 +20,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 from multidict import CIMultiDict
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, ReplicaConfig
@@ -335,12 +336,21 @@ async def test_errors_are_sdk_exceptions_and_server_survives(gw):
                 assert r.status == status
                 err = (await r.json())["error"]
                 assert set(err) == {"message", "type", "param", "code"}
+        async def refused() -> dict[str, float]:  # kvgate_http_refused_total by status
+            async with s.get(server.url + "/metrics") as r:
+                return {sample.labels["status"]: sample.value for family in text_string_to_metric_families(await r.text())
+                        for sample in family.samples if sample.name == "kvgate_http_refused_total"}
+
+        before = await refused()
         async with s.get(server.url + "/v1/nothing") as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_url"
         # A known path with the wrong method: 405, still in OpenAI's error shape.
         async with s.get(server.url + "/v1/chat/completions") as r:
             assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
             assert r.headers["Allow"] == "POST"
+        # Counted, as no endpoint counts them: a client with a typo in its base URL leaves a trace.
+        after = await refused()
+        assert (after["404"] - before["404"], after["405"] - before["405"]) == (1, 1)
         async with s.head(server.url + "/health") as r:
             assert r.status == 200
         async with s.get(server.url + "/health") as r:

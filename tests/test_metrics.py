@@ -219,7 +219,7 @@ def test_fallback_and_alarm_drive_the_gauges_and_log_one_line_per_change(caplog)
         "weights": {"reuse": 0.0, "spatial": 1.0, "lifetime": 0.0}, "position_classes": 2,
         "rhythm": {"enabled": False}, "topic_switch": {"enabled": False}, "shared_class": False,
         "fallback": {"window_s": 60.0, "check_interval_s": 10.0, "min_accesses": 100, "margin": 0.05, "sustain_s": 30.0},
-        "alarm": {"window_s": 60.0, "threshold": 0.4},
+        "alarm": {"window_s": 60.0, "threshold": 0.4, "min_accesses": 1},
     })
     pool = BlockPool(40, 0, "wa", CacheConfig(workload_aware=cfg))
     policy = pool.device_policy
@@ -301,7 +301,7 @@ def _config(model_dir: str, policy: str = "wa", **cache) -> KvgateConfig:
     wa = WorkloadAwareConfig.model_validate({
         # Windows of a second so the live alarm flips within the test.
         "fallback": {"check_interval_s": 0.25, "window_s": 1.0},
-        "alarm": {"window_s": 0.5, "threshold": 0.99},
+        "alarm": {"window_s": 0.5, "threshold": 0.99, "min_accesses": 1},
     })
     return KvgateConfig(
         model=ModelConfig(path=model_dir, served_name=MODEL, device="cpu", max_model_len=1024),
@@ -590,6 +590,13 @@ def test_dashboard_status_panels_colour_bad_readings_and_only_those():
         assert panel["options"]["colorMode"] == "background", title
         assert all(_stat_colour(panel, r) != "green" for r in bad_when[title]), title
         assert all(_stat_colour(panel, r) == "green" for r in good_when[title]), title
+    # One healthy replica of two is no fleet in health: its count of those down goes red from one.
+    healthy = panels["Healthy replicas"]
+    down = next(t for t in healthy["targets"] if t["legendFormat"] == "down")
+    assert down["expr"].startswith("count(") and " - sum(" in down["expr"]
+    (override,) = [o for o in healthy["fieldConfig"]["overrides"] if o["matcher"]["options"] == "down"]
+    as_down = {"fieldConfig": {"defaults": {"thresholds": override["properties"][0]["value"]}}}
+    assert _stat_colour(as_down, 0) == "green" and _stat_colour(as_down, 1) == "red" == _stat_colour(as_down, 31)
 
 
 def test_dashboard_ratios_drop_a_zero_denominator():

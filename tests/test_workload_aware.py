@@ -267,7 +267,7 @@ def test_the_reuse_alarm_counts_prompt_blocks_and_host_tier_hits():
     blocks): the blocks an answer fills (published as they fill) are no prompt
     blocks, and a block brought back from the host tier is a hit.  Both used to
     count as misses and raise the alarm over a cache hitting 99%."""
-    alarmed = {"fallback": {"check_interval_s": 10.0}, "alarm": {"window_s": 30.0}}
+    alarmed = {"fallback": {"check_interval_s": 10.0}, "alarm": {"window_s": 30.0, "min_accesses": 1}}
     # An answer 8 blocks long behind a 4-block prompt that always hits.
     pool = BlockPool(10_000, 0, "wa", CacheConfig(workload_aware=alarmed))
     answer_key = 10**6
@@ -694,7 +694,7 @@ def test_fallback_to_lru_on_an_adversarial_stream_and_back():
         "weights": {"reuse": 0.0, "spatial": 1.0, "lifetime": 0.0}, "position_classes": 2,
         "rhythm": {"enabled": False}, "topic_switch": {"enabled": False}, "shared_class": False,
         "fallback": {"window_s": 60.0, "check_interval_s": 10.0, "min_accesses": 100, "margin": 0.05, "sustain_s": 30.0},
-        "alarm": {"window_s": 60.0},
+        "alarm": {"window_s": 60.0, "min_accesses": 1},
     })
     capacity = 40
     pool = BlockPool(capacity, 0, "wa", CacheConfig(workload_aware=cfg))
@@ -722,7 +722,8 @@ def test_fallback_to_lru_on_an_adversarial_stream_and_back():
 
 def test_reuse_alarm_raised_and_logged(caplog):
     cfg = WorkloadAwareConfig.model_validate({
-        "fallback": {"enabled": False, "check_interval_s": 10.0}, "alarm": {"window_s": 30.0, "threshold": 0.4}})
+        "fallback": {"enabled": False, "check_interval_s": 10.0},
+        "alarm": {"window_s": 30.0, "threshold": 0.4, "min_accesses": 1}})
     pool = BlockPool(50, 0, "wa", CacheConfig(workload_aware=cfg))
     with caplog.at_level("INFO", logger="kvgate.cache"):
         for i in range(200):
@@ -738,13 +739,39 @@ def test_reuse_alarm_raised_and_logged(caplog):
                     ("INFO", "reuse alarm cleared: no prompt blocks looked up over 30 s")]
 
 
+def test_a_nearly_idle_cache_raises_no_reuse_alarm(caplog):
+    """A handful of unique prompts hit nothing, but say nothing of the cache's size:
+    an alert on the alarm paged on idle replicas.  A window is judged from
+    alarm.min_accesses block lookups; below it the alarm clears, and says why."""
+    cfg = WorkloadAwareConfig.model_validate({
+        "fallback": {"enabled": False, "check_interval_s": 10.0},
+        "alarm": {"window_s": 30.0, "threshold": 0.4, "min_accesses": 100}})
+    assert WorkloadAwareConfig().alarm.min_accesses == 1000
+    pool = BlockPool(400, 0, "wa", CacheConfig(workload_aware=cfg))
+    with caplog.at_level("INFO", logger="kvgate.cache"):
+        for i in range(40):  # 80 lookups in 20 s, all misses: too few to judge
+            request(pool, [i * 10 + 1, i * 10 + 2], ctx(blocks=2, ts=i * 0.5, chat_id=i), i * 0.5)
+        assert pool.device_policy.state()["reuse_alarm"] is False
+        for i in range(40, 100):  # busier: 120 lookups within the window, still all misses
+            now = 20.0 + (i - 40) * 0.25
+            request(pool, [i * 10 + 1, i * 10 + 2], ctx(blocks=2, ts=now, chat_id=i), now)
+        assert pool.device_policy.state()["reuse_alarm"] is True
+        for i in range(100, 110):  # quiet again: a few lookups a window
+            now = 60.0 + (i - 100) * 5.0
+            request(pool, [i * 10 + 1, i * 10 + 2], ctx(blocks=2, ts=now, chat_id=i), now)
+    assert pool.device_policy.state()["reuse_alarm"] is False
+    cleared = [r.getMessage() for r in caplog.records if "reuse alarm cleared" in r.getMessage()]
+    assert len(cleared) == 1 and "block lookups over 30 s, fewer than alarm.min_accesses 100" in cleared[0]
+
+
 def test_reuse_alarm_catching_up_after_idle_time_logs_only_a_change_that_stands(caplog):
     """Hits, then a burst of misses, then idle: the first request after the idle
     stretch closes the windows it missed one by one, which raised the alarm (the
     burst's window) and cleared it (the empty ones) in the same millisecond, two
     log lines about the past.  What stands now is logged, and here nothing changed."""
     cfg = WorkloadAwareConfig.model_validate({
-        "fallback": {"enabled": False, "check_interval_s": 10.0}, "alarm": {"window_s": 30.0, "threshold": 0.4}})
+        "fallback": {"enabled": False, "check_interval_s": 10.0},
+        "alarm": {"window_s": 30.0, "threshold": 0.4, "min_accesses": 1}})
     pool = BlockPool(1000, 0, "wa", CacheConfig(workload_aware=cfg))
     with caplog.at_level("INFO", logger="kvgate.cache"):
         for i in range(60):  # 0-30 s: one prompt again and again, all hits
@@ -761,7 +788,7 @@ def test_reuse_alarm_catching_up_after_idle_time_logs_only_a_change_that_stands(
 def test_reuse_alarm_windows_are_spans_of_time_not_arrivals(caplog):
     # One request every 120 s, all misses: the 300 s alarm window fills in
     # 300 s of time, however few requests came (not after ten arrivals).
-    cfg = WorkloadAwareConfig.model_validate({"fallback": {"enabled": False}})
+    cfg = WorkloadAwareConfig.model_validate({"fallback": {"enabled": False}, "alarm": {"min_accesses": 1}})
     pool = BlockPool(100_000, 0, "wa", CacheConfig(workload_aware=cfg))
     raised_at = None
     for i in range(12):
@@ -842,7 +869,7 @@ def test_host_tier_policy_logs_nothing_and_never_falls_back(caplog):
     from engine.config import CacheConfig, WorkloadAwareConfig
     from engine.context import RequestContext
 
-    cfg = WorkloadAwareConfig.model_validate({"alarm": {"window_s": 30.0, "threshold": 0.4},
+    cfg = WorkloadAwareConfig.model_validate({"alarm": {"window_s": 30.0, "threshold": 0.4, "min_accesses": 1},
                                               "fallback": {"check_interval_s": 10.0}})
     pool = BlockPool(50, 50, "wa", CacheConfig(workload_aware=cfg))
     with caplog.at_level(logging.INFO, logger="kvgate.cache"):

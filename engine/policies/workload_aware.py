@@ -644,6 +644,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
         self.spiking = False
         self.reuse_alarm = False
         self._alarm_ratio: float | None = None  # the hit ratio the alarm last judged (None: no accesses)
+        self._alarm_accesses = 0  # the block lookups it was judged on
         # False on the host tier: its state changes are not logged (see make_workload_aware).
         self.announce = True
         self.topic_switches = 0
@@ -982,6 +983,9 @@ class WorkloadAwarePolicy(EvictionPolicy):
                                 self._alarm_ratio, alarm.window_s, alarm.threshold)
                 elif self._alarm_ratio is None:
                     log.info("reuse alarm cleared: no prompt blocks looked up over %.0f s", alarm.window_s)
+                elif self._alarm_accesses < alarm.min_accesses:
+                    log.info("reuse alarm cleared: %d block lookups over %.0f s, fewer than alarm.min_accesses %d",
+                             self._alarm_accesses, alarm.window_s, alarm.min_accesses)
                 else:
                     log.info("reuse alarm cleared: prefix hit ratio %.3f over %.0f s (alarm.threshold %.2f)",
                              self._alarm_ratio, alarm.window_s, alarm.threshold)
@@ -992,7 +996,8 @@ class WorkloadAwarePolicy(EvictionPolicy):
         if len(self._buckets) >= self._alarm_buckets:
             *_, acc, hits = self._window_sums(self._alarm_buckets)
             self._alarm_ratio = hits / acc if acc else None
-            self.reuse_alarm = acc > 0 and hits / acc < cfg.alarm.threshold
+            self._alarm_accesses = acc
+            self.reuse_alarm = acc >= cfg.alarm.min_accesses and hits / acc < cfg.alarm.threshold
         fb = cfg.fallback
         if self.shadow_lru is None:
             return
