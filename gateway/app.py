@@ -748,7 +748,9 @@ class Gateway:
     def _uncounted_tokens(self, parsed: ParsedRequest) -> int:
         """About how many tokens an external server's prompt holds beyond the
         messages the gateway counts: tool definitions and earlier tool calls, which
-        its chat template renders into the prompt (counted as their JSON)."""
+        its chat template renders into the prompt (counted as their JSON).  Earlier
+        calls count twice where the gateway's own template writes them too: a
+        default max_tokens then errs small, and the server fills the room itself."""
         if parsed.endpoint != CHAT or parsed.engine_unsupported is None:
             return 0
         body = parsed.body
