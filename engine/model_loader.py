@@ -249,10 +249,17 @@ def sampling_defaults(cfg: ModelConfig) -> dict[str, float]:
     temperature 0.7, top_p 0.8, top_k 20, ...), for requests that give none, as
     vLLM applies them; {} for a model that gives none, a GGUF file, or a hub id
     not in the local cache.  Read as JSON: a gateway without torch calls it too."""
-    try:
-        source = _model_source(cfg.path) if cfg.path is not None else default_model_dir(cfg.cache_dir)
-    except ModelLoadError:
-        return {}  # said by whatever loads the model
+    if cfg.path is None:
+        # The bundled model's conversion, if made (never made here: its GGUF sets no
+        # sampling, and a gateway of fixture engines must not convert it to learn that).
+        source = os.path.join(os.path.expanduser(cfg.cache_dir), DEFAULT_CACHE_SUBDIR)
+        if not _is_complete(source):
+            return {}
+    else:
+        try:
+            source = _model_source(cfg.path)
+        except ModelLoadError:
+            return {}  # said by whatever loads the model
     if source.endswith(".gguf"):
         return {}
     if os.path.isdir(source):

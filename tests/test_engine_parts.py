@@ -437,3 +437,6 @@ def test_a_models_generation_config_gives_the_sampling_defaults_vllm_takes(tmp_p
     gguf.write_bytes(b"GGUF")
     assert sampling_defaults(ModelConfig(path=str(gguf))) == {}
     assert sampling_defaults(ModelConfig(path="no-such-org/no-such-model")) == {}  # a hub id not cached here
+    # The bundled model not converted yet: not converted to learn (its GGUF sets no sampling).
+    empty = tmp_path / "cache"
+    assert sampling_defaults(ModelConfig(cache_dir=str(empty))) == {} and not empty.exists()
