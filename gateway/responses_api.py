@@ -46,6 +46,15 @@ _FIELD_PATH = re.compile(r"messages(?:\[\d+\].*)?|max_(?:completion_)?tokens|res
 # The translated request's fields that the client sent under another name.
 _SENT_AS = {"reasoning_effort": "reasoning"}
 _SUMMARIES = ("auto", "concise", "detailed")
+# OpenAI's values (the SDK's ReasoningEffort, ResponseTextConfig.verbosity, ResponseIncludable):
+# another would be echoed in an answer its own types refuse.
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_VERBOSITIES = ("low", "medium", "high")
+_INCLUDABLE = frozenset({
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+    "reasoning.encrypted_content", "message.output_text.logprobs",
+})
 _MAX_METADATA_KEYS = 16
 _MAX_METADATA_KEY = 64
 _MAX_METADATA_VALUE = 512
@@ -121,6 +130,11 @@ def chat_request(body: dict) -> tuple[dict, ResponsesCall]:
     if body.get("max_tool_calls") is not None:
         raise bad_request("'max_tool_calls' is not supported: kvgate passes on the tool calls the server makes, as "
                           "many as it makes.", "max_tool_calls")
+    for where, value in enumerate(_list(body, "include")):
+        if value not in _INCLUDABLE:
+            raise bad_request(_one_of(f"include[{where}]", value, sorted(_INCLUDABLE)), f"include[{where}]")
+    for name in ("prompt_cache_key", "safety_identifier"):
+        _typed(body, name, str, "a string")
     if body.get("top_logprobs") or "message.output_text.logprobs" in _list(body, "include"):
         raise bad_request("Logprobs are not supported on /v1/responses by kvgate; use /v1/chat/completions with "
                           "'logprobs'.", "top_logprobs" if body.get("top_logprobs") else "include")
@@ -182,7 +196,15 @@ def _reasoning_effort(body: dict) -> str | None:
     if summary is not None and summary not in _SUMMARIES:
         raise bad_request(f"Invalid value for 'reasoning.summary': {json.dumps(summary)[:60]}. Supported values are: "
                           "'auto', 'concise' and 'detailed'.", "reasoning.summary")
-    return _typed(reasoning, "effort", str, "a string", "reasoning.")
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise bad_request(_one_of("reasoning.effort", effort, _EFFORTS), "reasoning.effort")
+    return effort
+
+
+def _one_of(name: str, value: Any, allowed) -> str:
+    listed = ", ".join(f"'{v}'" for v in allowed)
+    return f"Invalid value for '{name}': {json.dumps(value)[:60]}. Supported values are: {listed}."
 
 
 def _list(body: dict, name: str, where: str = "") -> list:
@@ -198,8 +220,12 @@ def _echo(body: dict) -> dict:
     """The request's settings as the response states them, defaults filled in."""
     metadata = body.get("metadata")
     if metadata is not None:
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        if not isinstance(metadata, dict):
             raise bad_request(_type_msg("metadata", "an object of strings", metadata), "metadata")
+        for key, value in metadata.items():
+            if not isinstance(value, str):  # named as OpenAI names it: the value, not the object
+                raise bad_request(_type_msg(f"metadata.{key[:_MAX_METADATA_KEY]}", "a string", value),
+                                  f"metadata.{key[:_MAX_METADATA_KEY]}")
         if len(metadata) > _MAX_METADATA_KEYS:
             raise bad_request(f"Invalid 'metadata': too many properties. Expected an object with at most "
                               f"{_MAX_METADATA_KEYS} properties, but got {len(metadata)} instead.", "metadata")
@@ -240,8 +266,11 @@ def _text_config(text: Any) -> dict:
     if isinstance(text, dict):
         if isinstance(text.get("format"), dict):
             stated["format"] = text["format"]
-        if text.get("verbosity") is not None:
-            stated["verbosity"] = text["verbosity"]
+        verbosity = text.get("verbosity")
+        if verbosity is not None:
+            if verbosity not in _VERBOSITIES:
+                raise bad_request(_one_of("text.verbosity", verbosity, _VERBOSITIES), "text.verbosity")
+            stated["verbosity"] = verbosity
     return stated
 
 
@@ -262,6 +291,7 @@ def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
     messages: list[dict] = []
     indexes: list[int] = []  # the input item each chat message comes from
     thought: list[str] = []  # reasoning items' text, for the assistant output that follows them
+    called: set[str] = set()  # the call_ids of the function calls so far
     for i, (where, item) in enumerate(each_object(given, "input")):
         kind = item.get("type")
         last = messages[-1] if messages else None
@@ -270,6 +300,7 @@ def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
             continue
         if kind == "function_call":
             tool_call = _function_call(item, where)
+            called.add(tool_call["id"])
             if last is not None and last["role"] == "assistant":
                 # A turn's text and calls, or calls made together: one assistant message.
                 last.setdefault("tool_calls", []).append(tool_call)
@@ -278,6 +309,10 @@ def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
             message = {"role": "assistant", "content": None, "tool_calls": [tool_call]}
         elif kind == "function_call_output":
             message = _function_output(item, where)
+            if message["tool_call_id"] not in called:
+                # OpenAI's check: an answer to no call is a conversation cut wrongly.
+                raise bad_request(f"No tool call found for function call output with call_id "
+                                  f"{message['tool_call_id'][:64]}.", "input")
         elif kind in (None, "message"):
             message = _message(item, where)
             if message["role"] == "assistant" and last is not None and last.get("tool_calls") and last["content"] is None:

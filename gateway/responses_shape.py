@@ -122,7 +122,7 @@ class ResponseShaper:
             "created_at": self.created,
             "status": status,
             "background": False,
-            "completed_at": completed_at,
+            "completed_at": completed_at if status == "completed" else None,  # OpenAI's: only once completed
             "error": error,
             "incomplete_details": {"reason": _INCOMPLETE[finish]} if finish in _INCOMPLETE else None,
             "model": self.model,

@@ -72,7 +72,10 @@ async def test_a_response_is_the_chat_answer_to_the_same_conversation(gw):
     # What the request asked for, as the response states it; nothing was stored.
     assert resp.instructions == INSTRUCTIONS and resp.max_output_tokens == 6 and resp.temperature == 0
     assert resp.metadata == {"team": "search"} and resp.to_dict()["store"] is False
-    assert resp.error is None and resp.completed_at >= resp.created_at
+    assert resp.error is None
+    # OpenAI's: a completion time once completed, none while incomplete.
+    assert (resp.completed_at is None) == (resp.status != "completed")
+    assert resp.completed_at is None or resp.completed_at >= resp.created_at
     Response.model_validate(resp.to_dict())  # every field the SDK's type requires, of its type
 
 
@@ -156,14 +159,21 @@ async def test_a_streamed_response_sends_openais_events_in_order(gw):
     ({"input": "hi " * 3000}, "input", "maximum context length is 1024 tokens"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}},
      "text.format", "text.format 'json_schema' is not supported by the kvgate engine"),
-    ({"input": "hi", "metadata": {"k": 1}}, "metadata", "expected an object of strings"),
+    ({"input": "hi", "metadata": {"k": 1}}, "metadata.k", "'metadata.k': expected a string, but got a number"),
+    ({"input": "hi", "metadata": ["k"]}, "metadata", "expected an object of strings"),
+    # Values OpenAI's own types refuse, which the answer would have echoed back.
+    ({"input": "hi", "reasoning": {"effort": "ultra"}}, "reasoning.effort", "Supported values are: 'none', 'minimal'"),
+    ({"input": "hi", "text": {"verbosity": "loud"}}, "text.verbosity", "Supported values are: 'low', 'medium', 'high'"),
+    ({"input": "hi", "include": ["bogus.thing"]}, "include[0]", "Invalid value for 'include[0]': \"bogus.thing\""),
+    ({"input": "hi", "prompt_cache_key": 5}, "prompt_cache_key", "expected a string"),
+    ({"input": "hi", "safety_identifier": 5}, "safety_identifier", "expected a string"),
     ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata.k", "values at most 512"),
     ({"input": "hi", "tools": "x"}, "tools", "expected an array"),
     ({"input": "hi", "background": "no"}, "background", "expected a boolean"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice", "only 'auto' and 'none' are allowed"),
     ({"input": "hi", "tool_choice": 123}, "tool_choice", "only 'auto' and 'none' are allowed"),
     ({"input": "hi", "parallel_tool_calls": "x"}, "parallel_tool_calls", "expected a boolean"),
-    ({"input": "hi", "reasoning": {"effort": 3}}, "reasoning.effort", "expected a string"),
+    ({"input": "hi", "reasoning": {"effort": 3}}, "reasoning.effort", "Invalid value for 'reasoning.effort': 3"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": 5}]}]},
      "input[0].content[0].image_url", "expected a string"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name",
@@ -174,6 +184,9 @@ async def test_a_streamed_response_sends_openais_events_in_order(gw):
      "Too many input items: 2000. This server allows at most 1023 with instructions"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/a.png", "detail": 1}]}]},
      "input[0].content[0].detail", "expected a string"),
+    # An output of no call in the input before it (OpenAI's check).
+    ({"input": [{"role": "user", "content": "w?"}, {"type": "function_call_output", "call_id": "call_9", "output": "x"}]},
+     "input", "No tool call found for function call output with call_id call_9."),
     # What the client wrote stays as written, field-like words and all.
     ({"input": [{"role": "messages", "content": "x"}]}, "input[0].role", "'input[0].role': \"messages\""),
 ])
