@@ -730,9 +730,9 @@ def format_statistics(stats: dict) -> str:
     pct = lambda v: f"{100 * v:.2f}%" if 0 < v < 0.01 else f"{100 * v:.1f}%"  # noqa: E731
     secs = _seconds
     # A trace of 20 minutes or less keeps its last turns, whose next turns may fall after its end.
-    low = "" if stats.get("next_turn_censored", True) else " (short trace: low)"
+    low = "" if stats["next_turn_censored"] else " (short trace: low)"
     # Shares of the hits, of none at all: nothing to measure.
-    of_hits = pct if stats.get("hits", 1) else lambda v: "n/a"  # noqa: E731
+    of_hits = pct if stats["hits"] else lambda v: "n/a"  # noqa: E731
     rows: list[tuple[str, str, str]] = [
         ("trace format", stats.get("format", "bailian"), ""),
         ("requests", f"{stats['requests']}", ""),

@@ -103,7 +103,7 @@ class Gateway:
                         "tenants and it limits nothing (set server.api_keys, or max_inflight_requests for all)")
         # A `kvgate engine` takes the salt its gateway computed as it is (prepare).
         self.isolate_tenants = config.server.isolate_tenant_caches
-        self._warn_if_tenants_share_an_external_cache()
+        self._warn_where_tenants_are_not_kept_apart()
         self.router: Router | None = None
         self.hasher: PrefixHasher | None = None
         self.classifier: Classifier | None = None
@@ -237,11 +237,12 @@ class Gateway:
                  ", ".join(named(r) for r in self.replicas), self.config.router.policy,
                  f"on ({len(self.principals)})" if self.principals else "off")
 
-    def _warn_if_tenants_share_an_external_cache(self) -> None:
+    def _warn_where_tenants_are_not_kept_apart(self) -> None:
         """Tenants are kept apart in an external server's cache only by the salt
         the gateway sends it (send_cache_salt, off by default as vLLM V0 refuses
         the field): without it their prompts hit each other's blocks there, and
-        cached_tokens tells one what another sent."""
+        cached_tokens tells one what another sent.  In a kvgate engine's, only by
+        its key: a keyless one takes any client's salt, a tenant's included."""
         if not self.isolate_tenants or not any(p.tenant for p in self.principals.values()):
             return
         for replica in self.replicas:
