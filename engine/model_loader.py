@@ -244,11 +244,13 @@ def _reason(exc: Exception) -> str:
 _SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
 
 
-def sampling_defaults(cfg: ModelConfig) -> dict[str, float]:
+def sampling_defaults(cfg: ModelConfig) -> dict[str, float | int]:
     """The sampling settings the model's generation_config.json gives (Qwen2.5's
     temperature 0.7, top_p 0.8, top_k 20, ...), for requests that give none, as
     vLLM applies them; {} for a model that gives none, a GGUF file, or a hub id
-    not in the local cache.  Read as JSON: a gateway without torch calls it too."""
+    not in the local cache.  Its ``max_new_tokens`` comes as ``max_tokens``, the
+    default of a chat request that gives none (vLLM's too).  Read as JSON: a
+    gateway without torch calls it too."""
     if cfg.path is None:
         # The bundled model's conversion, if made (never made here: its GGUF sets no
         # sampling, and a gateway of fixture engines must not convert it to learn that).
@@ -288,6 +290,11 @@ def sampling_defaults(cfg: ModelConfig) -> dict[str, float]:
             out[name] = int(value) if name == "top_k" else float(value)
         else:
             log.warning("%s: %s %r is out of range for a request; left out of the sampling defaults", path, name, value)
+    limit = given.get("max_new_tokens")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1:
+        out["max_tokens"] = limit
+    elif limit is not None:
+        log.warning("%s: max_new_tokens %r is not a positive whole number; left out of the defaults", path, limit)
     return out
 
 

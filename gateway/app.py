@@ -134,6 +134,8 @@ class Gateway:
         self.ignored_logged: set[str] = set()
         # The model's own sampling defaults (its generation_config.json), for the fields requests leave out.
         self.sampling_defaults: dict = {}
+        # The model's max_new_tokens (generation_config.json): chat's default max_tokens.
+        self.model_max_tokens: int | None = None
 
     # -- lifecycle
 
@@ -161,10 +163,12 @@ class Gateway:
         await asyncio.gather(*(r.start() for r in self.replicas))
         from engine.model_loader import sampling_defaults
 
-        self.sampling_defaults = await in_daemon_thread(sampling_defaults, self.config.model)
-        if self.sampling_defaults:
+        defaults = await in_daemon_thread(sampling_defaults, self.config.model)
+        if defaults:
             log.info("the model's generation_config sets %s for requests that leave them out (as vLLM's "
-                     "--generation-config auto)", ", ".join(f"{k}={v:g}" for k, v in self.sampling_defaults.items()))
+                     "--generation-config auto)", ", ".join(f"{k}={v:g}" for k, v in defaults.items()))
+        self.model_max_tokens = defaults.pop("max_tokens", None)
+        self.sampling_defaults = defaults
         if local is not None:
             eng = local.engine
             chat_tokens = getattr(eng, "chat_tokens", None)
@@ -787,6 +791,8 @@ class Gateway:
         """max_tokens for a request without one, the context's room aside."""
         if parsed.endpoint != CHAT:  # OpenAI's 16, within the server's bound
             return min(_COMPLETIONS_DEFAULT_MAX_TOKENS, self.limits.max_tokens)
+        if self.model_max_tokens is not None:
+            return min(self.model_max_tokens, self.limits.max_tokens)
         return self.limits.max_tokens
 
     def engine_context(self, body: dict) -> RequestContext | None:

@@ -427,12 +427,16 @@ def test_a_models_generation_config_gives_the_sampling_defaults_vllm_takes(tmp_p
     assert sampling_defaults(ModelConfig(path=str(folder))) == {}  # none given
     (folder / "generation_config.json").write_text(json.dumps({
         "temperature": 0.7, "top_k": 20, "top_p": 1.0, "repetition_penalty": 1.05, "do_sample": True,
-        "min_p": 5, "eos_token_id": 2}))
+        "min_p": 5, "eos_token_id": 2, "max_new_tokens": 512}))
     with caplog.at_level("WARNING", logger="engine.model_loader"):
         given = sampling_defaults(ModelConfig(path=str(folder)))
     # transformers' own defaults (top_p 1.0) are no setting of the model's; what no request could say is left out.
-    assert given == {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.05}
+    assert given == {"temperature": 0.7, "top_k": 20, "repetition_penalty": 1.05, "max_tokens": 512}
     assert "min_p 5 is out of range for a request" in caplog.text
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 0}))
+    with caplog.at_level("WARNING", logger="engine.model_loader"):
+        assert sampling_defaults(ModelConfig(path=str(folder))) == {}
+    assert "max_new_tokens 0 is not a positive whole number" in caplog.text
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     assert sampling_defaults(ModelConfig(path=str(gguf))) == {}

@@ -582,12 +582,13 @@ async def test_defaults_stay_within_the_servers_max_tokens(tiny_model_dir):
 async def test_the_models_generation_config_sets_the_sampling_a_request_leaves_out(tiny_model_dir, tmp_path, caplog):
     """vLLM's --generation-config auto: a model whose generation_config.json sets
     temperature 0 answers greedily a request that gives none, whatever its seed;
-    a request's own temperature still wins."""
+    a request's own temperature still wins.  Its max_new_tokens is the max_tokens
+    of a chat request that gives none (completions keep OpenAI's 16)."""
     import shutil
 
     model_dir = shutil.copytree(tiny_model_dir, tmp_path / "greedy-model")
     config = json.loads((model_dir / "generation_config.json").read_text())
-    (model_dir / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0}))
+    (model_dir / "generation_config.json").write_text(json.dumps({**config, "temperature": 0.0, "max_new_tokens": 3}))
     caplog.set_level(logging.INFO, logger="gateway.app")
     async with serving(create_app(_config(str(model_dir), replicas=1))) as (app, server, client):
         async def text(**kw):
@@ -597,4 +598,17 @@ async def test_the_models_generation_config_sets_the_sampling_a_request_leaves_o
         left_out = {await text(seed=seed) for seed in range(4)}
         assert left_out == {await text(temperature=0)}
         assert len({await text(seed=seed, temperature=1.5) for seed in range(4)}) > 1
-    assert any("generation_config sets temperature=0 for requests that leave them out" in m for m in caplog.messages)
+
+        async def chat_tokens(**kw):
+            out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                       extra_body={"ignore_eos": True}, **kw)
+            return out.usage.completion_tokens, out.choices[0].finish_reason
+
+        assert await chat_tokens() == (3, "length")
+        assert await chat_tokens(max_tokens=5) == (5, "length")
+        response = await client.responses.create(model=MODEL, input="hi", extra_body={"ignore_eos": True})
+        assert response.usage.output_tokens == 3 and response.incomplete_details.reason == "max_output_tokens"
+        plain = await client.completions.create(model=MODEL, prompt="hi", extra_body={"ignore_eos": True})
+        assert plain.usage.completion_tokens == 16
+    assert any("generation_config sets temperature=0, max_tokens=3 for requests that leave them out" in m
+               for m in caplog.messages)
