@@ -5,19 +5,27 @@ The chat completion's outputs become output items, in the order they begin: a
 split off (chat's ``reasoning``, or ``reasoning_content`` as older servers name
 it), a message for the text, a ``function_call`` item for each tool call it
 parsed (chat's ``tool_calls``).  Streamed, each item is added when its first
-output arrives, grows by deltas (``response.reasoning_text.delta``,
-``response.output_text.delta``, ``response.function_call_arguments.delta``) and
-is done at the end, before ``response.completed`` (or ``incomplete``, or
-``failed``) with the whole response.  gateway/responses_api.py reads the request.
+output arrives and grows by deltas (``response.reasoning_text.delta``,
+``response.output_text.delta``, ``response.function_call_arguments.delta``).
+One item is in progress at a time, as OpenAI streams them: the next one
+beginning makes it done (the reasoning once the answer starts, a call once the
+next begins), the last is done at the end, before ``response.completed`` (or
+``incomplete``, or ``failed``) with the whole response.  Text or reasoning that
+comes after its item is done is a new item (a message after a call).  Items
+done before the end are completed; the last one takes the response's status.
+gateway/responses_api.py reads the request.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
 from gateway.errors import ApiError
 from gateway.protocol import new_id
 from gateway.responses_api import ResponsesCall
+
+log = logging.getLogger(__name__)
 
 # Finish reasons that leave a response incomplete, as incomplete_details names them.
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
@@ -74,7 +82,7 @@ def began_order(began: tuple, had_text: bool, out, calls: int) -> tuple:
 class _Item:
     """One output item as it grows: the reasoning's or the message's text, or a call's name and arguments."""
 
-    __slots__ = ("index", "id", "kind", "call_id", "name", "parts")
+    __slots__ = ("index", "id", "kind", "call_id", "name", "parts", "status")
 
     def __init__(self, index: int, item_id: str, kind: str, call_id: str | None = None, name: str = "") -> None:
         self.index = index
@@ -83,6 +91,11 @@ class _Item:
         self.call_id = call_id
         self.name = name
         self.parts: list[str] = []
+        self.status: str | None = None  # set once done
+
+    def final(self, status: str) -> dict:
+        """Its shape in the finished response: as it was done, or ``status`` (the last item)."""
+        return self.shape(self.status or status)
 
     def shape(self, status: str) -> dict:
         if self.kind == "message":
@@ -113,6 +126,7 @@ class ResponseShaper:
         self._message: _Item | None = None
         self._reasoning: _Item | None = None
         self._calls: dict[int, _Item] = {}  # by chat's tool call index
+        self._current: _Item | None = None  # streamed: the item in progress
 
     def response(self, status: str, output: list, usage: dict | None = None, finish: str | None = None,
                  error: dict | None = None, completed_at: int | None = None) -> dict:
@@ -153,8 +167,10 @@ class ResponseShaper:
                     function.get("arguments") or "")
         if not self.items:  # no output at all: an empty message
             self._text_item()
+        for item in self.items[:-1]:  # as streamed: done as the next began
+            item.status = "completed"
         status = _status(finish)
-        return self.response(status, [item.shape(status) for item in self.items], response_usage(chat_usage), finish,
+        return self.response(status, [item.final(status) for item in self.items], response_usage(chat_usage), finish,
                              completed_at=completed_at)
 
     def _text_item(self) -> _Item:
@@ -189,20 +205,22 @@ class ResponseShaper:
                                                                                    {"response": begun})
 
     def delta(self, text: str) -> bytes:
-        frames = self._open_message() if self._message is None else b""
+        frames = b"" if self._message is not None and self._message is self._current else self._open_message()
         item = self._message
         item.parts.append(text)
         return frames + self._event("response.output_text.delta", {**_where(item), "delta": text, "logprobs": []})
 
     def _open_message(self) -> bytes:
+        self._message = None  # a message after the one done (text after a call) is an item of its own
         item = self._text_item()
-        return self._added(item) + self._event("response.content_part.added", {**_where(item), "part": item.part()})
+        return self._begin(item) + self._event("response.content_part.added", {**_where(item), "part": item.part()})
 
     def reasoning(self, text: str) -> bytes:
         frames = b""
-        if self._reasoning is None:
+        if self._reasoning is None or self._reasoning is not self._current:
+            self._reasoning = None
             item = self._reasoning_item()
-            frames = self._added(item) + self._event("response.content_part.added", {**_where(item), "part": item.part()})
+            frames = self._begin(item) + self._event("response.content_part.added", {**_where(item), "part": item.part()})
         item = self._reasoning
         item.parts.append(text)
         return frames + self._event("response.reasoning_text.delta", {**_where(item), "delta": text})
@@ -219,38 +237,53 @@ class ResponseShaper:
             item = self._calls.get(position)
             if item is None:
                 item = self._calls[position] = self._call_item(fragment.get("id"), function.get("name") or "")
-                frames.append(self._added(item))
+                frames.append(self._begin(item))
             elif function.get("name"):
                 item.name += function["name"]
-            if function.get("arguments"):
-                item.parts.append(function["arguments"])
+            arguments = function.get("arguments")
+            if not arguments:
+                continue
+            item.parts.append(arguments)
+            if item.status is None:
                 frames.append(self._event("response.function_call_arguments.delta",
-                                          {"item_id": item.id, "output_index": item.index,
-                                           "delta": function["arguments"]}))
+                                          {"item_id": item.id, "output_index": item.index, "delta": arguments}))
+            else:
+                # Servers stream each call's arguments before the next call begins; one
+                # that did not: the final response has them whole, its done event did not.
+                log.warning("response %s: arguments for tool call %s came after it was done (another output began "
+                            "after it); the final response holds them", self.rid, item.call_id)
         return b"".join(frames)
 
-    def _added(self, item: _Item) -> bytes:
-        return self._event("response.output_item.added", {"output_index": item.index, "item": item.shape("in_progress")})
+    def _begin(self, item: _Item) -> bytes:
+        """``item`` added, and in progress in place of the one before, which is done."""
+        frames = self._done(self._current, "completed") if self._current is not None else b""
+        self._current = item
+        return frames + self._event("response.output_item.added",
+                                    {"output_index": item.index, "item": item.shape("in_progress")})
+
+    def _done(self, item: _Item, status: str) -> bytes:
+        item.status = status
+        whole = "".join(item.parts)
+        if item.kind == "message":
+            frames = (self._event("response.output_text.done", {**_where(item), "text": whole, "logprobs": []})
+                      + self._event("response.content_part.done", {**_where(item), "part": item.part()}))
+        elif item.kind == "reasoning":
+            frames = (self._event("response.reasoning_text.done", {**_where(item), "text": whole})
+                      + self._event("response.content_part.done", {**_where(item), "part": item.part()}))
+        else:
+            frames = self._event("response.function_call_arguments.done",
+                                 {"item_id": item.id, "output_index": item.index, "arguments": whole})
+        return frames + self._event("response.output_item.done", {"output_index": item.index, "item": item.shape(status)})
 
     def closing(self, finish: str | None, chat_usage: dict, completed_at: int) -> bytes:
-        """Each item done, then completed (or incomplete: max_output_tokens reached)."""
+        """The last item done, then completed (or incomplete: max_output_tokens reached)."""
         # No output at all: an empty message, as the whole response has.
         frames = [self._open_message()] if not self.items else []
         status = _status(finish)
-        for item in self.items:
-            whole = "".join(item.parts)
-            if item.kind == "message":
-                frames.append(self._event("response.output_text.done", {**_where(item), "text": whole, "logprobs": []}))
-                frames.append(self._event("response.content_part.done", {**_where(item), "part": item.part()}))
-            elif item.kind == "reasoning":
-                frames.append(self._event("response.reasoning_text.done", {**_where(item), "text": whole}))
-                frames.append(self._event("response.content_part.done", {**_where(item), "part": item.part()}))
-            else:
-                frames.append(self._event("response.function_call_arguments.done",
-                                          {"item_id": item.id, "output_index": item.index, "arguments": whole}))
-            frames.append(self._event("response.output_item.done",
-                                      {"output_index": item.index, "item": item.shape(status)}))
-        final = self.response(status, [item.shape(status) for item in self.items], response_usage(chat_usage), finish,
+        if self._current is not None:
+            frames.append(self._done(self._current, status))
+            self._current = None
+        final = self.response(status, [item.final(status) for item in self.items], response_usage(chat_usage), finish,
                               completed_at=completed_at)
         frames.append(self._event("response.completed" if status == "completed" else "response.incomplete",
                                   {"response": final}))
@@ -258,7 +291,7 @@ class ResponseShaper:
 
     def failed(self, exc: ApiError) -> bytes:
         """The stream's end after a failure once under way (the HTTP status already sent)."""
-        output = [item.shape("incomplete") for item in self.items]
+        output = [item.final("incomplete") for item in self.items]
         error = {"code": "rate_limit_exceeded" if exc.status == 429 else "server_error", "message": exc.message}
         return self._event("response.failed", {"response": self.response("failed", output, error=error)})
 

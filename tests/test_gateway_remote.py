@@ -2769,9 +2769,10 @@ async def test_function_tools_through_the_responses_api_reach_the_server_as_chat
         assert [e.type for e in events] == [
             "response.created", "response.in_progress",
             "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+            # The message is done as the call begins (one item in progress at a time, as OpenAI streams).
+            "response.output_text.done", "response.content_part.done", "response.output_item.done",
             "response.output_item.added", "response.function_call_arguments.delta",
             "response.function_call_arguments.delta",
-            "response.output_text.done", "response.content_part.done", "response.output_item.done",
             "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
         assert [e.sequence_number for e in events] == list(range(len(events)))
         final = events[-1].response
@@ -2866,11 +2867,13 @@ async def test_reasoning_through_the_responses_api_is_a_reasoning_item_and_goes_
             "response.created", "response.in_progress",
             "response.output_item.added", "response.content_part.added",
             "response.reasoning_text.delta", "response.reasoning_text.delta",
-            "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+            # The reasoning is done as the answer begins, not at the end.
             "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+            "response.output_item.added", "response.content_part.added", "response.output_text.delta",
             "response.output_text.done", "response.content_part.done", "response.output_item.done",
             "response.completed"]
-        assert events[3].part.type == "reasoning_text" and events[9].text == "The user asks for a colour."
+        assert events[3].part.type == "reasoning_text" and events[6].text == "The user asks for a colour."
+        assert events[8].item.status == "completed"
         streamed = events[-1].response
         assert [(i.type, i.model_dump(exclude={"id"})) for i in streamed.output] == [
             (i.type, i.model_dump(exclude={"id"})) for i in whole.output]

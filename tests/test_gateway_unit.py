@@ -928,3 +928,52 @@ async def test_a_stream_cut_in_its_last_send_gets_nothing_after_its_end(monkeypa
     last = b"data: [DONE]" if call is None else b"event: response.completed"
     assert last in sent[-1]  # the end was the last thing handed over
     assert resp.failed_status is None  # what was cut was the wait for the client to read it
+
+
+# ----------------------------------------------------------------------------- Responses events
+
+
+def test_a_streamed_response_has_one_item_in_progress_at_a_time(caplog):
+    """As OpenAI streams: each item is done as the next begins (the reasoning when
+    the answer starts, a call when the next does), not all at the end; text after a
+    call is a message of its own; items done early are completed, the last takes
+    the response's status, whole as streamed."""
+    import json
+
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from gateway.responses_api import chat_request
+    from gateway.responses_shape import ResponseShaper
+
+    _, call = chat_request({"model": "m", "input": "hi"})
+    shaper = ResponseShaper("resp_1", 1, "m", call)
+    frames = [shaper.opening(), shaper.reasoning("Think"), shaper.reasoning("ing."), shaper.delta("Let me look."),
+              shaper.tool_calls([{"index": 0, "id": "c0", "function": {"name": "find", "arguments": '{"q": '}}]),
+              shaper.tool_calls([{"index": 1, "id": "c1", "function": {"name": "time", "arguments": "{}"}}])]
+    with caplog.at_level("WARNING", logger="gateway.responses_shape"):
+        frames.append(shaper.tool_calls([{"index": 0, "function": {"arguments": '"x"}'}}]))  # after c1 began
+    frames += [shaper.delta("Done"), shaper.closing("length", {"prompt_tokens": 3, "completion_tokens": 9}, 2)]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_python(json.loads(block.split(b"data: ", 1)[1]))
+              for block in b"".join(frames).split(b"\n\n") if block]
+    # Every item added after the one before it is done.
+    lifecycle = [(e.type.rsplit(".", 1)[1], e.output_index) for e in events
+                 if e.type in ("response.output_item.added", "response.output_item.done")]
+    assert lifecycle == [("added", 0), ("done", 0), ("added", 1), ("done", 1), ("added", 2), ("done", 2),
+                         ("added", 3), ("done", 3), ("added", 4), ("done", 4)]
+    done = {e.output_index: e.item for e in events if e.type == "response.output_item.done"}
+    assert [(item.type, item.status) for item in done.values()] == [
+        ("reasoning", "completed"), ("message", "completed"), ("function_call", "completed"),
+        ("function_call", "completed"), ("message", "incomplete")]
+    assert done[0].content[0].text == "Thinking." and done[2].arguments == '{"q": '
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete" and [i.status for i in final.output] == [
+        "completed", "completed", "completed", "completed", "incomplete"]
+    assert final.output[2].arguments == '{"q": "x"}'  # the late piece is kept, and said
+    assert "arguments for tool call c0 came after it was done" in caplog.text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    whole = ResponseShaper("resp_2", 1, "m", call).whole(
+        "Done", {"reasoning": "Thinking."}, "length", {"prompt_tokens": 3, "completion_tokens": 2}, 2, ("r", "t"))
+    assert [(i["type"], i["status"]) for i in whole["output"]] == [("reasoning", "completed"), ("message", "incomplete")]
