@@ -75,6 +75,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None  # None: not reported (an external server that does not say)
+    # Of the completion tokens, those a server's reasoning parser split off as
+    # reasoning (vLLM's with one configured); None: not reported.
+    reasoning_tokens: int | None = None
 
 
 @dataclass(slots=True)

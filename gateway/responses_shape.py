@@ -32,17 +32,18 @@ _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"
 
 
 def response_usage(chat_usage: dict | None) -> dict:
-    """Chat's usage in this API's names (cached tokens 0 where a replica did not say)."""
+    """Chat's usage in this API's names (cached and reasoning tokens 0 where a replica did not say)."""
     chat_usage = chat_usage or {}
     prompt = chat_usage.get("prompt_tokens", 0)
     completion = chat_usage.get("completion_tokens", 0)
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
     return {
         "input_tokens": prompt,
         # kvgate caches prefixes by itself; nothing is written on request (OpenAI's cache writes).
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": prompt + completion,
     }
 

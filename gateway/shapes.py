@@ -25,13 +25,16 @@ def now_s() -> int:
 def usage_dict(usage: Usage | None) -> dict:
     if usage is None:
         usage = Usage(0, 0, 0)
-    return {
+    out = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         # null where a replica did not say (as vLLM without prompt token details)
         "prompt_tokens_details": None if usage.cached_tokens is None else {"cached_tokens": usage.cached_tokens},
     }
+    if usage.reasoning_tokens is not None:  # as vLLM: only from a server with a reasoning parser
+        out["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    return out
 
 
 def chat_logprobs(items: list[TokenLogprob] | None) -> dict | None:

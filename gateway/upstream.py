@@ -165,7 +165,8 @@ def chunk_outputs(chunk: Any, rid: str, chat: bool) -> list[GenerationOutput]:
         if usage:
             batch.append(GenerationOutput(
                 rid, USAGE_ALL, [], "", None, None,
-                Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), _cached_tokens(usage)),
+                Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), _cached_tokens(usage),
+                      _detail(usage, "completion_tokens_details", "reasoning_tokens")),
             ))
     except (AttributeError, TypeError, KeyError) as exc:  # `data: null`, a choice that is a string, ...
         raise ValueError(f"not an OpenAI stream chunk: {exc}") from None
@@ -177,9 +178,14 @@ def _cached_tokens(usage: dict) -> int | None:
     does not say (vLLM without --enable-prompt-tokens-details sends null details):
     unknown, which the client is told as it came and the hit ratio leaves out,
     not a whole-prompt miss."""
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
+    return _detail(usage, "prompt_tokens_details", "cached_tokens")
+
+
+def _detail(usage: dict, details: str, name: str) -> int | None:
+    """A count in one of usage's details objects; None where it is absent, null or no count."""
+    within = usage.get(details)
+    value = within.get(name) if isinstance(within, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 # What sse_events yields for ``data: [DONE]`` (then it stops).

@@ -15,13 +15,15 @@ if TYPE_CHECKING:
 class UsageSum:
     """Usage over sub-requests: prompt counted once per prompt, completions summed."""
 
-    __slots__ = ("prompt", "cached", "completion", "all")
+    __slots__ = ("prompt", "cached", "completion", "reasoning", "all")
 
     def __init__(self, subs: int) -> None:
         self.prompt = [0] * subs
         # None until a replica says (an external server may never).
         self.cached: list[int | None] = [None] * subs
         self.completion = [0] * subs
+        # Said only in an external server's usage for the whole request (USAGE_ALL).
+        self.reasoning: list[int | None] = [None] * subs
         self.all = [False] * subs
 
     def add(self, sub: int, out: GenerationOutput) -> None:
@@ -30,6 +32,7 @@ class UsageSum:
             return
         if out.index == USAGE_ALL:
             self.prompt[sub], self.cached[sub], self.completion[sub] = u.prompt_tokens, u.cached_tokens, u.completion_tokens
+            self.reasoning[sub] = u.reasoning_tokens
             self.all[sub] = True
             return
         if self.all[sub]:
@@ -43,11 +46,12 @@ class UsageSum:
     def forget(self, sub: int) -> None:
         """Drop what sub-request ``sub`` reported: it starts over on another replica."""
         self.prompt[sub] = self.completion[sub] = 0
-        self.cached[sub] = None
+        self.cached[sub] = self.reasoning[sub] = None
         self.all[sub] = False
 
     def as_dict(self, subs: list[Sub]) -> dict:
         prompt = sum(p or len(s.prompt.token_ids) for p, s in zip(self.prompt, subs))
         # One sub-request that did not say its hits leaves the total unknown.
         cached = None if None in self.cached else sum(self.cached)
-        return usage_dict(Usage(prompt, sum(self.completion), cached))
+        reasoning = None if None in self.reasoning else sum(self.reasoning)
+        return usage_dict(Usage(prompt, sum(self.completion), cached, reasoning))

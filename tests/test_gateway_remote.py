@@ -2746,6 +2746,8 @@ async def test_function_tools_through_the_responses_api_reach_the_server_as_chat
         assert (call.type, call.name, call.arguments, call.call_id) == (
             "function_call", "get_weather", '{"city": "Paris"}', "call_7")
         assert resp.status == "completed" and resp.tools[0].name == "get_weather"
+        # A server that counts no reasoning tokens: none said on chat, 0 here (OpenAI's field is required).
+        assert resp.usage.output_tokens_details.reasoning_tokens == 0
         sent = seen[-1]
         assert sent["tools"] == [{"type": "function", "function": {
             "name": "get_weather", "description": "The weather in a city.", "parameters": weather["parameters"]}}]
@@ -2849,13 +2851,18 @@ async def test_reasoning_through_the_responses_api_is_a_reasoning_item_and_goes_
                   for piece in ("The user asks ", "for a colour.")]
         chunks += [{"choices": [{"index": 0, "delta": {"content": "Blue."}, "finish_reason": None}]},
                    {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-                   {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}}]
+                   {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19,
+                                             "completion_tokens_details": {"reasoning_tokens": 5}}}]
         return web.Response(body=_sse(*chunks) + b"data: [DONE]\n\n", content_type="text/event-stream")
 
     router = RouterConfig(policy="round-robin", health_interval_s=60)
     async with _gateway_over_pair(tiny_model_dir, thinks, thinks, ("a", "b"), router) as (gateway, _, client, _):
         whole = await client.responses.create(model=MODEL, input="Name a colour.")
         Response.model_validate(whole.to_dict())
+        # The server's count of reasoning tokens (vLLM's, with a reasoning parser) is passed on.
+        assert whole.usage.output_tokens_details.reasoning_tokens == 5 and whole.usage.output_tokens == 7
+        chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Colour?"}])
+        assert chat.usage.completion_tokens_details.reasoning_tokens == 5
         assert [item.type for item in whole.output] == ["reasoning", "message"]
         assert whole.output[0].content[0].text == "The user asks for a colour." and whole.output_text == "Blue."
         assert whole.output[0].summary == [] and whole.output[0].status == "completed"
@@ -2875,6 +2882,7 @@ async def test_reasoning_through_the_responses_api_is_a_reasoning_item_and_goes_
         assert events[3].part.type == "reasoning_text" and events[6].text == "The user asks for a colour."
         assert events[8].item.status == "completed"
         streamed = events[-1].response
+        assert streamed.usage.output_tokens_details.reasoning_tokens == 5
         assert [(i.type, i.model_dump(exclude={"id"})) for i in streamed.output] == [
             (i.type, i.model_dump(exclude={"id"})) for i in whole.output]
         async with client.responses.stream(model=MODEL, input="Name a colour.") as stream:
