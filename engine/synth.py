@@ -471,7 +471,7 @@ def synthesize(profile: str, duration_s: float, rate: float, seed: int) -> list[
     if not _positive(rate):
         raise ValueError(f"rate must be a positive number of requests per second, got {rate!r}")
     if rate > MAX_RATE:
-        raise ValueError(f"rate {rate:.3g} requests per second is above the {MAX_RATE:,.0f} a trace may have")
+        raise ValueError(f"rate {rate:,g} requests per second is above the {MAX_RATE:,.0f} a trace may have")
     asked = duration_s * rate
     if asked > MAX_REQUESTS:
         raise ValueError(f"duration x rate asks for {asked:.3g} requests; at most {MAX_REQUESTS:,}")

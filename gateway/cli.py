@@ -232,7 +232,8 @@ def _build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--replicas", type=int, default=1,
                         help="simulate N replicas behind the router (capacity is per replica)")
     replay.add_argument("--routing", default=None,
-                        help="with --replicas: comma-separated prefix-aware,least-load,round-robin,session")
+                        help="with --replicas: comma-separated prefix-aware,least-load,round-robin,session "
+                             "(default: all four)")
     replay.add_argument("--index", default="exact", choices=["exact", "approx"],
                         help="with --replicas: what the router knows of each replica's cache: exact (a `kvgate "
                              "engine`'s KV events) or approx (an external server's: what was sent where; "

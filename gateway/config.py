@@ -45,7 +45,9 @@ class ApiKeyConfig(Section):
 class LimitsConfig(Section):
     # Larger request bodies get 413 before they are parsed.
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
-    # Upper bound on max_tokens / max_completion_tokens (400 above it).
+    # Upper bound on max_tokens / max_completion_tokens (400 above it); also a
+    # chat request's max_tokens when it gives none and the model's
+    # generation_config.json gives no max_new_tokens (a larger one is cut to this).
     max_tokens: int = Field(4096, ge=1)
     # Upper bound on n (choices per request).
     max_n: int = Field(8, ge=1)

@@ -137,6 +137,9 @@ def test_more_requests_than_memory_holds_are_refused_up_front(monkeypatch):
         synth.synthesize("to-c", 1e6, 100, seed=0)
     with pytest.raises(ValueError, match=r"^rate 1e\+300 requests per second is above the 10,000 a trace may have$"):
         synth.synthesize("to-c", 1e-6, 1e300, seed=0)
+    # Just above the bound reads as above it (3 significant digits said "1e+04").
+    with pytest.raises(ValueError, match=r"^rate 10,001 requests per second is above the 10,000 a trace may have$"):
+        synth.synthesize("to-c", 1e-6, 10_001, seed=0)
     # A to-B trace of a moment at the highest rate builds no more tenants than it has calls.
     assert len(synth.synthesize("to-b", 1e-3, 10_000, seed=0)) < 40
 
