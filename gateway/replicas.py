@@ -383,6 +383,8 @@ class RemoteReplica(Replica):
         # Resolved when the breaker opens: requests still waiting for their
         # response headers give up then (and go to another replica).
         self._cut: asyncio.Future | None = None
+        # A probe sent when a connection broke mid-answer: gone (trip) or one connection lost.
+        self._loss_check: asyncio.Task | None = None
         # A `kvgate engine` shutting down said so: out of routing, but its
         # streams run to their end rather than being cut.
         self.draining = False
@@ -448,9 +450,10 @@ class RemoteReplica(Replica):
 
     async def close(self) -> None:
         self.healthy = False
-        for task in self._tasks:
+        tasks = [*self._tasks, *((self._loss_check,) if self._loss_check is not None else ())]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
         self._cut_live()
@@ -650,6 +653,18 @@ class RemoteReplica(Replica):
                 self._following = False
                 if self._events_resp is not None:
                     self._events_resp.close()  # its reader fails at once: a resync
+
+    def _check_after_loss(self, reason: str) -> None:
+        """A connection broke mid-answer: probe the replica now, and take it out of
+        routing if it does not answer (its streams with output since are spared:
+        it is still serving them).  One probe at a time."""
+        if self._loss_check is None or self._loss_check.done():
+            self._loss_check = asyncio.create_task(self._probe_after_loss(reason, time.monotonic()),
+                                                   name=f"loss-check:{self.name}")
+
+    async def _probe_after_loss(self, reason: str, lost_at: float) -> None:
+        if not await self._probe() and not self.breaker_open:
+            self._trip(f"failed mid-request: {reason}", failing_since=lost_at)
 
     def _cut_live(self, spare_since: float | None = None) -> None:
         # Closing a response makes its reader fail at once (-> an error event).
@@ -893,6 +908,7 @@ class RemoteReplica(Replica):
         resp = await self._post(path, body, headers, started)
         self._live[resp] = 0.0
         produced = False
+        finished: set[int] = set()  # choice indexes with a finish_reason
         try:
             if resp.status != 200:
                 raise await self._refusal(resp)
@@ -900,39 +916,45 @@ class RemoteReplica(Replica):
                 # Only a prompt the server accepted can be in its cache.
                 self.index.record(job.keys)
             ended = False
-            finished: set[int] = set()  # choice indexes with a finish_reason
             queue_time = cached = None
             if self.kind == "engine":
                 queue_time = header_seconds(resp.headers.get(QUEUE_TIME_HEADER))
                 cached = header_count(resp.headers.get(CACHED_TOKENS_HEADER))
-            async for _event, chunk in sse_events(resp.content):
-                if chunk is DONE_EVENT:
-                    ended = True
-                    break
-                if isinstance(chunk, dict) and ("error" in chunk or chunk.get("object") == "error"):
-                    chunk = openai_error_body(chunk) or {"error": {}}
-                    if is_stopping(chunk):
-                        # Past its drain time: nothing of this replica's failing, and a
-                        # non-streaming answer may start over elsewhere.
-                        raise ReplicaStopping(f"replica {self.name} is shutting down")
-                    status = in_stream_error_status(chunk)
-                    if status >= 500 and not produced:
-                        # Failed before a token (vLLM and SGLang answer 200, then the
-                        # error): another replica may well succeed, and if it does,
-                        # this failure counts toward this one's breaker.
-                        raise ReplicaAnswerFailed(f"replica {self.name} failed before its first token: "
-                                                  f"{UpstreamError(status, chunk)}", status, chunk)
-                    raise UpstreamError(status, chunk)
-                batch = chunk_outputs(chunk, rid, chat)
-                finished.update(o.index for o in batch if o.finish_reason is not None)
-                if batch:
-                    if not produced:
-                        self._forgive(requests=True)  # a 200 alone is not success: an error event may follow
-                        batch[0].queue_time_s = queue_time
-                        batch[0].cached_tokens = cached
-                    produced = True
-                    self._last_output = self._live[resp] = time.monotonic()
-                    yield batch
+            try:
+                async for _event, chunk in sse_events(resp.content):
+                    if chunk is DONE_EVENT:
+                        ended = True
+                        break
+                    if isinstance(chunk, dict) and ("error" in chunk or chunk.get("object") == "error"):
+                        chunk = openai_error_body(chunk) or {"error": {}}
+                        if is_stopping(chunk):
+                            # Past its drain time: nothing of this replica's failing, and a
+                            # non-streaming answer may start over elsewhere.
+                            raise ReplicaStopping(f"replica {self.name} is shutting down")
+                        status = in_stream_error_status(chunk)
+                        if status >= 500 and not produced:
+                            # Failed before a token (vLLM and SGLang answer 200, then the
+                            # error): another replica may well succeed, and if it does,
+                            # this failure counts toward this one's breaker.
+                            raise ReplicaAnswerFailed(f"replica {self.name} failed before its first token: "
+                                                      f"{UpstreamError(status, chunk)}", status, chunk)
+                        raise UpstreamError(status, chunk)
+                    batch = chunk_outputs(chunk, rid, chat)
+                    finished.update(o.index for o in batch if o.finish_reason is not None)
+                    if batch:
+                        if not produced:
+                            self._forgive(requests=True)  # a 200 alone is not success: an error event may follow
+                            batch[0].queue_time_s = queue_time
+                            batch[0].cached_tokens = cached
+                        produced = True
+                        self._last_output = self._live[resp] = time.monotonic()
+                        yield batch
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                if len(finished) < job.request.sampling.n:
+                    raise
+                # Every choice had finished: the connection went with only [DONE] (and
+                # usage) unsent.  The answer is whole; nothing of the replica failed it.
+                log.debug("replica %s: connection lost after request %s finished", self.name, rid)
             if not ended and len(finished) < job.request.sampling.n:
                 # EOF without [DONE] before every choice finished: a silent
                 # truncation would look like a complete answer to the client.
@@ -944,7 +966,7 @@ class RemoteReplica(Replica):
             # is: a hung model step (its HTTP server still answering the health
             # checks) would otherwise hold every request sent there for
             # read_timeout_s, for ever.
-            if not produced and self._last_output < started:
+            if not produced and self._last_output < started and not self.breaker_open:
                 self._note_failure()
             raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
         except (ReplicaBusy, ReplicaAnswerFailed, ReplicaStopping):
@@ -952,18 +974,21 @@ class RemoteReplica(Replica):
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, ReplicaUnavailable) as exc:
             # ValueError: a broken frame (JSONDecodeError) from a dying server.
             reason = str(exc) if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc)
-            if self.breaker_open and not isinstance(exc, ReplicaUnavailable):
-                # The breaker cut this stream (it closed the connection): its cause,
-                # not "the connection failed", is what went wrong.
-                reason = f"it was taken out of routing ({self._trip_reason})"
-            if produced and not isinstance(exc, (ValueError, _EndedEarly)):
-                # The connection broke mid-answer: the replica is likely gone (its
-                # other connections break too), so it leaves routing at once.  Its
-                # streams with output since this one's last are spared: the replica
-                # is serving them, and one dropped connection (a proxy's timeout)
-                # must not cut a hundred.  (Unless the breaker is what broke it.)
-                if not self.breaker_open:
-                    self._trip(f"failed mid-request: {reason}", failing_since=self._live.get(resp))
+            if self.breaker_open:
+                if not isinstance(exc, ReplicaUnavailable):
+                    # The breaker cut this stream (it closed the connection): its cause,
+                    # not "the connection failed", is what went wrong.
+                    reason = f"it was taken out of routing ({self._trip_reason})"
+                # Nothing more to count: the trip (or the failures before it) is the
+                # replica's record, and counted again the streams it cut would trip
+                # it anew soon after it rejoined.
+            elif produced and not isinstance(exc, (ValueError, _EndedEarly)):
+                # The connection broke mid-answer: the replica may be gone (a dead
+                # process breaks every connection) or only this connection (a proxy's
+                # idle timeout, a middlebox's reset), and one dropped connection must
+                # not cut the hundred streams it serves.  A probe tells which.
+                self._note_failure()
+                self._check_after_loss(reason)
             else:
                 # One malformed or cut-short answer from a replica that still talks
                 # HTTP: counted, but not worth cutting every stream it serves.

@@ -165,7 +165,7 @@ def chunk_outputs(chunk: Any, rid: str, chat: bool) -> list[GenerationOutput]:
         if usage:
             batch.append(GenerationOutput(
                 rid, USAGE_ALL, [], "", None, None,
-                Usage(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), _cached_tokens(usage),
+                Usage(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")), _cached_tokens(usage),
                       _detail(usage, "completion_tokens_details", "reasoning_tokens")),
             ))
     except (AttributeError, TypeError, KeyError) as exc:  # `data: null`, a choice that is a string, ...
@@ -179,6 +179,12 @@ def _cached_tokens(usage: dict) -> int | None:
     unknown, which the client is told as it came and the hit ratio leaves out,
     not a whole-prompt miss."""
     return _detail(usage, "prompt_tokens_details", "cached_tokens")
+
+
+def _count(value: object) -> int:
+    """A usage count as a server sent it; 0 for one it left null, or sent as no count
+    (the prompt's is then the gateway's own count, gateway/usage.py)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _detail(usage: dict, details: str, name: str) -> int | None:

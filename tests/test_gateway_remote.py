@@ -847,6 +847,8 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
             await asyncio.sleep(20)  # bounded: the gateway must cut it well before
         else:
             await asyncio.sleep(0.3)  # after the gateway relayed the first token
+            if state["mode"] == "die":
+                state["healthy"] = False  # the server goes with the connection
             request.transport.close()  # dropped: no [DONE]
         return resp
 
@@ -861,7 +863,8 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
     try:
         await wait_for(lambda: replica.healthy, what="healthy")
         async with aiohttp.ClientSession() as session:
-            # Cut: error event then [DONE]; the replica leaves routing at once.
+            # Cut: error event then [DONE].  The server still answers its probe: one
+            # connection was lost (a proxy's timeout), not the replica, which stays.
             async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
                 events = await asyncio.wait_for(sse_events(resp), 10)
             assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "upstream_error"
@@ -870,9 +873,19 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
             assert "closed" in message and "400" not in message and "Error" not in message, message
             assert message.startswith("The model server ") and replica.name not in message, message
             assert any(c.get("choices") and c["choices"][0]["delta"].get("content") == "Hello" for c in events[:-2])
-            assert not replica.healthy
+            await asyncio.sleep(0.3)  # the probe the loss sent has answered
+            assert replica.healthy and replica.trips == 0
+            # Cut by a server that died: the probe the loss sends fails, and it leaves
+            # routing at once (before its health loop's own two failed probes).
+            state["mode"] = "die"
+            async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                events = await asyncio.wait_for(sse_events(resp), 10)
+            assert events[-2]["error"]["code"] == "upstream_error"
+            await wait_for(lambda: not replica.healthy, timeout=2, what="out of routing")
+            assert replica._trip_reason.startswith("failed mid-request: the connection closed")
             async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
                 assert resp.status == 503  # nothing else to route to
+            state["healthy"] = True
             # Back after the reset time, on a good probe.
             await wait_for(lambda: replica.healthy, timeout=5, what="rejoined")
             # Hung: the health probes fail, the breaker opens and cuts the live stream.
@@ -895,7 +908,7 @@ async def test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoin
             # The two streams went out as HTTP 200 but failed: the metrics count them as failures.
             async with session.get(gw.url + "/metrics") as resp:
                 counts = _requests_by_status(await resp.text())
-            assert counts == {"502": 2, "503": 2}, counts
+            assert counts == {"502": 3, "503": 2}, counts
         assert app[GATEWAY].router.inflight_requests == [0]
     finally:
         await gw.stop()
@@ -1643,10 +1656,10 @@ async def test_a_non_streaming_request_whose_replica_dies_mid_answer_starts_over
         # The log line names the id the client has (its x-request-id), not an internal one.
         (retried,) = [r.getMessage() for r in caplog.records if "trying another" in r.getMessage()]
         assert retried.split(":")[0] in ids, retried
-        assert gateway.replicas[0].trips == 1
+        # Its server still answers probes: the loss is the connection's, and it stays in routing.
+        assert gateway.replicas[0].trips == 0 and gateway.replicas[0].healthy
         assert await metric_by_replica(url, "kvgate_replica_failures_total") == {"dying": 1.0, "good": 0.0}
         # A stream cannot start over once its first bytes are out.
-        await wait_for(lambda: gateway.replicas[0].healthy, what="dying replica back")
         endings = []
         async with aiohttp.ClientSession() as session:
             for _ in range(2):
@@ -2168,8 +2181,10 @@ async def test_a_flat_error_event_mid_stream_reaches_the_client(tiny_model_dir):
 async def test_one_dropped_connection_cuts_only_its_own_stream(tiny_model_dir):
     """A replica's connection for one stream breaks mid-answer (a proxy's timeout,
     a reset) while its other streams keep producing: that stream ends with an
-    error event and the replica leaves routing, but the streams it is visibly
-    serving run to their end.  They used to be cut with it."""
+    error event; the replica, answering the probe the loss sends, stays in
+    routing, and its other streams run to their end.  They used to be cut with
+    it (all those whose last token came before the failed stream's last), and the
+    replica left routing."""
     async def chat(request):
         body = await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -2208,8 +2223,8 @@ async def test_one_dropped_connection_cuts_only_its_own_stream(tiny_model_dir):
         with pytest.raises(openai.APIError) as info:
             await read("FAIL")
         assert "failed mid-request" in info.value.message
-        assert gateway.replicas[0].trips == 1  # out of routing at once
         assert await served == ("".join(f"{i} " for i in range(20)), "stop")
+        assert gateway.replicas[0].trips == 0 and gateway.replicas[0].healthy
     finally:
         await client.close()
         await gw.stop()
@@ -3115,3 +3130,188 @@ async def test_requests_lost_beside_a_prompt_of_death_are_not_refused(tiny_model
         for i in range(6):  # the innocents' retries are served
             assert await ask(f"innocent question {i}") == "Fine"
         assert gateway.router.inflight_requests == [0, 0]
+
+
+async def test_a_dropped_connection_spares_the_streams_the_replica_decodes_beside_it(tiny_model_dir):
+    """Six streams decoded in lock-step, a token each per step; one connection is
+    reset between two steps.  Only that stream fails: the others, whose last tokens
+    came a moment before the reset one's, used to be cut with it (every stream
+    whose last output was no later than the failed one's), about half of a busy
+    replica's streams for one dropped connection."""
+    streams, everyone_in = {}, asyncio.Event()
+
+    async def chat(request):
+        order = int((await request.json())["messages"][0]["content"].split()[-1])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        streams[order] = (resp, request.transport)
+        if len(streams) == 6:
+            everyone_in.set()
+        with contextlib.suppress(Exception):
+            await asyncio.sleep(60)  # the decode loop below writes; this keeps the request open
+        return resp
+
+    async def decode_steps():
+        await everyone_in.wait()
+        for step in range(12):
+            last = step == 11
+            for resp, transport in streams.values():
+                if not transport.is_closing():
+                    token = {"choices": [{"index": 0, "delta": {"content": f"t{step} "},
+                                          "finish_reason": "stop" if last else None}]}
+                    await resp.write(_sse(token, *((b"[DONE]",) if last else ())))
+            await asyncio.sleep(0.03)
+            if step == 4:
+                streams[2][1].abort()  # one connection reset, between two steps
+            await asyncio.sleep(0.03)
+        for resp, _ in streams.values():
+            with contextlib.suppress(Exception):
+                await resp.write_eof()
+
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), chat)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                                 router=RouterConfig(health_interval_s=60)))
+    gw = await start_server(app)
+    replica = app[GATEWAY].replicas[0]
+    steps = asyncio.create_task(decode_steps())
+    try:
+        await wait_for(lambda: replica.healthy, what="healthy")
+        async with aiohttp.ClientSession() as session:
+            async def read(i):
+                body = {"model": MODEL, "messages": [{"role": "user", "content": f"stream {i}"}], "stream": True}
+                async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                    events = await sse_events(resp)
+                return "error" if any(isinstance(e, dict) and "error" in e for e in events) else "whole"
+
+            readers = []
+            for i in range(6):  # in order, so that the server's order is the clients'
+                readers.append(asyncio.create_task(read(i)))
+                await wait_for(lambda: len(streams) == i + 1, what=f"stream {i} open")
+            assert await asyncio.wait_for(asyncio.gather(*readers), 20) == [
+                "whole", "whole", "error", "whole", "whole", "whole"]
+        await steps
+        assert replica.healthy and replica.trips == 0
+    finally:
+        steps.cancel()
+        await gw.stop()
+        await upstream.stop()
+
+
+async def test_an_answer_whose_connection_breaks_after_its_last_token_is_whole(tiny_model_dir):
+    """Every choice finished (and usage sent), then the connection was reset before
+    [DONE]: the answer is whole, and the client gets it, streamed or not, with
+    nothing counted against the replica.  It used to be a failure mid-request: a
+    503 (or an error event after the whole answer), the breaker tripped."""
+    async def chat(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_sse({"choices": [{"index": 0, "delta": {"content": "The answer is 42."},
+                                            "finish_reason": "stop"}]},
+                              {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 5}}))
+        await asyncio.sleep(0.05)
+        request.transport.abort()  # reset before [DONE]
+        return resp
+
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), chat)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="ext")],
+                                 router=RouterConfig(health_interval_s=60, breaker_failures=1)))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    replica = app[GATEWAY].replicas[0]
+    try:
+        await wait_for(lambda: replica.healthy, what="healthy")
+        whole = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert whole.choices[0].message.content == "The answer is 42." and whole.usage.completion_tokens == 5
+        stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text == "The answer is 42."
+        assert replica.healthy and replica.trips == 0
+        assert await metric_by_replica(gw.url, "kvgate_replica_failures_total") == {"ext": 0.0}
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
+
+
+async def test_streams_the_breaker_cuts_do_not_count_against_the_replica_again(tiny_model_dir):
+    """Two streams silent after their headers (a hung step) when the probes fail:
+    the breaker trips and cuts them.  Each cut stream used to count as one more
+    failed request, after the trip had forgiven the count, so the replica carried
+    two failures into its rejoin and one failed request then tripped it again
+    (breaker_failures 3)."""
+    state = {"healthy": True, "chat_fails": False}
+    hung, release = [], asyncio.Event()
+
+    async def chat(request):
+        await request.read()
+        if state["chat_fails"]:
+            return web.Response(status=502, text="bad gateway")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        hung.append(request)
+        with contextlib.suppress(Exception):
+            await release.wait()
+        return resp
+
+    upstream = await _scripted_upstream(_models_while(state), chat)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                                 router=RouterConfig(breaker_failures=3, health_interval_s=0.1, breaker_reset_s=0.5)))
+    gw = await start_server(app)
+    replica = app[GATEWAY].replicas[0]
+    try:
+        await wait_for(lambda: replica.healthy, what="healthy")
+        async with aiohttp.ClientSession() as session:
+            async def one():
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+                async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                    return resp.status
+            silent = [asyncio.create_task(one()) for _ in range(2)]
+            await wait_for(lambda: len(hung) == 2, what="two silent streams")
+            state["healthy"] = False  # the probes fail: the breaker trips and cuts both
+            await wait_for(lambda: replica.trips == 1, what="tripped")
+            assert await asyncio.wait_for(asyncio.gather(*silent), 10) == [503, 503]
+            assert replica._request_failures == 0
+            state["healthy"] = True
+            await wait_for(lambda: replica.healthy, timeout=5, what="rejoined")
+            state["chat_fails"] = True
+            # One failed request is one of three, not a trip.
+            async with session.post(gw.url + "/v1/chat/completions",
+                                    json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}) as resp:
+                assert resp.status == 503
+            assert replica._request_failures == 1 and replica.trips == 1 and replica.healthy
+    finally:
+        release.set()
+        await gw.stop()
+        await upstream.stop()
+
+
+async def test_a_usage_count_sent_as_null_is_no_failure(tiny_model_dir):
+    """A server (or a proxy before it) that sends a usage count as null: the answer
+    is whole and its usage reads 0 where the server gave no count (the prompt's is
+    the gateway's own).  A null completion_tokens was a 500 after the whole answer."""
+    async def chat(request):
+        await request.read()
+        return web.Response(body=_sse({"choices": [{"index": 0, "delta": {"content": "Fine"}, "finish_reason": "stop"}]},
+                                      {"choices": [], "usage": {"prompt_tokens": None, "completion_tokens": None}},
+                                      b"[DONE]"), content_type="text/event-stream")
+
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), chat)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                                 router=RouterConfig(health_interval_s=60)))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+        out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert out.choices[0].message.content == "Fine" and out.usage.completion_tokens == 0
+        assert out.usage.prompt_tokens > 0  # the gateway's count of the prompt it sent
+        stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        assert chunks[-1].usage.completion_tokens == 0
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
