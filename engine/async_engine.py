@@ -146,7 +146,7 @@ class AsyncEngine:
         self._pending_adds: list[_RequestState] = []
         # Siblings of n > 1 waiting on their first choice's prefill, in no queue (Sequence.forks).
         self._parked = 0
-        self._pending_aborts: list[str] = []
+        self._pending_aborts: list[_RequestState] = []
         self._subscribers: list[KVEventCallback] = []
         # The keys each tier holds, as the delivered events say: a dict per tier
         # (insertion-ordered, copied to a list at C speed for a snapshot).
@@ -240,11 +240,20 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         try:
-            await self._task
+            # Shielded: cancelled here (a timeout, a second signal), the loop would be
+            # cancelled under a step the worker thread is still running, and the
+            # aborts below would free that step's blocks while it writes to them.
+            await asyncio.shield(self._task)
         finally:
+            if not self._task.done():
+                await asyncio.wait((self._task,))  # the step under way ends; cancellation resumes below
             self._task = None
-            for request_id in list(self._requests):
-                self._abort_now(request_id)
+            for state in list(self._requests.values()):
+                self._abort_now(state)
+            # Taken in or aborted above: nothing left for a later start to apply
+            # (an abort queued for an id a new request may reuse then).
+            self._pending_adds.clear()
+            self._pending_aborts.clear()
             self._flush_events()
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -298,16 +307,21 @@ class AsyncEngine:
                 yield coalesce(batch) if merge else batch
         finally:
             if done < request.sampling.n:
-                self.abort(request.request_id)
+                # This request's own state: a reader closed after its request ended
+                # must not abort a newer one that took its id since.
+                self._abort(state)
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks (now, or right after the step in flight)."""
-        if request_id not in self._requests:
-            return
+        state = self._requests.get(request_id)
+        if state is not None:
+            self._abort(state)
+
+    def _abort(self, state: _RequestState) -> None:
         if self._in_flight:
-            self._pending_aborts.append(request_id)
+            self._pending_aborts.append(state)
         else:
-            self._abort_now(request_id)
+            self._abort_now(state)
             self._flush_events()
 
     async def idle(self) -> None:
@@ -411,8 +425,8 @@ class AsyncEngine:
                     log.exception("could not take in request %s", state.request.request_id)
                     self._fail_add(state, exc)
         aborts, self._pending_aborts = self._pending_aborts, []
-        for request_id in aborts:
-            self._abort_now(request_id)
+        for state in aborts:
+            self._abort_now(state)
 
     def _add(self, state: _RequestState) -> None:
         request = state.request
@@ -444,10 +458,11 @@ class AsyncEngine:
         error.__cause__ = exc
         state.queue.put_nowait(error)
 
-    def _abort_now(self, request_id: str) -> None:
-        state = self._requests.pop(request_id, None)
-        if state is None:
-            return
+    def _abort_now(self, state: _RequestState) -> None:
+        request_id = state.request.request_id
+        if self._requests.get(request_id) is not state:
+            return  # ended already (its id may be a newer request's now)
+        del self._requests[request_id]
         if not state.seqs:
             # Aborted before the loop took it in: no sequences yet, but its reader
             # still waits for every choice to end.

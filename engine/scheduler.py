@@ -176,7 +176,11 @@ class Scheduler:
             victim = next(seq for seq in reversed(self.running) if _tenant(seq) == top)
             run, used = self.pool.prefix_cost(head.cacheable_prefix_keys())
             need = self._first_chunk(head, run, self.max_batched_tokens)[1]
-            if need + used > self.pool.num_free_device() + len(victim.block_table):
+            # Only the victim's own blocks come free: those it shares (its siblings'
+            # prompt, its tenant's system prompt) stay held by the others.
+            ref_count = self.pool.ref_count
+            freed = sum(1 for block in victim.block_table if ref_count[block] == 1)
+            if need + used > self.pool.num_free_device() + freed:
                 continue
             self.running.remove(victim)
             self.preempt(victim, now)

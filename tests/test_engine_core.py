@@ -159,6 +159,74 @@ async def test_abort_or_shutdown_before_the_loop_takes_the_request_ends_its_stre
     assert (await asyncio.wait_for(busy, 10))[0][1] in ("abort", "length")
 
 
+async def test_a_reader_closed_after_its_request_ended_leaves_a_newer_one_of_that_id_alone(engines):
+    """The reader of a finished request, closed before it read the last output,
+    aborted by id: a newer request that had taken the id ended after 2 of its 30
+    tokens with finish_reason "abort"."""
+    engine = engines()
+    old = engine.generate(greedy("job", prompt_of(20, seed=21), 2))
+    await old.__anext__()
+    await engine.idle()  # it has ended; its last output is still unread
+    new = engine.generate(greedy("job", prompt_of(20, seed=22), 30))
+    first = await new.__anext__()
+    await old.aclose()
+    rest = [out async for out in new]
+    assert len(tokens([first, *rest])) == 30 and rest[-1].finish_reason == "length"
+
+
+async def test_an_abort_queued_at_shutdown_does_not_outlive_it(engines):
+    """A client gone while a step ran queues its abort; shut down before the loop
+    applied it, the abort stayed queued and ended at once the next request that
+    used the id after the engine started again."""
+    engine = engines()
+    gen = engine.generate(greedy("job-1", prompt_of(20, seed=23), 50))
+    await gen.__anext__()
+    while not engine._in_flight:
+        await asyncio.sleep(0)
+    await gen.aclose()  # queued: a step is in flight
+    await engine.shutdown()
+    outs = [out async for out in engine.generate(greedy("job-1", prompt_of(20, seed=24), 8))]
+    assert len(tokens(outs)) == 8 and outs[-1].finish_reason == "length"
+
+
+async def test_a_cancelled_shutdown_frees_no_block_under_the_step_in_flight(engines):
+    """shutdown() cancelled (a stop's timeout, another signal) while a step ran
+    cancelled the loop under it and aborted every request at once: the worker's
+    step then used blocks already back in the pool (an IndexError, or KV written
+    into freed blocks).  The step ends first; the aborts come after."""
+    import threading
+    import time
+
+    engine = engines()
+    events = []
+    run = engine.runner.run
+
+    def slow_run(batch):
+        events.append("step")
+        time.sleep(0.5)
+        out = run(batch)
+        events.append("step done")
+        return out
+
+    engine.runner.run = slow_run
+    abort_now = engine._abort_now
+
+    def recorded_abort(state):
+        events.append(("abort", threading.current_thread() is threading.main_thread()))
+        abort_now(state)
+
+    engine._abort_now = recorded_abort
+    gen = engine.generate(greedy("a", prompt_of(20, seed=25), 50))
+    reader = asyncio.create_task(gen.__anext__())
+    while "step" not in events:
+        await asyncio.sleep(0.01)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(engine.shutdown(), 0.05)
+    assert events[:3] == ["step", "step done", ("abort", True)]
+    await reader
+    await gen.aclose()
+
+
 async def test_an_id_reused_right_after_an_early_abort_gets_only_its_own_tokens(engines, reference):
     """A client retrying under its own request id: the aborted request, never
     taken in by the loop, must not run beside the new one and feed its queue."""
@@ -624,6 +692,47 @@ def test_a_tenant_holding_every_slot_gives_one_up_to_a_tenant_waiting():
     # 3 against 1: nothing more to even out while globex has nothing else waiting.
     scheduler.after_step(scheduler.schedule())
     assert scheduler.num_preemptions == 1 and acme[3] in scheduler.waiting
+
+
+def test_no_sequence_gives_way_for_blocks_it_shares_with_others():
+    """The newest sequence gives way only if its blocks then cover the waiting
+    request: the blocks it shares (its tenant's system prompt, held by the others
+    too) do not come free.  Counted as freed, they let it be preempted for a
+    request that then could not start, so it went back in, and was preempted
+    again at the next step: a preemption every step, the waiting one no sooner in."""
+    from engine.block_pool import BlockPool
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    bs = 16
+    pool = BlockPool(64, 0, "lru")
+    scheduler = Scheduler(pool, bs, 4, 8192, clock=lambda: 0.0, tenant_fair=True)
+    system = prompt_of(10 * bs, seed=1)  # ten blocks every acme sequence shares
+
+    def waiting(request_id: str, tenant: str, prompt: list[int]) -> Sequence:
+        request = GenerationRequest(request_id, prompt)
+        request.context.tenant = tenant
+        seq = Sequence(next(_SEQUENCE_IDS), request, 0, bs, "salt")
+        scheduler.add(seq)
+        return seq
+
+    def step() -> None:
+        batch = scheduler.schedule()
+        scheduler.after_step(batch)
+        for seq, _ in batch:
+            if seq.num_computed == seq.num_tokens:
+                seq.append(7)  # a token sampled
+
+    acme = [waiting("a0", "acme", system + [1] * 8)]
+    step()
+    acme += [waiting(f"a{i}", "acme", system + [i + 1] * 8) for i in range(1, 4)]
+    step()
+    assert scheduler.running == acme and len(acme[3].block_table) == 11
+    # 55 blocks: 50 free, and one more from acme's newest (ten of its eleven are shared).
+    waiting("g", "globex", [3] * (55 * bs - 5))
+    for _ in range(6):
+        step()
+    assert scheduler.num_preemptions == 0 and scheduler.running == acme
 
 
 def test_the_engine_limits_torchs_cpu_kernel_caches_unless_the_operator_set_them(tiny_model_dir, monkeypatch):

@@ -109,6 +109,26 @@ def test_fifo_skips_in_use_keys():
     assert policy.evict(3.0) == 1
 
 
+def test_fifo_holds_an_entry_per_key_however_often_a_hot_key_is_read():
+    """Each hit and release of a cached key pushed one more heap entry, dropped only
+    when an eviction reached it: a hot system prompt in a cache that seldom evicts
+    grew the heap without bound (300,003 entries for 3 keys after 100k requests)."""
+    policy = FIFOPolicy()
+    for key in (1, 2, 3):
+        policy.insert(key, CTX, 0, 0.0)
+        policy.release(key, CTX, 0.0)
+    for n in range(10_000):
+        for key in (1, 2, 3):
+            policy.hit(key, CTX, 0, float(n))
+            policy.release(key, CTX, float(n))
+    assert len(policy._heap) == 3
+    # A key removed and cached again goes behind the others, as a new one.
+    policy.remove(1)
+    policy.insert(1, CTX, 0, 1e5)
+    policy.release(1, CTX, 1e5)
+    assert [policy.evict(2e5) for _ in range(3)] == [2, 3, 1] and not policy._heap
+
+
 def test_s3fifo_keeps_reread_keys_over_one_hit_wonders():
     pool = BlockPool(10, policy="s3fifo")
     hot = [1, 2, 3]

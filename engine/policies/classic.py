@@ -55,7 +55,11 @@ class FIFOPolicy(EvictionPolicy):
     def __init__(self, capacity: int = 0, **_: object) -> None:
         self._seq = 0
         self._inserted: dict[int, int] = {}  # key -> insertion sequence
-        self._heap: list[tuple[int, int]] = []  # (sequence, key) of evictable keys, lazily pruned
+        # (sequence, key) of released keys, lazily pruned: at most one entry per key
+        # in ``_queued`` (a key in use stays queued, so a hot key's hits and releases
+        # add none), plus entries of keys removed since, dropped as they come up.
+        self._heap: list[tuple[int, int]] = []
+        self._queued: set[int] = set()
         self._evictable: set[int] = set()
 
     def insert(self, key: int, ctx: RequestContext, offset: int, now: float) -> None:
@@ -66,14 +70,18 @@ class FIFOPolicy(EvictionPolicy):
         self._evictable.discard(key)
 
     def release(self, key: int, ctx: RequestContext, now: float) -> None:
-        if key not in self._evictable:
-            self._evictable.add(key)
+        self._evictable.add(key)
+        if key not in self._queued:
+            self._queued.add(key)
             heapq.heappush(self._heap, (self._inserted[key], key))
 
     def evict(self, now: float) -> int:
         while self._heap:
             seq, key = heapq.heappop(self._heap)
-            if key in self._evictable and self._inserted.get(key) == seq:
+            if self._inserted.get(key) != seq:
+                continue  # a removed key's (it may be cached again, under a newer entry)
+            self._queued.discard(key)
+            if key in self._evictable:  # else in use: queued again when released
                 self._evictable.discard(key)
                 del self._inserted[key]
                 return key
@@ -81,6 +89,7 @@ class FIFOPolicy(EvictionPolicy):
 
     def remove(self, key: int) -> None:
         self._evictable.discard(key)
+        self._queued.discard(key)
         self._inserted.pop(key, None)
 
     def num_evictable(self) -> int:
