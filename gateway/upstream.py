@@ -9,6 +9,7 @@ replicas.py) keeps only the connection's life: health, retries, the breaker.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, AsyncIterator
 
 import aiohttp
@@ -58,7 +59,8 @@ def parse_backend_metrics(text: str, model: str | None = None) -> tuple[float | 
                 target = usage
             else:
                 continue
-            target.setdefault(sample.labels.get("model_name", ""), []).append(sample.value)
+            if math.isfinite(sample.value):  # a NaN or Inf gauge says nothing of load (and broke the pricing)
+                target.setdefault(sample.labels.get("model_name", ""), []).append(sample.value)
     if model is not None and model in waiting:
         waiting = {model: waiting[model]}
     if model is not None and model in usage:

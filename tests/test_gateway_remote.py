@@ -614,6 +614,11 @@ def test_parse_backend_metrics():
               'kvgate_engine_requests{replica="engine",state="waiting"} 37.0\n'
               'kvgate_kv_cache_usage_ratio{replica="engine"} 0.97\n')
     assert parse_backend_metrics(kvgate, "tiny") == (37.0, 0.97)
+    # A gauge a server left NaN or Inf is no figure: +Inf waiting requests, priced, raised
+    # an OverflowError that ended the metrics poll for good.
+    odd = ('vllm:num_requests_waiting{model_name="tiny"} +Inf\n'
+           'vllm:kv_cache_usage_perc{model_name="tiny"} NaN\n')
+    assert parse_backend_metrics(odd, "tiny") == (None, None)
 
 
 async def test_a_metrics_page_with_no_load_figures_is_named_once(tiny_model_dir, caplog):
