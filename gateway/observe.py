@@ -219,9 +219,11 @@ class Observer:
     async def refresh(self) -> None:
         """Fetch fresh stats from `kvgate engine` replicas (no-op for the rest)."""
         now = time.monotonic()
+        # Not those out of routing, whose figures are not shown: a hung one's took
+        # every other scrape its full timeout.
         due = [
             r for r in self._replicas
-            if r.kind == "engine" and getattr(r, "base", None)
+            if r.kind == "engine" and r.healthy and getattr(r, "base", None)
             and now - self._remote.get(r.name, (-1e9, None))[0] >= _REMOTE_MIN_AGE_S
         ]
         if not due:

@@ -97,7 +97,7 @@ class LostPrompts:
         # Named by the requests that held it, which the access log and the clients' errors carry.
         log.warning("%s: its prompt was lost with %d replicas (in %s), alone among the requests lost with them "
                     "each time: refused for %g s (router.lost_quarantine_s)", request_id, len(losses),
-                    ", ".join(lost[prompt] for lost in losses), cfg.lost_quarantine_s)
+                    ", ".join(dict.fromkeys(lost[prompt] for lost in losses)), cfg.lost_quarantine_s)
         return request_quarantined(math.ceil(cfg.lost_quarantine_s))
 
     def _prune(self, now: float) -> None:

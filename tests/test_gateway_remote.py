@@ -791,9 +791,10 @@ async def test_engine_figures_outlive_one_failed_fetch_but_not_an_outage(monkeyp
     from gateway.config import KvgateConfig
     from gateway.metrics import GatewayMetrics
 
-    state = {"ok": True}
+    state = {"ok": True, "fetches": 0}
 
     async def stats(request):
+        state["fetches"] += 1
         if not state["ok"]:
             return web.json_response({"error": "busy"}, status=500)
         return web.json_response({"running": 3, "waiting": 1})
@@ -818,6 +819,13 @@ async def test_engine_figures_outlive_one_failed_fetch_but_not_an_outage(monkeyp
         await observer.refresh()
         replica.healthy = False  # out of routing: no figures, whatever was fetched
         assert dict(observer.replica_stats())["e0"] is None
+        # Nor asked for any: a hung engine's took every other scrape its whole timeout.
+        fetches = state["fetches"]
+        await observer.refresh()
+        assert state["fetches"] == fetches
+        replica.healthy = True
+        await observer.refresh()
+        assert state["fetches"] == fetches + 1 and dict(observer.replica_stats())["e0"] == {"running": 3, "waiting": 1}
     finally:
         await observer.close()
         await server.stop()

@@ -58,6 +58,16 @@ def test_a_prompt_answered_in_full_after_a_loss_is_not_the_cause(caplog):
     assert "req-P3: its prompt was lost with 2 replicas (in req-P2a, req-P2b)" in caplog.text
 
 
+def test_a_request_lost_on_two_replicas_is_named_once(caplog):
+    """One request retried on another replica and lost there too: its id was listed twice."""
+    lost, _ = _lost_prompts()
+    for replica in ("a", "b"):
+        lost.note(("P",), (replica, 1), "chatcmpl-1")
+    with caplog.at_level("WARNING", logger="gateway.quarantine"):
+        assert lost.refusal(("P",), "chatcmpl-2").code == "request_quarantined"
+    assert "chatcmpl-2: its prompt was lost with 2 replicas (in chatcmpl-1), alone" in caplog.text
+
+
 def test_one_loss_is_enough_when_lost_attempts_is_one_and_nothing_is_kept_when_off():
     lost, _ = _lost_prompts(lost_attempts=1, lost_quarantine_s=60)
     lost.note(("P",), ("a", 1), "req-P")
