@@ -67,9 +67,25 @@ class TokenOffsets:
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def advance(self, token: str) -> int:
+        data = bytes(token_bytes(token))
         start = self.position
-        self.position += len(self._utf8.decode(bytes(token_bytes(token))))
+        held = self._utf8.getstate()[0]
+        if held and data and not _continues(held, data[0]):
+            # Bytes held from earlier tokens that this one cannot complete: their
+            # character (one U+FFFD: held bytes are a valid start) comes before this
+            # token's text, in the same decode; the token starts after it.
+            start += 1
+        self.position += len(self._utf8.decode(data))
         return start
+
+
+def _continues(held: bytes, byte: int) -> bool:
+    """Whether ``byte`` goes on with the character ``held`` began (still valid UTF-8)."""
+    try:
+        codecs.getincrementaldecoder("utf-8")("strict").decode(held + bytes((byte,)))
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def completion_logprobs(items: list[TokenLogprob] | None, offsets: TokenOffsets, with_sampled: bool = True) -> dict | None:

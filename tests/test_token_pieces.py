@@ -46,6 +46,16 @@ def test_text_offsets_count_characters_across_split_tokens():
     assert first + second == whole["text_offset"]
 
 
+def test_a_token_after_bytes_that_make_no_character_starts_where_its_text_does():
+    """Two lone lead bytes (each a U+FFFD in the text), then " 1": the decoder gives
+    the second one's U+FFFD only with " 1", whose offset pointed at it (8, not 9)."""
+    tokens = ["ire", "bytes:\\xcd", "bytes:\\xd9", " 1", "x"]
+    offsets = completion_logprobs([TokenLogprob(i, t, -1.0) for i, t in enumerate(tokens)], TokenOffsets())["text_offset"]
+    text = "ire\ufffd\ufffd 1x"  # as the engine's detokenizer gives it
+    assert offsets == [0, 3, 4, 5, 7]
+    assert text[offsets[3]:].startswith(" 1") and text[offsets[4]] == "x"
+
+
 def test_chat_logprobs_give_real_bytes():
     items = [TokenLogprob(1, "bytes:\\xe4\\xbd", -0.5, [(1, "bytes:\\xe4\\xbd", -0.5), (2, "é", -1.0)])]
     entry = chat_logprobs(items)["content"][0]
