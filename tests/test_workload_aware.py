@@ -843,6 +843,30 @@ def test_multimodal_fifo_override_keeps_insertion_order():
     assert policy.evict(12.0) == 1
 
 
+def test_a_key_released_behind_a_busy_fifo_head_can_be_evicted_at_once():
+    """A FIFO class whose head is held scores INF; a key released behind it at the
+    same instant as the eviction that scored it left that score cached, so the
+    next eviction raised NoEvictableBlock with an idle block there (through the
+    pool, not the NoFreeBlocks the scheduler preempts on: a crashed step)."""
+    pool = BlockPool(3, 0, "wa", CacheConfig.model_validate({"workload_aware": {"overrides": {"multimodal": "fifo"}}}))
+
+    def run(keys, image: bool, now: float, hold: bool = False) -> None:
+        c = RequestContext(workload="multimodal" if image else "to-c", type="image" if image else "text", turn=1,
+                           timestamp=now, prompt_tokens=16, prompt_blocks=1, session="s1" if image else None)
+        blocks, _ = pool.touch_or_insert(keys, c, now)
+        if not hold:
+            pool.release(blocks[::-1], c, now)
+
+    run([101], True, 0.0)
+    run([102], False, 0.0)
+    run([101], True, 1.0, hold=True)  # the FIFO class's head, held
+    run([103, 104], False, 1.0)  # evicts 102, scoring the FIFO class INF (its head is busy)
+    run([105], True, 1.0)  # evicts 104; 105 goes behind the busy head, idle
+    assert pool.num_free_device() == 2
+    assert len(pool.allocate(2, 1.0)) == 2  # 103 and 105
+    assert set(pool.cached) == {101}
+
+
 def test_an_orphan_hit_again_is_in_use_in_a_fifo_class_too():
     # A FIFO-class child orphaned by its parent's eviction, then hit again, must
     # not be evicted while in use (it used to stay in the orphan queue).

@@ -345,7 +345,10 @@ class CategoryQueues:
             return
         q[key] = None
         self.evictable += 1
-        if len(q) == 1:
+        # A key joining the tail leaves the head's score as it was, unless the head
+        # is a busy FIFO one: scored past it (INF while every key was busy), the
+        # queue's score is this key's now.
+        if len(q) == 1 or (self.fifo[cat] and self.busy):
             self.dirty.add(cat)
 
     def _score(self, cat: int, now: float) -> float:
