@@ -123,14 +123,16 @@ def record_requests(engine) -> list:
 
 
 def count_aborts(engine) -> list:
+    """The ids of the requests ``engine`` is asked to abort, from now on: by id
+    (``abort``) or by a reader closing its stream early."""
     aborted = []
-    real = engine.abort
+    real = engine._abort
 
-    def abort(rid):
-        aborted.append(rid)
-        return real(rid)
+    def abort(state):
+        aborted.append(state.request.request_id)
+        return real(state)
 
-    engine.abort = abort
+    engine._abort = abort
     return aborted
 
 

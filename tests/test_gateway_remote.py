@@ -998,6 +998,24 @@ async def test_external_server_features_pass_through(tiny_model_dir):
 
 
 @contextlib.asynccontextmanager
+async def _gateway_over_one(model_dir, chat, router: RouterConfig, name: str | None = None):
+    """A real gateway in front of one scripted upstream, always healthy, that answers
+    chat with ``chat``: the gateway, an SDK client and its one replica, once in routing."""
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), chat)
+    app = create_app(tiny_config(model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name=name)], router=router))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    replica = app[GATEWAY].replicas[0]
+    try:
+        await wait_for(lambda: replica.healthy, what="healthy")
+        yield app[GATEWAY], gw.url, client, replica
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
+
+
+@contextlib.asynccontextmanager
 async def _gateway_over_pair(model_dir, first, second, names: tuple[str, str], router: RouterConfig):
     """A real gateway in front of two scripted upstreams, always healthy, that
     answer chat with ``first`` and ``second`` (replicas named ``names``): the
@@ -2212,15 +2230,7 @@ async def test_one_dropped_connection_cuts_only_its_own_stream(tiny_model_dir):
         await resp.write(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, b"[DONE]"))
         return resp
 
-    upstream = await _scripted_upstream(_models_while({"healthy": True}), chat)
-    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
-                                 router=RouterConfig(health_interval_s=0.1)))
-    gw = await start_server(app)
-    client = _client(gw.url)
-    try:
-        gateway = app[GATEWAY]
-        await wait_for(lambda: gateway.replicas[0].healthy, what="healthy")
-
+    async with _gateway_over_one(tiny_model_dir, chat, RouterConfig(health_interval_s=0.1)) as (_, _, client, replica):
         async def read(content):
             stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
                                                           max_tokens=30, stream=True)
@@ -2237,11 +2247,7 @@ async def test_one_dropped_connection_cuts_only_its_own_stream(tiny_model_dir):
             await read("FAIL")
         assert "failed mid-request" in info.value.message
         assert await served == ("".join(f"{i} " for i in range(20)), "stop")
-        assert gateway.replicas[0].trips == 0 and gateway.replicas[0].healthy
-    finally:
-        await client.close()
-        await gw.stop()
-        await upstream.stop()
+        assert replica.trips == 0 and replica.healthy
 
 
 async def test_an_external_servers_token_ids_are_its_own_to_judge(tiny_model_dir):
@@ -3226,14 +3232,8 @@ async def test_an_answer_whose_connection_breaks_after_its_last_token_is_whole(t
         request.transport.abort()  # reset before [DONE]
         return resp
 
-    upstream = await _scripted_upstream(_models_while({"healthy": True}), chat)
-    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="ext")],
-                                 router=RouterConfig(health_interval_s=60, breaker_failures=1)))
-    gw = await start_server(app)
-    client = _client(gw.url)
-    replica = app[GATEWAY].replicas[0]
-    try:
-        await wait_for(lambda: replica.healthy, what="healthy")
+    router = RouterConfig(health_interval_s=60, breaker_failures=1)
+    async with _gateway_over_one(tiny_model_dir, chat, router, "ext") as (_, url, client, replica):
         whole = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
         assert whole.choices[0].message.content == "The answer is 42." and whole.usage.completion_tokens == 5
         stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
@@ -3241,11 +3241,7 @@ async def test_an_answer_whose_connection_breaks_after_its_last_token_is_whole(t
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         assert text == "The answer is 42."
         assert replica.healthy and replica.trips == 0
-        assert await metric_by_replica(gw.url, "kvgate_replica_failures_total") == {"ext": 0.0}
-    finally:
-        await client.close()
-        await gw.stop()
-        await upstream.stop()
+        assert await metric_by_replica(url, "kvgate_replica_failures_total") == {"ext": 0.0}
 
 
 async def test_streams_the_breaker_cuts_do_not_count_against_the_replica_again(tiny_model_dir):
@@ -3310,13 +3306,7 @@ async def test_a_usage_count_sent_as_null_is_no_failure(tiny_model_dir):
                                       {"choices": [], "usage": {"prompt_tokens": None, "completion_tokens": None}},
                                       b"[DONE]"), content_type="text/event-stream")
 
-    upstream = await _scripted_upstream(_models_while({"healthy": True}), chat)
-    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
-                                 router=RouterConfig(health_interval_s=60)))
-    gw = await start_server(app)
-    client = _client(gw.url)
-    try:
-        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+    async with _gateway_over_one(tiny_model_dir, chat, RouterConfig(health_interval_s=60)) as (_, _, client, _):
         out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
         assert out.choices[0].message.content == "Fine" and out.usage.completion_tokens == 0
         assert out.usage.prompt_tokens > 0  # the gateway's count of the prompt it sent
@@ -3324,7 +3314,3 @@ async def test_a_usage_count_sent_as_null_is_no_failure(tiny_model_dir):
                                                       stream=True, stream_options={"include_usage": True})
         chunks = [c async for c in stream]
         assert chunks[-1].usage.completion_tokens == 0
-    finally:
-        await client.close()
-        await gw.stop()
-        await upstream.stop()

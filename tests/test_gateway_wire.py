@@ -511,7 +511,7 @@ async def test_disconnect_aborts_and_releases(gw, stream):
         assert router.inflight_tokens == [0, 0]
     finally:
         for e in engines:
-            del e.abort
+            del e._abort
 
 
 async def test_no_healthy_replica_is_503(gw):
