@@ -141,6 +141,11 @@ def _deadline_check(deadline: float, total: int) -> Callable[[int], None]:
     return check
 
 
+def _cache_key(settings: dict[str, Any], policy: str) -> tuple:
+    """A trial's identity in _Runner.cache: its policy and settings, in any order given."""
+    return policy, tuple(sorted(settings.items()))
+
+
 class _Runner:
     """Scores settings by replay on the search part, within the time and replay budget."""
 
@@ -158,8 +163,8 @@ class _Runner:
         self.planned = 0
 
     def score(self, settings: dict[str, Any], label: str, policy: str = "wa", deadline: float | None = None) -> float:
-        key = (policy, tuple(sorted(settings.items())))
-        if not self.has_scored(settings, policy):
+        key = _cache_key(settings, policy)
+        if key not in self.cache:
             cfg = self.base.model_copy(update={"policy": policy,
                                                "workload_aware": with_settings(self.base.workload_aware, settings)})
             began = time.monotonic()
@@ -175,7 +180,7 @@ class _Runner:
         return self.cache[key]
 
     def has_scored(self, settings: dict[str, Any], policy: str = "wa") -> bool:
-        return (policy, tuple(sorted(settings.items()))) in self.cache
+        return _cache_key(settings, policy) in self.cache
 
     def search_deadline(self) -> float:
         """The deadline less the time the held-out check will take, so that the

@@ -130,12 +130,13 @@ def chat_request(body: dict) -> tuple[dict, ResponsesCall]:
     if body.get("max_tool_calls") is not None:
         raise bad_request("'max_tool_calls' is not supported: kvgate passes on the tool calls the server makes, as "
                           "many as it makes.", "max_tool_calls")
-    for where, value in enumerate(_list(body, "include")):
+    include = _list(body, "include")
+    for where, value in enumerate(include):
         if value not in _INCLUDABLE:
             raise bad_request(_one_of(f"include[{where}]", value, sorted(_INCLUDABLE)), f"include[{where}]")
     for name in ("prompt_cache_key", "safety_identifier"):
         _typed(body, name, str, "a string")
-    if body.get("top_logprobs") or "message.output_text.logprobs" in _list(body, "include"):
+    if body.get("top_logprobs") or "message.output_text.logprobs" in include:
         raise bad_request("Logprobs are not supported on /v1/responses by kvgate; use /v1/chat/completions with "
                           "'logprobs'.", "top_logprobs" if body.get("top_logprobs") else "include")
     truncation = body.get("truncation")

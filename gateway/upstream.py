@@ -186,13 +186,16 @@ def _cached_tokens(usage: dict) -> int | None:
 def _count(value: object) -> int:
     """A usage count as a server sent it; 0 for one it left null, or sent as no count
     (the prompt's is then the gateway's own count, gateway/usage.py)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    return _count_or_none(value) or 0
 
 
 def _detail(usage: dict, details: str, name: str) -> int | None:
     """A count in one of usage's details objects; None where it is absent, null or no count."""
     within = usage.get(details)
-    value = within.get(name) if isinstance(within, dict) else None
+    return _count_or_none(within.get(name) if isinstance(within, dict) else None)
+
+
+def _count_or_none(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
