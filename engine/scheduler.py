@@ -258,8 +258,11 @@ class Scheduler:
         seq.num_published = len(blocks)
         if seq.cached_tokens is None:
             seq.cached_tokens = cached
-            self.prefix_query_tokens += seq.num_tokens
-            self.prefix_hit_tokens += cached
+            if seq.index == 0:
+                # The request's lookup, once, as its usage reports it: a sibling
+                # choice's "hit" is the prompt its first choice has just computed.
+                self.prefix_query_tokens += seq.num_tokens
+                self.prefix_hit_tokens += cached
         return count
 
     def _first_chunk(self, seq: Sequence, cached_blocks: int, budget: int) -> tuple[int, int]:

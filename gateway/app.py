@@ -1048,10 +1048,9 @@ async def _expect_unmatched(request: web.Request) -> web.StreamResponse | None:
     if refused is not None:
         return refused
     try:
-        response = await _unmatched(request)
+        response = await _unmatched(request)  # which counts the refusal
     except ApiError as exc:
         response = exc.response()
-    request.app[GATEWAY].metrics.refused(response.status)
     response.force_close()  # the body the client holds back is never read
     return response
 

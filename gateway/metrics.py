@@ -99,7 +99,7 @@ class GatewayMetrics:
                     self.requests.labels(endpoint, workload, status)
         self.http_refused = LoopCounter(
             "kvgate_http_refused", "Requests answered before any endpoint's handler, so in no kvgate_requests_total "
-            "series: HTTP that does not parse (400), a Content-Encoding the server cannot decode (415), headers "
+            "series: HTTP that does not parse (400), br or zstd without their decoder packages (415), headers "
             "slower than limits.header_timeout_s (408), a path no endpoint serves (404) or a method it does not take "
             "(405), and an Expect: 100-continue refused before the body (401, 404, 405, 413, 417).",
             ["status"], registry=r,

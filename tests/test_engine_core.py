@@ -81,6 +81,12 @@ async def test_cached_prefix_gives_same_tokens(engines, reference):
     stats = engine.stats()
     assert stats["prefix_cache"]["hit_tokens"] == 96 + 64
     assert stats["prefix_cache"]["query_tokens"] == 100 + 100 + 84
+    # n choices are one lookup, as their usage says: the siblings' blocks are the
+    # prompt the first choice has just computed, not a hit (they read 303 and 192).
+    fresh = prompt_of(101, seed=3)
+    out = await collect(engine, greedy("n3", fresh, 4, n=3))
+    assert len(out) == 3 and out[0][-1].usage.cached_tokens == 0
+    assert engine.stats()["prefix_cache"] == {"query_tokens": 100 + 100 + 84 + 101, "hit_tokens": 96 + 64}
 
 
 async def test_batch_of_mixed_lengths_equals_one_by_one(engines):

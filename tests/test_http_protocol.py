@@ -412,8 +412,16 @@ def test_what_the_http_layer_answers_itself_is_counted(gateway):
         sock.sendall(b"POST /v1/chat/comp")  # and nothing more
         status, _, _ = _split(_read_until_closed(sock))
         assert status == 408
+    # A path no endpoint serves or a method it does not take, asked with Expect
+    # (curl's way for bodies over 1 KiB), counts once, as without it.
+    for line in (b"POST /v1/no/such/path HTTP/1.1", b"PUT /v1/chat/completions HTTP/1.1"):
+        with _connect(gateway.port) as sock:
+            sock.sendall(line + b"\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 2000\r\nExpect: 100-continue\r\n\r\n")
+            assert _read_response(sock)[0] in (404, 405)
     after = _refused(gateway.port)
-    assert (after["400"] - before["400"], after["413"] - before.get("413", 0), after["408"] - before["408"]) == (1, 1, 1)
+    assert (after["400"] - before["400"], after["413"] - before.get("413", 0), after["408"] - before["408"],
+            after["404"] - before["404"], after["405"] - before["405"]) == (1, 1, 1, 1, 1)
 
 
 def test_request_targets_that_are_no_path_get_an_openai_404(gateway):
