@@ -26,7 +26,7 @@ from engine.chat_tokens import ChatTokenizer
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from engine.kv_cache import HOST_KV_FRACTION, HOST_KV_FRACTION_OF_LIMIT, KVCache, KVShape, size_device_blocks, size_host_blocks
 from engine.model_loader import LoadedModel, load_model
-from engine.request import GenerationOutput, GenerationRequest, Usage, coalesce, one_at_a_time
+from engine.request import EngineFailed, GenerationOutput, GenerationRequest, Usage, coalesce, one_at_a_time
 from engine.runner import ModelRunner
 from engine.sampling import SequenceSampler, sample_batch
 from engine.scheduler import Scheduler
@@ -154,6 +154,9 @@ class AsyncEngine:
         self._next_seq_id = 0
         self._in_flight = False
         self._step_started: float | None = None  # monotonic start of the step under way
+        # Model steps that ran to their end: a replica's failures with none
+        # between them are failures in a row (gateway.replicas.InProcessReplica).
+        self.good_steps = 0
         self._last_stats: dict | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
@@ -382,6 +385,7 @@ class AsyncEngine:
             self._step_started = time.monotonic()
             try:
                 outputs = await self._watched(loop.run_in_executor(self._executor, self._step))
+                self.good_steps += 1
             except Exception as exc:  # noqa: BLE001 - fail the requests, keep serving
                 log.exception("engine step failed")
                 outputs = []
@@ -453,8 +457,7 @@ class AsyncEngine:
                 log.exception("could not release the blocks of %s", state.request.request_id)
                 seq.status, seq.block_table = Status.FINISHED, []
         del self._requests[state.request.request_id]
-        # A RuntimeError: the gateway reads a ValueError as the caller's fault (400).
-        error = RuntimeError(f"engine could not take in the request: {exc}")
+        error = EngineFailed("engine could not take in the request", exc)
         error.__cause__ = exc
         state.queue.put_nowait(error)
 
@@ -495,7 +498,7 @@ class AsyncEngine:
                 except Exception:  # noqa: BLE001
                     log.exception("could not release the blocks of %s after the failed step", request_id)
                     seq.status, seq.block_table = Status.FINISHED, []
-            state.queue.put_nowait(RuntimeError(f"engine step failed: {exc}"))
+            state.queue.put_nowait(EngineFailed("engine step failed", exc))
             del self._requests[request_id]
 
     def _deliver(self, outputs: list[GenerationOutput]) -> None:

@@ -50,6 +50,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
 
+class EngineFailed(RuntimeError):
+    """The engine failed a request for a reason of its own (its model step or its
+    intake of the request raised), not the caller's: a ValueError is the
+    caller's fault (400), this is a server error another replica may not have."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        super().__init__(f"{what}: {cause}")
+        self.what = what  # without the cause's text, which is for the log
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     request_id: str

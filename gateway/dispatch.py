@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from engine.context import RequestContext
-from engine.request import GenerationOutput, GenerationRequest, coalesce
+from engine.request import EngineFailed, GenerationOutput, GenerationRequest, coalesce
 from gateway import errors
 from gateway.errors import bad_request
 from gateway.metrics import GatewayMetrics, RequestSeries
@@ -36,6 +36,7 @@ from gateway.replicas import (
     ReplicaStopping,
     ReplicaUnavailable,
     UpstreamError,
+    engine_failure,
 )
 from gateway.router import Router
 from gateway.upstream import USAGE_ALL
@@ -153,7 +154,8 @@ class Dispatcher:
                     if exc.retry_after is not None and (tries.retry_after is None or exc.retry_after < tries.retry_after):
                         tries.retry_after = exc.retry_after
                     tries.tried.append(decision.replica)
-                except ReplicaUnavailable as exc:
+                except (ReplicaUnavailable, EngineFailed) as failure:
+                    exc = failure if isinstance(failure, ReplicaUnavailable) else engine_failure(replica, failure)
                     if isinstance(exc, ReplicaLost):  # a stream under way too: its client may well retry
                         self._lost.note(self._prompt_id(sub, parsed), exc.event, job.forwarded_id)
                     self._failed(exc, attempt, parsed)  # raises when the client has had output

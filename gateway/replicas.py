@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from engine.config import ConfigError
-from engine.request import GenerationOutput, GenerationRequest
+from engine.request import EngineFailed, GenerationOutput, GenerationRequest
 from gateway.config import (
     KvgateConfig,
     ReplicaConfig,
@@ -41,6 +41,7 @@ from gateway.config import (
     replica_base_url,
     without_userinfo,
 )
+from gateway.errors import internal_error
 from gateway.kv_wire import PACKED_QUERY, held_from_snapshot
 from gateway.protocol import CHAT, ParsedRequest
 from gateway.router import ApproxIndex, BackendLoad, ExactIndex
@@ -184,12 +185,26 @@ KvListener = Callable[[int, str, list[int], str], None]
 _MODEL_LOAD_LOCK = threading.Lock()
 
 
+def engine_failure(replica: Replica, exc: EngineFailed) -> ReplicaAnswerFailed:
+    """An in-process engine's own failure of a request, read as a remote replica's
+    500 is: another replica may serve it.  The cause's text stays in the log."""
+    failed = ReplicaAnswerFailed(f"replica {replica.name} failed the request ({exc.what})", 500, internal_error().body())
+    failed.__cause__ = exc
+    return failed
+
+
 class InProcessReplica(Replica):
     """An engine in this process; its KV events keep the index exact.
 
     The engine calls the event callback on the event loop thread, between its
     model steps (engine/async_engine.py), so the index and the listeners (the
     /kv_events streams of `kvgate engine`) need no lock.
+
+    An engine whose model step (or intake) raises fails the requests it holds
+    (``EngineFailed``), and serves on.  Those failures count as a remote
+    replica's 5xx do: toward the breaker once another replica has served the
+    request, ``router.breaker_failures`` with no good step between them taking
+    this replica out of routing for ``router.breaker_reset_s``.
     """
 
     kind = "inprocess"
@@ -203,6 +218,11 @@ class InProcessReplica(Replica):
         # routing until it ends, as a `kvgate engine` in that state leaves its gateways'.
         self.step_timeout_s = config.engine.step_timeout_s if config is not None else 0.0
         self._step_running: Callable[[], float] | None = None  # the engine's step clock, once it runs
+        self.breaker_failures = config.router.breaker_failures if config is not None else 3
+        self.breaker_reset_s = config.router.breaker_reset_s if config is not None else 10.0
+        self._failures = 0  # requests failed in a row (no good model step between them)
+        self._good_steps_then = -1  # the engine's good_steps at the last failure
+        self._open_until = 0.0  # monotonic: out of routing until then
         self.seq = 0
         self._listeners: list[KvListener] = []
         self._owns_engine = engine is None
@@ -211,7 +231,8 @@ class InProcessReplica(Replica):
     def healthy(self) -> bool:
         # Read by the router for every request: the step clock is looked up once, at start.
         running = self._step_running
-        return self._up and (running is None or running() <= self.step_timeout_s)
+        return (self._up and (running is None or running() <= self.step_timeout_s)
+                and (not self._open_until or time.monotonic() >= self._open_until))
 
     @healthy.setter
     def healthy(self, up: bool) -> None:
@@ -283,6 +304,18 @@ class InProcessReplica(Replica):
     def add_listener(self, listener: KvListener) -> Callable[[], None]:
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def note_request_failure(self) -> None:
+        good_steps = getattr(self.engine, "good_steps", None)
+        if good_steps != self._good_steps_then:
+            self._failures = 0  # a step has served since the last failure: a new run
+        self._good_steps_then = good_steps
+        self._failures += 1
+        if self._failures >= self.breaker_failures:
+            log.warning("replica %s leaves routing for %g s (router.breaker_reset_s): %d requests failed in a row, "
+                        "each served by another replica", self.name, self.breaker_reset_s, self._failures)
+            self._failures = 0
+            self._open_until = time.monotonic() + self.breaker_reset_s
 
     def generate(self, job: Job) -> AsyncIterator[list[GenerationOutput]]:
         batches = getattr(self.engine, "generate_batches", None)

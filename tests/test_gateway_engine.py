@@ -562,6 +562,40 @@ async def test_a_hung_in_process_replica_leaves_routing_until_its_step_ends(tiny
         await wait_for(lambda: hung.healthy, what="back in routing")
 
 
+async def test_an_in_process_engine_whose_steps_fail_is_tried_no_more_until_its_breaker_closes(tiny_model_dir,
+                                                                                                 monkeypatch):
+    """An engine whose model step raises (a device error) fails what it holds before
+    any output: the other replica serves those requests, as it does a `kvgate engine`'s
+    500 (each was a 500 to its client), and router.breaker_failures of them in a row
+    take the failing one out of routing for router.breaker_reset_s (it stayed in)."""
+    config = _config(tiny_model_dir, replicas=2)
+    config.router = RouterConfig(policy="round-robin", breaker_failures=2, breaker_reset_s=1.0)
+    async with serving(create_app(config)) as (app, server, client):
+        broken = app[GATEWAY].replicas[0]
+
+        def failing_step():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(broken.engine, "_step", failing_step)
+        for stream in (False, True, False, True):
+            if stream:
+                chunks = await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2, stream=True)
+                assert [c async for c in chunks][-1].choices[0].finish_reason == "length"
+            else:
+                out = await client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+                assert out.choices[0].finish_reason == "length"
+        assert (await metric_by_replica(server.url, "kvgate_replica_failures_total"))[broken.name] == 2
+        assert (await metric_by_replica(server.url, "kvgate_replica_healthy"))[broken.name] == 0
+        monkeypatch.undo()  # the device is back
+        await wait_for(lambda: broken.healthy, what="back in routing after breaker_reset_s")
+        before = _decisions(app).get(broken.name, 0)
+        for _ in range(2):
+            await client.completions.create(model=MODEL, prompt="hello", max_tokens=2)
+        assert _decisions(app)[broken.name] == before + 1
+        await _settled(app)
+
+
 async def test_defaults_stay_within_the_servers_max_tokens(tiny_model_dir):
     """limits.max_tokens bounds every answer: a completion without max_tokens
     takes OpenAI's default of 16 only where the bound allows it, as a chat one
