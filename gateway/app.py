@@ -95,7 +95,9 @@ class Gateway:
         share_fleet([r.index for r in replicas])
         self.engine_mode = engine_mode
         self.metrics = GatewayMetrics("engine" if engine_mode else "gateway")
-        self.observer = Observer(config, self.metrics)
+        # Recording is the gateway's: engines sharing its config (as the manifests'
+        # do) would each write the same path, or fail on a read-only disk.
+        self.observer = Observer(config, self.metrics, record=not engine_mode)
         self.principals = _load_keys(config)
         if self.max_per_tenant is not None and not self.principals:
             # Tenants are API keys': without keys every request is anonymous, and no limit applies.

@@ -70,8 +70,9 @@ class Finished:
 
 
 class Observer:
-    def __init__(self, config: KvgateConfig, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: KvgateConfig, metrics: GatewayMetrics, record: bool = True) -> None:
         self.config = config
+        self.record = record  # server.record_trace is read (not by a `kvgate engine`)
         self.metrics = metrics
         self.history = StatsHistory(started=time.time())
         self.reuse = MinuteReuse()
@@ -98,9 +99,11 @@ class Observer:
         self._block_size = block_size
         self._salt = salt
         server = self.config.server
-        if server.record_trace:
+        if server.record_trace and self.record:
             self.recorder = TraceRecorder(server.record_trace, server.record_max_bytes, block_tokens=block_size)
             log.info("recording served traffic to %s (block ids per %d tokens)", server.record_trace, block_size)
+        elif server.record_trace:
+            log.info("server.record_trace is kvgate serve's: an engine does not record (its gateway does)")
         if server.log_stats_interval_s:
             self._status_task = asyncio.get_running_loop().create_task(self._log_status(server.log_stats_interval_s))
 

@@ -546,6 +546,21 @@ async def _recording_behind_an_engine(model_dir, engine_config, path):
         await engine.stop()
 
 
+async def test_an_engine_sharing_the_gateways_config_does_not_record(tiny_model_dir, tmp_path):
+    """server.record_trace is the gateway's: engines on the same config (as the
+    manifests' ConfigMap) each wrote the same file too, overwriting one another
+    (moved aside, lines cut mid-way: replay refused it)."""
+    path, engines = tmp_path / "served.jsonl", tmp_path / "engine.jsonl"
+    async with _recording_behind_an_engine(tiny_model_dir, tiny_config(tiny_model_dir, record_trace=str(engines)),
+                                           path) as (engine, app, client):
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="engine joined")
+        for i in range(3):
+            await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Question {i} about caches."}], max_tokens=2)
+    assert [json.loads(text)["turn"] for text in path.read_text().splitlines()] == [1, 1, 1]
+    assert [p.name for p in tmp_path.iterdir()] == ["served.jsonl"]
+
+
 async def test_a_recording_takes_the_block_size_the_engines_report(tiny_model_dir, tmp_path):
     """The gateway assumed 16-token blocks at start; an engine of 32 joins: the
     recording's ids are per 32 tokens, and its lines say so."""
