@@ -271,6 +271,12 @@ class ReplicaConfig(Section):
             problem = replica_url_problem(self.url)
             if problem:
                 raise ValueError(f"url {without_userinfo(self.url)!r} {problem}")
+        for field in ("model", "send_cache_salt"):
+            if getattr(self, field) and self.kind != "openai":
+                # A `kvgate engine` serves its one model and salts every request
+                # itself; set here, these would be silently unused (and a model
+                # would make one engine listed twice look like two servers).
+                raise ValueError(f"{field} is read for kind 'openai' only, not {self.kind!r}")
         if self.metrics_url is not None:
             if self.kind != "openai":
                 # Only an external server's load comes from its /metrics; a `kvgate

@@ -539,6 +539,9 @@ def test_an_empty_api_key_in_the_environment_is_refused(monkeypatch):
     ("{kind: openai, url: 'http://v:8000', metrics_url: ''}", "metrics_url '' is no http(s) URL"),
     ("{kind: engine, url: 'http://e:8001', metrics_url: 'http://e:8001/metrics'}",
      "metrics_url is read for kind 'openai' only, not 'engine'"),
+    # Ignored for an engine, a model made one engine listed twice pass as two servers.
+    ("{kind: engine, url: 'http://e:8001', model: a}", "model is read for kind 'openai' only, not 'engine'"),
+    ("{kind: inprocess, send_cache_salt: true}", "send_cache_salt is read for kind 'openai' only, not 'inprocess'"),
 ])
 def test_replica_metrics_url_is_checked_like_url(tmp_path, replica, why):
     # Unchecked, a bad one started fine and the external-load term silently disappeared.
