@@ -296,7 +296,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.record_trace is not None:
         if not args.record_trace:  # `--record-trace ""` would record nothing, silently
             raise CliError("--record-trace: give a file path")
-        config.server.record_trace = args.record_trace
+        config.server.record_trace = os.path.expanduser(args.record_trace)  # "~/x" quoted, as the config's
     recording = config.server.record_trace
     if recording:  # now, not after the model has loaded
         # The flag's errors name it; the config file's start at its FILE:LINE.

@@ -179,7 +179,9 @@ class ServerConfig(Section):
     @field_validator("record_trace")
     @classmethod
     def _record_not_empty(cls, value: str | None) -> str | None:
-        return not_empty(value, "write null (or leave the key out) to record nothing")
+        value = not_empty(value, "write null (or leave the key out) to record nothing")
+        # ~/... is the home folder, as in model.path (not a folder named "~" here).
+        return os.path.expanduser(value) if value is not None else None
 
     @field_validator("log_stats_interval_s")
     @classmethod

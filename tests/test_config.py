@@ -510,6 +510,14 @@ def test_an_empty_section_is_an_empty_section(tmp_path):
     assert _config_error(tmp_path, "engine: 5\n") == "c.yaml:1: engine: should be a section (a mapping of keys), got int"
 
 
+def test_a_recording_under_home_is_under_home(tmp_path, monkeypatch):
+    # "~/rec/served.jsonl" made a folder named "~" in the working directory.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "c.yaml"
+    path.write_text("server:\n  record_trace: ~/rec/served.jsonl\n")
+    assert load_config(path).server.record_trace == str(tmp_path / "rec" / "served.jsonl")
+
+
 @pytest.mark.parametrize("key", ["model.path", "model.cache_dir", "model.served_name", "server.record_trace"])
 def test_an_empty_string_is_refused(tmp_path, key):
     """cache_dir "" failed at start with `[Errno 2] No such file or directory: ''`, path ""
