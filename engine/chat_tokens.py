@@ -83,7 +83,10 @@ def piece_key(piece: str, namespace: str = "") -> int | str:
         return xxhash.xxh3_128_intdigest(f"{len(namespace)}:{namespace}{piece}".encode("utf-8", "surrogatepass"))
     if len(piece) <= _KEEP_TEXT_KEY:
         return piece
-    return xxhash.xxh3_128_intdigest(piece.encode("utf-8", "surrogatepass"))
+    # "0:" as a namespace of length 0: no text is keyed as another namespace's
+    # piece (hashed bare, "5:alice" + P was alice's key for P, to be read or
+    # overwritten by anyone sending that text).
+    return xxhash.xxh3_128_intdigest(f"0:{piece}".encode("utf-8", "surrogatepass"))
 
 
 def _vocab_size(tokenizer: Any) -> int:

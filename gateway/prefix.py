@@ -60,7 +60,7 @@ class PrefixHasher:
 
     def chat(self, messages: list[dict], images: Sequence[bytes] = (), cache_salt: str | None = None) -> Prompt:
         ids = self._template(messages, cache_salt or "")
-        mm = self._image_offsets(messages, images) if images else []
+        mm = self._image_offsets(messages, images, cache_salt or "") if images else []
         return Prompt(ids, mm, block_hashes(ids, self.block_size, chain_salt(self.salt, cache_salt), mm))
 
     def text(self, prompt: str | list[int], cache_salt: str | None = None, add_special_tokens: bool = True) -> Prompt:
@@ -80,8 +80,9 @@ class PrefixHasher:
             return self._encoder(text, namespace)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _image_offsets(self, messages: list[dict], images: Sequence[bytes]) -> list[tuple[int, bytes]]:
+    def _image_offsets(self, messages: list[dict], images: Sequence[bytes], namespace: str) -> list[tuple[int, bytes]]:
         """Token offset of each image placeholder, paired with the image's content hash.
+        ``namespace``: the request's, as for its prompt (its text is no other tenant's to time).
 
         The offset is the length of the tokenised template text before the
         placeholder: deterministic, which is all block identity needs, since the
@@ -97,7 +98,7 @@ class PrefixHasher:
             found = rendered.find(IMAGE_PLACEHOLDER, pos)
             if found < 0:
                 found = len(rendered)
-            offset = len(self.encode(rendered[:found]))
+            offset = len(self.encode(rendered[:found], namespace))
             out.append((offset, content_hash(source)))
             pos = found + len(IMAGE_PLACEHOLDER)
         return out

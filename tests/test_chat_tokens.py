@@ -237,6 +237,23 @@ def test_threads_share_the_cache_safely(tiny):
     assert chat.stats()["cached_tokens"] <= 300
 
 
+def test_an_image_requests_text_is_cached_in_its_tenants_namespace_only(tiny):
+    """The image's offset was found by tokenising the prompt's text with no
+    namespace: every image request's text was cached for all, and another
+    tenant sending it (with an image) hit it, which timing shows."""
+    from gateway.prefix import PrefixHasher
+
+    chat = ChatTokenizer(tiny)
+    hasher = PrefixHasher(tiny, 16, "salt", chat.encode_chat, chat.encode_text)
+    messages = [{"role": "user", "content": "A confidential memo about the merger, page one. " * 8 + "<image>"}]
+    hits = []
+    for tenant in ("tenant:1:A:", "tenant:1:B:"):
+        before = chat.hit_tokens
+        hasher.chat(messages, [b"scan"], tenant)
+        hits.append(chat.hit_tokens - before)
+    assert hits[0] == hits[1]  # B, sending A's text, hits only what it cached itself (A's first did the same)
+
+
 def test_pieces_are_shared_only_within_a_namespace(tiny):
     """A cached piece is tokenised faster: one tenant (its cache salt as the
     namespace) must not learn by timing which text another sent."""
@@ -250,3 +267,6 @@ def test_pieces_are_shared_only_within_a_namespace(tiny):
     assert chat.encode_chat(document, "tenant:1:A:") == chat.whole(document)
     assert chat.hit_tokens - hits > 50  # A's own repeat is served from its pieces
     assert piece_key("hi", "t") != piece_key("hi") and piece_key("hi", "t:") != piece_key(":hi", "t")
+    # Nor is any text keyed as a namespace's piece: "5:alice" + P, sent bare, was alice's key for P.
+    long = "What is the merger's price? " * 4
+    assert piece_key("11:tenant:1:A:" + long) != piece_key(long, "tenant:1:A:")
