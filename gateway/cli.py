@@ -261,13 +261,13 @@ def _build_parser() -> argparse.ArgumentParser:
     tune.set_defaults(run=_quietly(_run_tune))
 
     synth = sub.add_parser("synth", help="generate a Bailian-format trace, or print a trace's statistics")
-    synth.add_argument("--profile", choices=["to-c", "to-b", "mixed"], default="to-c",
+    synth.add_argument("--profile", choices=["to-c", "to-b", "mixed"],
                        help="workload whose statistics the trace follows (default to-c)")
-    synth.add_argument("--duration", type=float, default=3600.0, help="seconds of traffic (default 3600)")
-    synth.add_argument("--rate", type=float, default=5.0,
+    synth.add_argument("--duration", type=float, help="seconds of traffic (default 3600)")
+    synth.add_argument("--rate", type=float,
                        help="mean requests per second over whole hours, follow-up turns included; to-B's "
                             "top-of-hour jobs put a shorter trace above it (default 5)")
-    synth.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    synth.add_argument("--seed", type=int, help="random seed (default 0)")
     synth.add_argument("-o", "--output", metavar="FILE", help="where to write the trace")
     synth.add_argument("--stats", metavar="FILE", help="print the paper's statistics for this trace instead")
     synth.add_argument("--format", default=None, choices=["auto", "bailian", "mooncake"],
@@ -765,6 +765,13 @@ def _run_synth(args: argparse.Namespace) -> int:
     if args.stats and args.output:
         raise CliError("synth: --stats prints a trace's statistics and writes no file: drop -o "
                        "(or drop --stats to generate a trace)")
+    # Their defaults are set here, so that --stats can tell them given (and unused).
+    generation = {"--profile": (args.profile, "to-c"), "--duration": (args.duration, 3600.0),
+                  "--rate": (args.rate, 5.0), "--seed": (args.seed, 0)}
+    if args.stats and (given := [flag for flag, (value, _) in generation.items() if value is not None]):
+        raise CliError(f"synth: --stats prints a trace's statistics and generates none: drop {', '.join(given)}")
+    args.profile, args.duration, args.rate, args.seed = (
+        default if value is None else value for value, default in generation.values())
     if args.stats:
         # Auto-detected like replay's: a Mooncake trace read as Bailian would
         # have its millisecond timestamps taken for seconds.

@@ -319,6 +319,12 @@ def test_synth_stats_refuses_an_output_file_it_would_not_write(tmp_path, capsys)
     assert captured.err == ("kvgate: synth: --stats prints a trace's statistics and writes no file: drop -o "
                             "(or drop --stats to generate a trace)\n")
     assert captured.out == "" and not out.exists()
+    # Nor does it take generation settings silently (they were ignored, exit 0).
+    assert main(["synth", "--stats", str(path), "--profile", "to-b", "--rate", "99"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == ("kvgate: synth: --stats prints a trace's statistics and generates none: drop --profile, "
+                            "--rate\n")
+    assert captured.out == ""
 
 
 def test_serve_refuses_a_recording_path_that_is_a_directory(tmp_path, capsys, monkeypatch):
