@@ -182,6 +182,55 @@ _UNAPPLIED = {
 }
 
 
+# Layer kinds the paged attention computes; any other (conv, mamba, linear
+# attention, a hybrid of both) carries state from step to step that the engine
+# does not keep (each step is one packed forward with use_cache=False).
+_ATTENTION_LAYERS = frozenset({"attention", "full_attention", "sliding_attention", "chunked_attention"})
+# Rotary embeddings whose frequencies follow the longest position in the forward
+# (transformers' dynamic_rope_update): in a packed step, every sequence's would
+# follow the longest one's, and a prompt prefilled in chunks would change factors.
+_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+def _unfit_by_config(config, max_model_len: int) -> str | None:
+    """What the model's config asks for that the engine does not compute as the
+    model does, or None.  Found in the config, as no two-token forward shows it:
+    windows some layers apply through their mask alone (Qwen2-MoE, PhiMoE, Llama 4's
+    chunks), layers with state besides attention (LFM2, Qwen3-Next, Jamba,
+    Granite 4 hybrids), and LongRoPE or dynamic rope scaling past their original length."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    kinds = set(layer_types) | set(getattr(text, "layers_block_type", None) or [])
+    other = sorted(kinds - _ATTENTION_LAYERS)
+    if other or any(name.startswith("mamba_") for name in vars(text)):
+        what = ", ".join(other) if other else "mamba"
+        return (f"it has {what} layers besides attention, whose state from step to step the engine does not keep "
+                "(a hybrid model)")
+    windows = []
+    sliding = getattr(text, "sliding_window", None)
+    if sliding and ("sliding_attention" in kinds if layer_types else getattr(text, "use_sliding_window", True)):
+        windows.append(("a sliding window", sliding))
+    chunk = getattr(text, "attention_chunk_size", None)
+    if chunk and (not layer_types or "chunked_attention" in kinds):
+        windows.append(("attention chunks", chunk))
+    for what, size in windows:
+        if size < max_model_len:
+            return (f"some layers attend through {what} of {size} tokens, which the engine does not apply (it attends "
+                    f"to the whole context): model.max_model_len at most {size} keeps every request inside it")
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    for params in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]):
+        kind = params.get("rope_type", params.get("type"))
+        if kind in _LENGTH_DEPENDENT_ROPE:
+            original = (params.get("original_max_position_embeddings")
+                        or getattr(text, "original_max_position_embeddings", None)
+                        or getattr(text, "max_position_embeddings", None))
+            if original and max_model_len > original:
+                return (f"its {kind} rope scaling takes its factors from the longest position in a forward, which "
+                        "in the engine's packed steps is another request's, or a prompt's chunk: "
+                        f"model.max_model_len at most {original} (its original length) keeps to one set of factors")
+    return None
+
+
 def check_paged_attention(model, device: torch.device, max_model_len: int) -> None:
     """Refuse a model the paged attention cannot serve exactly (ConfigError on
     model.path): one whose layers never call transformers' attention interface
@@ -218,8 +267,10 @@ def check_paged_attention(model, device: torch.device, max_model_len: int) -> No
     finally:
         _set_attention(model, register())
     kind = getattr(model.config, "model_type", "this model")
-    unfit = None
-    if not seen:
+    unfit = _unfit_by_config(model.config, max_model_len)
+    if unfit is not None:
+        pass
+    elif not seen:
         unfit = "its layers do not call transformers' attention interface (ALiBi models such as Bloom and MPT)"
     elif any(kwargs.get("paged") is not sentinel for kwargs in seen.values()):
         unfit = "its layers do not pass the engine's step keywords down to attention (as Falcon's)"

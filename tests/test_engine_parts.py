@@ -395,7 +395,8 @@ def test_models_the_paged_attention_would_serve_wrongly_are_refused_at_load(tmp_
     whose layers ask for what the engine's attention does not apply, or bypass it,
     is refused when it loads, naming why and model.path (the CLI puts its FILE:LINE
     in front).  What it does apply loads."""
-    from transformers import BloomConfig, Gemma2Config, MistralConfig, Qwen2Config
+    from transformers import (BloomConfig, Gemma2Config, Lfm2Config, Llama4TextConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig)
 
     from engine.config import ConfigError
     from tests.engine_helpers import make_engine
@@ -407,6 +408,20 @@ def test_models_the_paged_attention_would_serve_wrongly_are_refused_at_load(tmp_
         "attention logit soft-capping": Gemma2Config(head_dim=8, query_pre_attn_scalar=8, sliding_window=4096,
                                                      **small),
         "do not call transformers' attention interface": BloomConfig(hidden_size=32, n_layer=2, n_head=4),
+        # Windows applied through the mask alone, layers with state of their own, and
+        # rope factors that follow the longest position in the (packed) forward: each
+        # loaded and answered unlike the model past a few dozen tokens.
+        "a sliding window of 8 tokens, which": Qwen2MoeConfig(
+            use_sliding_window=True, sliding_window=8, max_window_layers=1, num_experts=2, num_experts_per_tok=1,
+            moe_intermediate_size=16, shared_expert_intermediate_size=16, **small),
+        "attention chunks of 8 tokens": Llama4TextConfig(
+            attention_chunk_size=8, head_dim=8, intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1,
+            **small),
+        "conv layers besides attention": Lfm2Config(layer_types=["conv", "full_attention"], **small),
+        "longrope rope scaling": Phi3Config(
+            original_max_position_embeddings=64, pad_token_id=0, rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+                "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}, **small),
     }
     for why, config in refused.items():
         with pytest.raises(ConfigError) as info:
