@@ -96,6 +96,21 @@ def _vocab_size(tokenizer: Any) -> int:
         return int(getattr(tokenizer, "vocab_size", 0))
 
 
+def _without_limits(backend: Any) -> Any:
+    """``backend``, or a copy of it without the truncation or padding its
+    tokenizer.json may carry (saved after enable_truncation, say).  transformers
+    turns both off for each call of its own; a piece tokenised straight by the
+    backend would be cut at max_length (a long message lost its end)."""
+    if getattr(backend, "truncation", None) is None and getattr(backend, "padding", None) is None:
+        return backend
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.no_truncation()
+    copy.no_padding()
+    return copy
+
+
 def _piece_backend(backend: Any) -> tuple[Any, bool]:
     """The tokenizer for pieces that do not start the text, and whether that
     differs from ``backend``.  A Metaspace pre-tokenizer with
@@ -299,6 +314,7 @@ class ChatTokenizer:
             self._added[getattr(token, "content", str(token))] = int(token_id)
         if not self._added:
             return "no added tokens to cut at"
+        self._backend = _without_limits(self._backend)
         self._inner, self._marks_start = _piece_backend(self._backend)
         # Longest first: at each position the longest added token wins, as in
         # the tokenizer's own matching.

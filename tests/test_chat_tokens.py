@@ -164,6 +164,31 @@ def test_start_marking_pre_tokenizer_marks_only_the_leading_piece():
         assert chat.encode_text(text) == chat.plain(text)
 
 
+@pytest.mark.parametrize("family", ["llama2", "qwen2"])
+def test_a_tokenizer_saved_with_truncation_on_tokenises_whole_pieces(family, tmp_path):
+    """A tokenizer.json may carry truncation (saved after enable_truncation), which
+    transformers turns off for each call of its own: pieces tokenised by the backend
+    (its Metaspace copy in Llama-2's case) were cut at max_length, so a long message
+    lost its end and the model answered another prompt."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    FAMILIES[family][0]().save_pretrained(tmp_path)
+    path = tmp_path / "tokenizer.json"
+    config = json.loads(path.read_text())
+    config["truncation"] = {"direction": "Right", "max_length": 16, "strategy": "LongestFirst", "stride": 0}
+    path.write_text(json.dumps(config))
+    chat = ChatTokenizer(AutoTokenizer.from_pretrained(tmp_path))
+    assert chat.enabled
+    messages = [{"role": "user", "content": "The capital of France is Paris. " * 10},
+                {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "And Italy?"}]
+    for _ in range(2):  # tokenised, then from the cache
+        assert chat.encode_chat(messages) == chat.whole(messages)
+        text = messages[0]["content"] + "</s>" + messages[0]["content"]
+        assert chat.encode_text(text) == chat.plain(text)
+
+
 def test_a_sampled_difference_turns_the_cache_off(tiny, caplog):
     chat = ChatTokenizer(tiny, verify_every=1)
     prompt = _conversation(1)[0]
