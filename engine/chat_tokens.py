@@ -134,6 +134,13 @@ def _piece_backend(backend: Any) -> tuple[Any, bool]:
     return Tokenizer.from_str(json.dumps(config)), True
 
 
+def _cut_at(tokens: list[str]) -> re.Pattern:
+    """A pattern that splits text at ``tokens``, keeping them.  Longest first: at
+    each position the longest added token wins, as in the tokenizer's own matching."""
+    alternatives = sorted(tokens, key=len, reverse=True)
+    return re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
+
+
 class ChatTokenizer:
     """``encode_chat(messages)``: the ids ``tokenizer.apply_chat_template`` gives
     (with the generation prompt), from cached pieces where it can.
@@ -160,6 +167,9 @@ class ChatTokenizer:
         self._marks_start = False
         self._added: dict[str, int] = {}
         self._cut: re.Pattern | None = None
+        # Added tokens matched after normalisation, when there are both kinds: the
+        # tokenizer cuts at the others first, then at these inside what is left.
+        self._cut_normalized: re.Pattern | None = None
         self._render = self._template_text
         why = self._unsupported() if cache_tokens > 0 else "cache_tokens is 0"
         if why is None:
@@ -188,7 +198,8 @@ class ChatTokenizer:
         when the text carries added tokens (a completions prompt formatted with
         the chat markup by the client).  Plain text is one piece, most often
         unique, so it is tokenised as it is and kept out of the cache."""
-        if not self.enabled or self._cut.search(text) is None:
+        if not self.enabled or (self._cut.search(text) is None
+                                and (self._cut_normalized is None or self._cut_normalized.search(text) is None)):
             return self.plain(text)
         return self._sampled(self._from_pieces(text, namespace), lambda: self.plain(text))
 
@@ -243,6 +254,9 @@ class ChatTokenizer:
         hit = 0
         # re.split with one group alternates: piece, added token, piece, ...
         parts = self._cut.split(text)
+        if self._cut_normalized is not None:
+            parts = [sub for i, part in enumerate(parts)
+                     for sub in (self._cut_normalized.split(part) if i % 2 == 0 else (part,))]
         if self._marks_start and parts[0]:
             # Text before the first added token is the one piece the tokenizer
             # marks as the start: tokenised as it is, not from the cache.
@@ -303,6 +317,8 @@ class ChatTokenizer:
         if getattr(self.tokenizer, "chat_template", None) is None:
             return "no chat template"
         decoder = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        raw: list[str] = []
+        normalized: list[str] = []
         for token_id, token in decoder.items():
             flags = (getattr(token, "lstrip", False), getattr(token, "rstrip", False), getattr(token, "single_word", False))
             if any(flags):
@@ -312,14 +328,15 @@ class ChatTokenizer:
             if getattr(token, "normalized", False) and self._backend.normalizer is not None:
                 return f"added token {str(token)!r} is matched after normalisation"
             self._added[getattr(token, "content", str(token))] = int(token_id)
+            (normalized if getattr(token, "normalized", False) else raw).append(getattr(token, "content", str(token)))
         if not self._added:
             return "no added tokens to cut at"
         self._backend = _without_limits(self._backend)
         self._inner, self._marks_start = _piece_backend(self._backend)
-        # Longest first: at each position the longest added token wins, as in
-        # the tokenizer's own matching.
-        alternatives = sorted(self._added, key=len, reverse=True)
-        self._cut = re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
+        if raw and normalized:
+            self._cut, self._cut_normalized = _cut_at(raw), _cut_at(normalized)
+        else:
+            self._cut = _cut_at(raw or normalized)
         return None
 
     def _probe(self) -> str | None:

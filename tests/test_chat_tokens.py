@@ -189,6 +189,23 @@ def test_a_tokenizer_saved_with_truncation_on_tokenises_whole_pieces(family, tmp
         assert chat.encode_text(text) == chat.plain(text)
 
 
+def test_added_tokens_matched_after_normalisation_are_cut_after_the_others():
+    """The tokenizer cuts at its raw added tokens first, then at normalised ones
+    (add_tokens' default for non-special ones) inside what is left: one pattern over
+    both cut "user\\n<|im" out of "<|im_start|>", where the tokenizer does not."""
+    from tokenizers import AddedToken
+
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.add_tokens([AddedToken("user\n<|im", normalized=True, special=False)])
+    chat = ChatTokenizer(tokenizer)
+    assert chat.enabled
+    text = "<|im_start|>system\nxuser\n<|im_start|>user\nhi<|im_end|>\n then user\n<|im alone"
+    messages = [{"role": "system", "content": "xuser\n"}, {"role": "user", "content": "hi user\n<|im"}]
+    for _ in range(2):
+        assert chat.encode_text(text) == chat.plain(text)
+        assert chat.encode_chat(messages) == chat.whole(messages)
+
+
 def test_a_sampled_difference_turns_the_cache_off(tiny, caplog):
     chat = ChatTokenizer(tiny, verify_every=1)
     prompt = _conversation(1)[0]
