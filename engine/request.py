@@ -78,6 +78,9 @@ class TokenLogprob:
     token: str
     logprob: float | None  # None: none exists (an external server's echoed first prompt token)
     top: list[tuple[int, str, float]] = field(default_factory=list)
+    # False for a special token the text leaves out (decoded skipping them, as
+    # vLLM's): listed with its own text, but adding none to the choice's text.
+    in_text: bool = True
 
 
 @dataclass(slots=True)

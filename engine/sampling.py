@@ -201,7 +201,8 @@ class SequenceSampler:
         if k > 0:
             values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
             top = [(int(i), self.pieces.text(int(i)), float(v)) for v, i in zip(values, ids)]
-        return TokenLogprob(token, self.pieces.text(token), float(logprobs[token]), top)
+        return TokenLogprob(token, self.pieces.text(token), float(logprobs[token]), top,
+                            token not in self.pieces.special_ids)
 
     def accept(self, token: int, num_tokens: int, max_model_len: int) -> tuple[str, str | None]:
         """Record a sampled token; returns (text delta to emit, finish reason or None)."""

@@ -47,6 +47,10 @@ class TokenPieces:
         # of the text, but mid-text (where generated tokens are) it is a space.
         self._word_mark = "▁" if decoders & {"Metaspace", "Replace"} else None
         self._texts: dict[int, str] = {}
+        # What a decode with skip_special_tokens leaves out (the tokenizer's added
+        # tokens marked special), as the choice's text is decoded.
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.special_ids = frozenset(int(i) for i, token in decoder.items() if getattr(token, "special", False))
 
     def text(self, token_id: int) -> str:
         """The text the token adds to the text around it (so a choice's token texts

@@ -102,7 +102,7 @@ def completion_logprobs(items: list[TokenLogprob] | None, offsets: TokenOffsets,
         if with_sampled and lp.logprob is not None:  # None: an echoed prompt's first token
             top.setdefault(lp.token, lp.logprob)
         tops.append(top or None)
-        starts.append(offsets.advance(lp.token))
+        starts.append(offsets.advance(lp.token) if lp.in_text else offsets.position)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": starts}
 
 

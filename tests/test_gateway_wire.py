@@ -197,6 +197,15 @@ async def test_logit_bias_and_echo(gw):
 
     with_offsets = await client.completions.create(**base, logit_bias={str(token): 100}, logprobs=1)
     assert with_offsets.choices[0].logprobs.text_offset == [0, 1, 2]
+    # A special token the text leaves out is listed but adds nothing to it (the
+    # offsets ran past the text by its length), streamed or not.
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for stream in (False, True):
+        answer = await client.completions.create(**base, logit_bias={str(special): 100}, logprobs=1, stream=stream)
+        chunks = [c async for c in answer if c.choices[0].logprobs] if stream else [answer]
+        assert "".join(c.choices[0].text for c in chunks) == ""
+        assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == ["<|im_start|>"] * 3
+        assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == [0, 0, 0]
 
     # A token holding part of a character: OpenAI's "bytes:\\x.." with its real bytes.
     (partial,) = tokenizer.convert_tokens_to_ids([chr(0xE4)])  # byte 0xE4 in the byte-level alphabet
