@@ -3,7 +3,7 @@
 Every ``sample_s`` seconds what happened since the last sample is folded into
 one history point: hit ratio per workload (engine-reported cached tokens /
 prompt tokens), TTFT p50/p99 and engine requests per second per replica.  The
-last ``keep`` points are kept (10 minutes at the defaults).  A snapshot ends
+last ``keep`` points are kept (10 minutes of traffic at the defaults).  A snapshot ends
 with the period still filling, marked ``partial``, so a fresh gateway shows its
 first requests at once instead of after a full period.
 

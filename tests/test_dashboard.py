@@ -206,9 +206,30 @@ async def test_a_restarted_gateway_is_said_to_have_restarted(tmp_path):
     dom = await _dashboard_over(tmp_path, stats)
     assert len(answers) >= 2
     summary = re.search(r'id="summary">([^<]*)</span>', dom).group(1)
-    again = time.strftime("%H:%M:%S", time.gmtime(1.7e9 + 3600))  # Chromium runs in UTC (run_chromium)
+    # Chromium runs in UTC (run_chromium); a start on another day than today's says its date.
+    again = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(1.7e9 + 3600))
     assert summary == f"0 requests · hit ratio - since {again} · 1/1 replicas healthy · " \
                       f"restarted at {again}, figures start over"
+
+
+async def test_every_replica_line_and_its_legend_swatch_look_unlike_the_others(tmp_path):
+    """Colour and dash both came round every 7 series, so replica 7 was drawn as
+    replica 0; and every dashed swatch in the legend was the same CSS dash."""
+    names = [f"engine-{i}" for i in range(9)]
+    replicas = [{"name": n, "healthy": True, "inflight": 0, "cache": {}, "policy": {}} for n in names]
+    history = [{"t": t, "partial": False, "idle": False, "hit_ratio": {}, "ttft_p50": None, "ttft_p99": None,
+                "rps": {n: 1.0 + i for i, n in enumerate(names)}} for t in (20.0, 25.0)]
+
+    async def stats(request):
+        return aiohttp.web.json_response({
+            "now": 30.0, "sample_s": 5.0, "started": 1.7e9, "history": history, "replicas": replicas,
+            "totals": {"requests": 9, "engine_requests": 9, "prompt_tokens": 0, "cached_tokens": 0, "hit_ratio": 0.0}})
+
+    dom = await _dashboard_over(tmp_path, stats)
+    swatches = re.findall(r'stroke="([^"]+)" stroke-width="3" stroke-dasharray="([^"]*)"',
+                          re.search(r'id="load-legend">(.*?)</div>', dom).group(1))
+    assert len(swatches) == 9 and len(set(swatches)) == 9, swatches
+    assert len({dash for _, dash in swatches[:7]}) == 7  # the first seven differ by dash too
 
 
 async def _dashboard_over(tmp_path, stats_handler) -> str:
@@ -228,6 +249,66 @@ async def _page_dom(tmp_path, stats_handler) -> str:
         return await run_chromium(tmp_path, server.url + "/dashboard", "--dump-dom")
     finally:
         await server.stop()
+
+
+async def dom_in_real_time(tmp_path, url: str, seconds: float) -> str:
+    """The page's DOM after ``seconds`` of wall time in headless Chromium, read over
+    its DevTools socket.  Virtual time (run_chromium) stands still while a fetch is
+    pending, so a page waiting on a silent server needs this."""
+    args = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync",
+            "--disable-background-networking", "--disable-component-update", "--disable-dev-shm-usage",
+            f"--user-data-dir={tmp_path / 'profile-realtime'}", "--remote-debugging-port=0", url]
+    proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+                                                env={**os.environ, "HOME": str(tmp_path), "TZ": "UTC"})
+    try:
+        line = b""
+        while b"DevTools listening on" not in line:
+            line = await asyncio.wait_for(proc.stderr.readline(), 60)
+            assert line, "chromium exited before its DevTools socket opened"
+        port = re.search(rb"ws://[^:]+:(\d+)/", line).group(1).decode()
+        await asyncio.sleep(seconds)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{port}/json") as resp:
+                page = next(t for t in await resp.json() if t["type"] == "page")
+            async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+                await ws.send_json({"id": 1, "method": "Runtime.evaluate",
+                                    "params": {"expression": "document.documentElement.outerHTML", "returnByValue": True}})
+                async for msg in ws:
+                    answer = json.loads(msg.data)
+                    if answer.get("id") == 1:
+                        return answer["result"]["result"]["value"]
+        raise AssertionError("no answer from chromium's DevTools socket")
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+async def test_a_gateway_that_takes_the_connection_but_never_answers_greys_the_page(tmp_path):
+    """A gateway whose loop is stopped, or a restart still loading its model on a
+    port it has taken, accepts the page's fetch and says nothing: the fetch had no
+    deadline, so the page kept its last figures as live, with no word of it."""
+    answers = []
+
+    async def stats_then_silence(request):
+        answers.append(request)
+        if len(answers) > 1:
+            await asyncio.sleep(60)
+        return aiohttp.web.json_response({
+            "now": 10.0, "sample_s": 5.0, "started": 1.7e9, "history": [],
+            "replicas": [{"name": "r", "healthy": True, "inflight": 0, "cache": {}, "policy": {}}],
+            "totals": {"requests": 0, "engine_requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "hit_ratio": 0.0}})
+
+    page = aiohttp.web.Application()
+    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
+    page.router.add_get("/stats", stats_then_silence)
+    server = await start_server(page)
+    try:
+        dom = await dom_in_real_time(tmp_path, server.url + "/dashboard", 10.0)  # 2 s between polls, 5 s deadline
+    finally:
+        await server.stop()
+    assert len(answers) >= 2 and re.search(r'<body[^>]*data-stale="1"', dom), dom[-1500:]
+    error = re.search(r'id="error">([^<]*)</span>', dom).group(1)
+    assert re.fullmatch(r"lost contact with the gateway since \d\d:\d\d:\d\d \(no answer in 5 s\): figures frozen", error), error
 
 
 async def test_a_gateway_that_stops_answering_leaves_the_page_greyed_and_saying_since_when(tmp_path):
