@@ -395,8 +395,8 @@ def test_models_the_paged_attention_would_serve_wrongly_are_refused_at_load(tmp_
     whose layers ask for what the engine's attention does not apply, or bypass it,
     is refused when it loads, naming why and model.path (the CLI puts its FILE:LINE
     in front).  What it does apply loads."""
-    from transformers import (BloomConfig, Gemma2Config, Lfm2Config, Llama4TextConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig)
+    from transformers import (BloomConfig, Gemma2Config, GraniteMoeHybridConfig, Lfm2Config, Llama4TextConfig,
+                              LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig)
 
     from engine.config import ConfigError
     from tests.engine_helpers import make_engine
@@ -429,7 +429,14 @@ def test_models_the_paged_attention_would_serve_wrongly_are_refused_at_load(tmp_
         assert info.value.key == "model.path" and why in str(info.value), str(info.value)
         assert f"cannot serve {config.model_type} exactly" in str(info.value)
     # A window no request can outgrow (max_model_len 1024 here), or none (Qwen2's default): served.
-    for config in (MistralConfig(sliding_window=4096, **small), Qwen2Config(**small)):
+    # So are Granite 4's dense checkpoints (every layer attention, mamba_* settings unused)
+    # and dynamic rope within max_position_embeddings, whatever original length it names.
+    granite_dense = GraniteMoeHybridConfig(layer_types=["attention"] * 2, num_local_experts=0, num_experts_per_tok=0,
+                                           shared_intermediate_size=64, position_embedding_type="rope",
+                                           mamba_n_heads=4, mamba_d_head=16, **small)
+    dynamic = LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 128},
+                          **small)
+    for config in (MistralConfig(sliding_window=4096, **small), Qwen2Config(**small), granite_dense, dynamic):
         engine = make_engine(_tiny_arch_dir(tmp_path / f"{config.model_type}-ok", config))
         assert engine._max_model_len == 1024
 
