@@ -32,6 +32,8 @@ IMAGE_PLACEHOLDER = "<image>"
 _MAX_STOP = 4
 _MAX_STOP_TOKEN_IDS = 256
 _MAX_CACHE_SALT = 1024
+# What a gateway sends an engine: "tenant:LEN:NAME:" before the client's own salt.
+_MAX_ENGINE_CACHE_SALT = 8 * _MAX_CACHE_SALT
 _MAX_TOP_LOGPROBS_CHAT = 20
 _MAX_LOGPROBS_COMPLETIONS = 5
 
@@ -167,10 +169,11 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
     req.user = user or None
     salt = body.get("cache_salt")
     if salt is not None:
-        # A `kvgate engine` gets the gateway's salt, the tenant's name included: no length cap.
-        if not isinstance(salt, str) or not salt or (len(salt) > _MAX_CACHE_SALT and not engine_mode):
-            raise bad_request(f"'cache_salt' must be a non-empty string of at most {_MAX_CACHE_SALT} characters.",
-                              "cache_salt")
+        # A `kvgate engine` gets the gateway's salt, the tenant's name included: a
+        # longer cap, but one (each salt is held in the engine's hash cache).
+        most = _MAX_ENGINE_CACHE_SALT if engine_mode else _MAX_CACHE_SALT
+        if not isinstance(salt, str) or not salt or len(salt) > most:
+            raise bad_request(f"'cache_salt' must be a non-empty string of at most {most} characters.", "cache_salt")
         req.cache_salt = salt
     _parse_sampling(req, body, limits, _MAX_TOP_LOGPROBS_CHAT if from_gateway else _MAX_LOGPROBS_COMPLETIONS)
     if sampling_defaults:

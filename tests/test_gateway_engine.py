@@ -313,6 +313,12 @@ async def test_a_client_calling_an_engine_directly_gets_what_a_gateway_would_ans
                 await client.completions.create(model=MODEL, prompt="x", max_tokens=1, logprobs=6)
             assert info.value.param == "logprobs"
         assert answers[:2] == answers[2:]
+        # An engine takes a gateway's longer salt (the tenant's name before the client's),
+        # but not any length: each one is held in its hash cache (4 MB salts grew it for good).
+        await direct.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"cache_salt": "s" * 2048})
+        with pytest.raises(openai.BadRequestError) as info:
+            await direct.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"cache_salt": "s" * 8193})
+        assert info.value.param == "cache_salt"
     finally:
         await direct.close()
         await through.close()
