@@ -336,6 +336,10 @@ def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
         indexes.append(i)
     if thought and messages and messages[-1]["role"] == "assistant":
         _give_reasoning(messages[-1], thought)
+    for message in messages:
+        parts = message.pop(_THOUGHT, None)
+        if parts:
+            message["reasoning"] = message["reasoning_content"] = "\n\n".join(parts)
     call.input_items = len(given)
     if len(indexes) != len(given):
         # Items folded into the message before them shift the later ones: errors
@@ -392,17 +396,21 @@ def _reasoning_text(item: dict, where: str) -> str:
     return "".join(texts)
 
 
+# A message's reasoning parts while the input is read: joined once at its end
+# (joined at each function call folded in, a long run of them copied the text so
+# far each time, quadratic in the body).
+_THOUGHT = "_kvgate_reasoning_parts"
+
+
 def _give_reasoning(message: dict, thought: list[str]) -> None:
     """Hand a turn's reasoning to its assistant chat message, where chat templates
     that show a model its earlier thinking (between tool calls especially) find
     it: as ``reasoning`` (vLLM's name) and ``reasoning_content`` (SGLang's, and
     older vLLM's); a server reads the one it knows."""
-    text = "\n\n".join(t for t in thought if t)
+    parts = [t for t in thought if t]
     thought.clear()
-    if text:
-        if message.get("reasoning"):
-            text = message["reasoning"] + "\n\n" + text
-        message["reasoning"] = message["reasoning_content"] = text
+    if parts:
+        message.setdefault(_THOUGHT, []).extend(parts)
 
 
 def _function_call(item: dict, where: str) -> dict:
