@@ -9,6 +9,7 @@ are handed to the engine with the request, so a prompt is tokenised once.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from typing import Any, Callable, NamedTuple, Sequence
 
 from engine.block_hash import block_hashes, chain_salt, content_hash
@@ -84,23 +85,39 @@ class PrefixHasher:
         """Token offset of each image placeholder, paired with the image's content hash.
         ``namespace``: the request's, as for its prompt (its text is no other tenant's to time).
 
-        The offset is the length of the tokenised template text before the
-        placeholder: deterministic, which is all block identity needs, since the
-        engine receives these pairs rather than recomputing them.
+        The offset is where the placeholder's tokens start in the tokenised
+        template text: deterministic, which is all block identity needs, since the
+        engine receives these pairs rather than recomputing them.  Found in one
+        pass over the text (tokenising it up to each image in turn made a request
+        of thousands of tiny images cost seconds to minutes of the event loop).
         """
         try:
             rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception:
             rendered = "".join(m["content"] for m in messages)
-        out = []
+        places = []
         pos = 0
-        for source in images:
+        for _ in images:
             found = rendered.find(IMAGE_PLACEHOLDER, pos)
             if found < 0:
                 found = len(rendered)
-            offset = len(self.encode(rendered[:found], namespace))
-            out.append((offset, content_hash(source)))
+            places.append(found)
             pos = found + len(IMAGE_PLACEHOLDER)
+        return list(zip(self._token_starts(rendered, places, namespace), map(content_hash, images)))
+
+    def _token_starts(self, text: str, places: list[int], namespace: str) -> list[int]:
+        """How many of ``text``'s tokens start before each of ``places`` (ascending)."""
+        if getattr(self.tokenizer, "is_fast", False):
+            # One tokenisation, its character spans read (not cached: no piece of it is shared).
+            spans = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+            starts = [start for start, _ in spans]
+            return [bisect_left(starts, place) for place in places]
+        # A tokenizer without spans: the text between two images tokenised once each.
+        out, total, previous = [], 0, 0
+        for place in places:
+            total += len(self.encode(text[previous:place], namespace))
+            out.append(total)
+            previous = place
         return out
 
     def signature(self, token_ids: Sequence[int]) -> int:
