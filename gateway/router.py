@@ -485,7 +485,14 @@ class Router:
             self._turn += 1
             return Decision(cands[self._turn % len(cands)], "round-robin", 0)
         loads = self._loads()
-        if policy == "session" and session is not None and not self._imbalanced(cands, loads):
+        if policy == "session" and session is not None:
+            if self._imbalanced(cands, loads):
+                # Past the valve the busiest replica is passed over: its sessions go
+                # to their next choice, every other one stays home (all went to the
+                # least loaded, turn by turn, losing their caches; passing over every
+                # replica past the valve kept fewer hits in kvgate replay).
+                busiest = max(cands, key=loads.__getitem__)
+                cands = [i for i in cands if i != busiest]
             return self._session(session, cands)
         if policy != "prefix-aware" or self._imbalanced(cands, loads):
             reason = "imbalance" if policy == "prefix-aware" else "load"
@@ -556,6 +563,8 @@ class Router:
         home = order[0]
         if cands is not self._everyone:
             order = [i for i in order if i in cands]
+        if len(order) == 1:  # one replica left below the valve
+            return Decision(order[0], "session" if order[0] == home else "session-spill", 0)
         reqs = self.inflight_requests
         total, others, floor = sum(reqs[i] for i in cands), len(cands) - 1, self.cfg.hot_prefix_inflight
         # Against the others' mean: with the replica's own requests in the mean,

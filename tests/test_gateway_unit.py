@@ -687,6 +687,27 @@ def test_session_routing_is_sticky_within_bounded_loads():
     assert fresh.choose([], idx, [True] * 4, session="u0").reason == "session"
 
 
+def test_past_the_valve_only_the_sessions_of_the_replica_it_trips_move():
+    """One replica past the imbalance valve sent every session to the least loaded
+    replica, turn by turn (reason "load"): conversations homed on the others were
+    scattered too, and lost their caches."""
+    names = ["a", "b", "c"]
+    idx = [ExactIndex() for _ in names]
+    homes = {f"s{k}": Router(RouterConfig(policy="session"), names, 16).choose([], idx, [True] * 3, session=f"s{k}")
+             for k in range(30)}
+    busy = Router(RouterConfig(policy="session"), names, 16)
+    busy.inflight_tokens[0] = busy.cfg.imbalance_abs_tokens + 1000  # replica a past the valve
+    for turn in range(3):
+        for session, home in homes.items():
+            d = busy.choose([], idx, [True] * 3, session=session)
+            if home.replica != 0:
+                assert (d.replica, d.reason) == (home.replica, "session")
+            else:  # a's sessions go to their own next choice, the same each turn
+                assert d.replica != 0 and d.reason == "session-spill"
+                assert d == busy.choose([], idx, [True] * 3, session=session)
+    assert {h.replica for h in homes.values()} == {0, 1, 2}
+
+
 def test_ties_rotate_over_the_usable_replicas_only():
     # With b out of routing its turn must not fall to c: equal misses spread evenly over a, c, d.
     router = Router(RouterConfig(), ["a", "b", "c", "d"], block_size=16)
