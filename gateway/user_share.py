@@ -6,9 +6,11 @@ hit tokens per user and a HyperLogLog of the users seen.  Buckets slide, so
 the figure covers the last ``window_s`` seconds, and memory does not grow
 with the number of users (about 1 MB per bucket at the default size).
 
-Accuracy: while the window holds fewer users than the sketch tracks
-(0.75 * 2**lg_max_items, 12,288 at the default), every user's count is
-exact and so are the shares.  Beyond that the sketch keeps the heavy hitters
+Accuracy: while the window holds fewer users with hits than the sketch
+tracks (0.75 * 2**lg_max_items, 12,288 at the default), every user's count
+is exact; the number of users is the HyperLogLog's (~1.6% off), so the
+shares are exact only when every user had hits (a user without any is in
+no sketch but that one).  Beyond that the sketch keeps the heavy hitters
 (each count within its error bound; the midpoint of the bounds is used) and
 the weight it no longer attributes is spread evenly over the users it does
 not track: right for the top 1% of a long tail, an estimate for the 19%.
