@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from engine.context import RequestContext
-from engine.request import EngineFailed, GenerationOutput, GenerationRequest, coalesce
+from engine.request import EngineFailed, GenerationOutput, GenerationRequest, Usage, coalesce
 from gateway import errors
 from gateway.errors import bad_request
 from gateway.metrics import GatewayMetrics, RequestSeries
@@ -138,6 +138,11 @@ class Dispatcher:
                                 failed_replica.note_request_failure()
                             tries.answer_failed.clear()
                         yield attempt.take(batch, prompt_len)
+                    if replica.kind == "openai" and attempt.usage.unsaid(0):
+                        # A server that sent no usage (Ollama before 0.5.2, early TGI) did
+                        # not generate nothing: its deltas, one token each at least.
+                        yield attempt.take([GenerationOutput(request.request_id, USAGE_ALL, [], "", usage=Usage(
+                            prompt_len, attempt.received, None))], prompt_len)
                     attempt.exhausted = True
                     if self._lost:
                         # Answered in full: whatever this prompt was lost in, it was not the cause.

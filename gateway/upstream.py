@@ -81,6 +81,8 @@ def _chat_logprobs(lp: dict | None) -> list[TokenLogprob] | None:
 
 
 def _completion_logprobs(lp: dict | None) -> list[TokenLogprob] | None:
+    if lp and lp.get("tokens") is None and isinstance(lp.get("content"), list):
+        return _chat_logprobs(lp)  # llama.cpp's server answers completions in chat's shape
     if not lp or lp.get("tokens") is None:
         return None
     tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
@@ -148,6 +150,8 @@ def chunk_outputs(chunk: Any, rid: str, chat: bool) -> list[GenerationOutput]:
                 lps = _chat_logprobs(choice.get("logprobs"))
                 # Tool calls, reasoning text and the like pass through as they came.
                 extra = {k: v for k, v in delta.items() if v is not None and k not in _DELTA_OWN} or None
+                if extra is not None and "tool_calls" in extra:
+                    extra["tool_calls"] = _tool_call_fragments(extra["tool_calls"])
             else:
                 text = choice.get("text") or ""
                 lps = _completion_logprobs(choice.get("logprobs"))
@@ -173,6 +177,29 @@ def chunk_outputs(chunk: Any, rid: str, chat: bool) -> list[GenerationOutput]:
     except (AttributeError, TypeError, KeyError) as exc:  # `data: null`, a choice that is a string, ...
         raise ValueError(f"not an OpenAI stream chunk: {exc}") from None
     return batch
+
+
+def _tool_call_fragments(calls: object) -> list:
+    """Tool call fragments in OpenAI's shape, whatever shape a server streamed them
+    in: TGI 2.4 sends one object where OpenAI sends a list, llama.cpp and TGI have
+    sent a call's arguments as an object (OpenAI's are a string of JSON), and an
+    index that is no count says nothing (the fragment starts the next call)."""
+    if isinstance(calls, dict):
+        calls = [calls]
+    if not isinstance(calls, list):
+        raise TypeError("tool_calls of the wrong type")
+    fragments = []
+    for fragment in calls:
+        if not isinstance(fragment, dict):
+            raise TypeError("a tool call fragment of the wrong type")
+        function = fragment.get("function")
+        if isinstance(function, dict) and function.get("arguments") is not None \
+                and not isinstance(function["arguments"], str):
+            fragment = {**fragment, "function": {**function, "arguments": json.dumps(function["arguments"])}}
+        if "index" in fragment and _count_or_none(fragment["index"]) is None:
+            fragment = {k: v for k, v in fragment.items() if k != "index"}
+        fragments.append(fragment)
+    return fragments
 
 
 def _cached_tokens(usage: dict) -> int | None:
@@ -246,13 +273,25 @@ async def sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[str, A
                 if payload == b"[DONE]":
                     yield event, DONE_EVENT
                     return
-                yield event, json.loads(payload)
+                yield event, _as_event(event, json.loads(payload))
             event = "message"
             continue
         if line.startswith(b"data:"):
             data.append(line[5:].lstrip(b" "))
         elif line.startswith(b"event:"):
             event = line[6:].strip().decode()
+        elif line.startswith(b"error:"):
+            # No SSE field, but llama.cpp's server (before late 2025) streams its
+            # errors so, then [DONE]: skipped, the answer read as whole and empty.
+            data.append(line[6:].lstrip(b" "))
+            event = "error"
     if data:  # the last event, its blank line cut off by EOF
         payload = b"\n".join(data)
-        yield event, DONE_EVENT if payload == b"[DONE]" else json.loads(payload)
+        yield event, DONE_EVENT if payload == b"[DONE]" else _as_event(event, json.loads(payload))
+
+
+def _as_event(event: str, data: Any) -> Any:
+    """An ``error:`` line's flat {"code", "message", "type"} as OpenAI's error event."""
+    if event == "error" and isinstance(data, dict) and "error" not in data:
+        return {"error": data}
+    return data

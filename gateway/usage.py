@@ -43,6 +43,10 @@ class UsageSum:
             self.cached[sub] = u.cached_tokens
         self.completion[sub] += u.completion_tokens
 
+    def unsaid(self, sub: int) -> bool:
+        """Whether no usage came for sub-request ``sub``, whole or per choice."""
+        return not self.all[sub] and not self.prompt[sub] and not self.completion[sub]
+
     def forget(self, sub: int) -> None:
         """Drop what sub-request ``sub`` reported: it starts over on another replica."""
         self.prompt[sub] = self.completion[sub] = 0

@@ -3329,3 +3329,85 @@ async def test_a_usage_count_sent_as_null_is_no_failure(tiny_model_dir):
                                                       stream=True, stream_options={"include_usage": True})
         chunks = [c async for c in stream]
         assert chunks[-1].usage.completion_tokens == 0
+
+
+def _event_stream(body: bytes) -> web.Response:
+    return web.Response(body=body, content_type="text/event-stream")
+
+
+async def _other_servers_ways(request):
+    """A scripted upstream that streams as servers other than vLLM do, chosen by
+    the user's message: llama.cpp's error field, TGI's tool calls, Ollama's lack of usage."""
+    body = await request.json()
+    ask = body["messages"][-1]["content"]
+    if ask == "too long":  # llama.cpp's server before its late-2025 rewrite: an `error:` field, then [DONE]
+        return _event_stream(b'error: {"code": 400, "message": "the request exceeds the available context size", '
+                             b'"type": "invalid_request_error"}\n\n' + _sse(b"[DONE]"))
+    if ask == "weather":  # TGI 2.4: delta.tool_calls one object; llama.cpp and TGI: arguments an object
+        fragments = [{"index": 0, "id": "call_1", "type": "function",
+                      "function": {"name": "get_weather", "arguments": {"location": "Paris"}}}]
+        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": fragments[0]}}]},
+                  {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}]
+        return _event_stream(_sse(*chunks, b"[DONE]"))
+    words = ["The", " sky", " is", " blue", "."]  # Ollama before 0.5.2: no usage, whatever was asked
+    chunks = [{"choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]} for w in words]
+    chunks[-1]["choices"][0]["finish_reason"] = "stop"
+    return _event_stream(_sse(*chunks, b"[DONE]"))
+
+
+async def test_what_other_servers_stream_is_read_as_they_meant_it(tiny_model_dir):
+    """llama.cpp's in-stream error was skipped (a 200, empty); a tool call streamed
+    as one object, or with its arguments as an object, was a 500 or lost its
+    arguments; a stream without usage told the client 0 completion tokens."""
+    async with _gateway_over_one(tiny_model_dir, _other_servers_ways, RouterConfig()) as (_, url, client, _):
+        def ask(content, **kw):
+            return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError, match="exceeds the available context size"):
+                answer = await ask("too long", stream=stream)
+                if stream:
+                    [chunk async for chunk in answer]
+        called = await ask("weather", tools=[{"type": "function", "function": {"name": "get_weather"}}])
+        (call,) = called.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"location": "Paris"})
+        plain = await ask("hi")
+        assert plain.choices[0].message.content == "The sky is blue."
+        assert plain.usage.completion_tokens == 5  # its deltas, a token each at least
+        streamed = [c async for c in await ask("hi", stream=True, stream_options={"include_usage": True})]
+        assert streamed[-1].usage.completion_tokens == 5
+        answer = await client.responses.create(model=MODEL, input="hi")
+        assert answer.output_text == "The sky is blue." and answer.usage.output_tokens == 5
+
+
+async def test_completions_logprobs_in_chats_shape_are_read(tiny_model_dir):
+    """llama.cpp's server streams completions logprobs in chat's shape ({"content":
+    [...]}); they were dropped: logprobs null on every chunk, empty lists whole."""
+    async def completions(request):
+        await request.read()
+        chunks = [{"choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": {"content": [
+            {"id": 1, "token": text, "bytes": list(text.encode()), "logprob": value,
+             "top_logprobs": [{"id": 1, "token": text, "bytes": list(text.encode()), "logprob": value}]}]}}]}
+            for text, value, finish in (("Hello", -0.1, None), (" world", -0.3, "length"))]
+        return _event_stream(_sse(*chunks, b"[DONE]"))
+
+    stub = web.Application()
+    stub.router.add_get("/v1/models", _models_while({"healthy": True}))
+    stub.router.add_post("/v1/completions", completions)
+    upstream = await start_server(stub)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)]))
+    gw = await start_server(app)
+    client = _client(gw.url)
+    try:
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+        whole = await client.completions.create(model=MODEL, prompt="Say", max_tokens=2, logprobs=1)
+        lp = whole.choices[0].logprobs
+        assert (lp.tokens, lp.token_logprobs, lp.text_offset) == (["Hello", " world"], [-0.1, -0.3], [0, 5])
+        chunks = [c async for c in await client.completions.create(model=MODEL, prompt="Say", max_tokens=2,
+                                                                    logprobs=1, stream=True)]
+        assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] \
+            == ["Hello", " world"]
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
