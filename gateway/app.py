@@ -37,7 +37,7 @@ from engine.config import ConfigError
 from engine.context import REQUEST_TYPES, WORKLOADS, RequestContext
 from gateway import errors
 from gateway.classify import ANONYMOUS, Classifier, Principal
-from gateway.config import ENGINE_REPLICA_NAME, KvgateConfig
+from gateway.config import ENGINE_REPLICA_NAME, MAX_TENANT_NAME, KvgateConfig
 from gateway.cors import Cors
 from gateway.dispatch import Dispatcher, Sub
 from gateway.engine_endpoints import EngineEndpoints
@@ -931,6 +931,9 @@ def _load_keys(config: KvgateConfig) -> dict[bytes, Principal]:
             raise ConfigError(f"KVGATE_API_KEYS: entry {number} has an empty key (before its first ':'); "
                               "the format is key[:tenant[:workload]],...")
         tenant, _, workload = (part.strip() for part in rest.partition(":"))
+        if len(tenant) > MAX_TENANT_NAME:
+            raise ConfigError(f"KVGATE_API_KEYS: entry {number} has a tenant name of {len(tenant)} characters; "
+                              f"at most {MAX_TENANT_NAME}")
         if workload and workload not in WORKLOADS:
             raise ConfigError(f"KVGATE_API_KEYS: workload {workload!r} for a key must be one of {', '.join(WORKLOADS)}")
         principal = Principal(tenant or "default", workload or None)

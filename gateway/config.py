@@ -25,12 +25,18 @@ from engine.config import (
 )
 
 
+# A tenant's name joins the client's cache_salt (at most 1,024) in the salt sent
+# to a `kvgate engine`, whose cap (8,192) both then fit under.
+MAX_TENANT_NAME = 1024
+
+
 class ApiKeyConfig(Section):
     # The bearer token clients send (Authorization: Bearer KEY).  Spaces around
     # it are dropped (HTTP drops them from the header, so no client could send them).
     key: str = Field(min_length=1)
-    # Tenant the key's requests are accounted to (classification, traces).
-    tenant: str = Field("default", min_length=1)
+    # Tenant the key's requests are accounted to (classification, traces).  Its name
+    # goes into every request's cache salt to a `kvgate engine`, which caps salts.
+    tenant: str = Field("default", min_length=1, max_length=MAX_TENANT_NAME)
     # None lets the classifier decide; otherwise the key fixes the workload.
     workload: Literal["to-c", "to-b", "multimodal"] | None = None
 

@@ -32,7 +32,8 @@ IMAGE_PLACEHOLDER = "<image>"
 _MAX_STOP = 4
 _MAX_STOP_TOKEN_IDS = 256
 _MAX_CACHE_SALT = 1024
-# What a gateway sends an engine: "tenant:LEN:NAME:" before the client's own salt.
+# What a gateway sends an engine: "tenant:LEN:NAME:" (a name of at most
+# gateway.config.MAX_TENANT_NAME) before the client's own salt.
 _MAX_ENGINE_CACHE_SALT = 8 * _MAX_CACHE_SALT
 _MAX_TOP_LOGPROBS_CHAT = 20
 _MAX_LOGPROBS_COMPLETIONS = 5

@@ -528,6 +528,20 @@ def test_an_empty_string_is_refused(tmp_path, key):
     assert ("leave the key out" in message) and ("null" in message or key == "model.cache_dir")
 
 
+def test_a_tenant_name_fits_in_the_salt_an_engine_takes(tmp_path, monkeypatch):
+    # Unbounded, a name of 8,000 characters made every request through a kvgate
+    # engine a 400 naming the cache_salt the client never sent.
+    from gateway.app import _load_keys
+
+    message = _config_error(tmp_path, f"server:\n  api_keys:\n    - key: sk-a\n      tenant: {'t' * 1025}\n")
+    assert message.startswith("c.yaml:4: server.api_keys.0.tenant: ") and "1024" in message, message
+    monkeypatch.setenv("KVGATE_API_KEYS", f"sk-a:{'t' * 1025}")
+    with pytest.raises(ConfigError, match="entry 1 has a tenant name of 1025 characters; at most 1024"):
+        _load_keys(KvgateConfig())
+    monkeypatch.setenv("KVGATE_API_KEYS", f"sk-a:{'t' * 1024}")
+    assert len(_load_keys(KvgateConfig())) == 1
+
+
 def test_an_empty_api_key_in_the_environment_is_refused(monkeypatch):
     # The config schema refuses `key: ""`; KVGATE_API_KEYS=":t1" registered one.
     from gateway.app import _load_keys
