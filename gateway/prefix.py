@@ -9,7 +9,7 @@ are handed to the engine with the request, so a prompt is tokenised once.
 from __future__ import annotations
 
 import logging
-from bisect import bisect_left
+from bisect import bisect_right
 from typing import Any, Callable, NamedTuple, Sequence
 
 from engine.block_hash import block_hashes, chain_salt, content_hash
@@ -106,19 +106,18 @@ class PrefixHasher:
         return list(zip(self._token_starts(rendered, places, namespace), map(content_hash, images)))
 
     def _token_starts(self, text: str, places: list[int], namespace: str) -> list[int]:
-        """How many of ``text``'s tokens start before each of ``places`` (ascending)."""
+        """How many of ``text``'s tokens end at or before each of ``places`` (ascending):
+        a token that runs into the placeholder (" <" in byte-level vocabularies)
+        counts with the image, so that the block holding it is told apart by it too."""
         if getattr(self.tokenizer, "is_fast", False):
             # One tokenisation, its character spans read (not cached: no piece of it is shared).
             spans = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-            starts = [start for start, _ in spans]
-            return [bisect_left(starts, place) for place in places]
-        # A tokenizer without spans: the text between two images tokenised once each.
-        out, total, previous = [], 0, 0
-        for place in places:
-            total += len(self.encode(text[previous:place], namespace))
-            out.append(total)
-            previous = place
-        return out
+            ends = [end for _, end in spans]
+            return [bisect_right(ends, place) for place in places]
+        # A tokenizer without spans (slow or remote-code ones): the text up to each
+        # image, tokenised whole (in pieces, merges across them would be lost and
+        # each image drift a token later), at a cost that grows with their number.
+        return [len(self.encode(text[:place], namespace)) for place in places]
 
     def signature(self, token_ids: Sequence[int]) -> int:
         """The prefix signature of a file request: a hash of its first tokens."""

@@ -541,6 +541,20 @@ def test_prefix_hasher_matches_engine_hash_and_images():
     assert p.mm_hashes[0][0] == len(ByteTokenizer().encode("<user>hello "))
 
 
+def test_a_token_running_into_an_image_placeholder_counts_with_the_image():
+    """Byte-level vocabularies hold " <" as one token: counted before the image, the
+    block holding it was not told apart by the image (shared by requests whose
+    images differ) when it ended a block."""
+    class Spans:  # "look <image>": "look", " <", "image", ">"
+        is_fast = True
+
+        def __call__(self, text, add_special_tokens, return_offsets_mapping):
+            return {"offset_mapping": [(0, 4), (4, 6), (6, 11), (11, 12)]}
+
+    hasher = PrefixHasher(Spans(), 4, "salt", lambda messages, namespace: [], lambda text, namespace: [])
+    assert hasher._token_starts("look <image>", [5], "") == [1]
+
+
 # ----------------------------------------------------------------------------- router
 
 
