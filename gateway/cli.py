@@ -63,6 +63,27 @@ def _as_stdout_error() -> Iterator[None]:
 OFFLINE_COMMANDS = ("replay", "tune", "synth")
 
 
+def console() -> None:
+    """The `kvgate` command: ``main()``, then the process's exit.  A model load cut
+    short by a signal goes on in its daemon thread, maybe inside torch: then the
+    process ends at once (logs and output flushed), without Python's shutdown,
+    which would abort on that thread or hang on a lock it holds."""
+    from gateway.startup_thread import abandoned
+
+    try:
+        code = main()
+    except SystemExit as exc:  # SIGTERM during start-up: 143
+        if not abandoned():
+            raise
+        code = exc.code if isinstance(exc.code, int) else 1
+    if abandoned():
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -798,4 +819,4 @@ def _run_synth(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -246,11 +246,13 @@ class InProcessReplica(Replica):
 
     async def start(self) -> None:
         if self.engine is None:
-            from engine.async_engine import AsyncEngine
-
             cfg = self.config
 
             def load():
+                # Imported here: torch's import takes seconds, which on the event loop
+                # would keep a SIGTERM or Ctrl-C waiting.
+                from engine.async_engine import AsyncEngine
+
                 # One load at a time: transformers sets torch's process-wide default
                 # dtype while it builds a model, so two loads in two threads race and
                 # leave some layers in the other one's dtype (bf16 vs float32 matmul
@@ -965,11 +967,13 @@ class RemoteReplica(Replica):
                             # non-streaming answer may start over elsewhere.
                             raise ReplicaStopping(f"replica {self.name} is shutting down")
                         status = in_stream_error_status(chunk)
-                        if status >= 500 and not produced:
+                        if status >= 500 and (not produced or not job.parsed.stream):
                             # Failed before a token (vLLM and SGLang answer 200, then the
-                            # error): another replica may well succeed, and if it does,
-                            # this failure counts toward this one's breaker.
-                            raise ReplicaAnswerFailed(f"replica {self.name} failed before its first token: "
+                            # error), or mid-answer for a client that has had nothing yet:
+                            # another replica may well succeed, and if it does, this
+                            # failure counts toward this one's breaker.
+                            when = "mid-answer" if produced else "before its first token"
+                            raise ReplicaAnswerFailed(f"replica {self.name} failed {when}: "
                                                       f"{UpstreamError(status, chunk)}", status, chunk)
                         raise UpstreamError(status, chunk)
                     batch = chunk_outputs(chunk, rid, chat)

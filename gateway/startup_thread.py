@@ -42,5 +42,28 @@ async def in_daemon_thread(fn: Callable[..., T], *args, name: str = "kvgate-star
         except RuntimeError:
             pass  # the loop has closed: the server stopped while this ran
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    thread = threading.Thread(target=_tracked(run), name=name, daemon=True)
+    _running.add(thread)
+    thread.start()
     return await future
+
+
+# Start-up threads still at work, for abandoned().
+_running: set[threading.Thread] = set()
+
+
+def _tracked(run: Callable[[], None]) -> Callable[[], None]:
+    def tracked() -> None:
+        try:
+            run()
+        finally:
+            _running.discard(threading.current_thread())
+    return tracked
+
+
+def abandoned() -> bool:
+    """Whether start-up work is still running that nobody waits for (a model load a
+    signal cut short).  It may be inside torch's C++ code: Python's own shutdown
+    would stop that thread mid-call (std::terminate, an abort) or wait for a lock
+    it holds (a hang), so the process must end without it (os._exit)."""
+    return any(thread.is_alive() for thread in _running)

@@ -279,6 +279,54 @@ def test_sigterm_during_a_slow_model_load_exits_at_once_with_143(monkeypatch):
         done.set()
 
 
+_LOADING_INSIDE_TORCH = """
+import pathlib, sys
+flag = sys.argv[1]
+import engine.async_engine
+from gateway import cli
+
+def load(*args, **kwargs):  # a long load: torch at work, the GIL let go, as a large model's
+    import torch
+    torch.set_num_threads(1)
+    a = torch.randn(400, 400)
+    pathlib.Path(flag).write_text("loading")
+    while True:
+        a = torch.mm(a, a).clamp_(-1, 1)
+
+engine.async_engine.AsyncEngine.from_config = staticmethod(load)
+sys.argv = ["kvgate", "serve", "--port", "0"]
+cli.console()
+"""
+
+
+def test_sigterm_while_torch_loads_the_model_exits_143_without_an_abort(tmp_path):
+    """The `kvgate` command, stopped while its model load runs inside torch: Python's
+    shutdown stopped the loading thread mid-call (std::terminate: "Fatal Python
+    error: Aborted", exit -6 every time here), or, with warnings shown, hung on a
+    lock it held.  It ends at once with 143 now."""
+    script, flag = tmp_path / "serve.py", tmp_path / "loading"
+    script.write_text(_LOADING_INSIDE_TORCH)
+    root = str(Path(__file__).resolve().parent.parent)
+    for _ in range(2):
+        flag.unlink(missing_ok=True)
+        proc = subprocess.Popen([sys.executable, str(script), str(flag)], cwd=root, stderr=subprocess.PIPE,
+                                env={**os.environ, "PYTHONPATH": root, "PYTHONWARNINGS": "default"})
+        try:
+            deadline = time.monotonic() + 60
+            while not flag.exists() and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+            assert flag.exists(), proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "no load"
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            err = proc.communicate(timeout=20)[1].decode()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 143, err[-2000:]
+        assert "SIGTERM during start-up: stopping" in err and "Fatal Python error" not in err, err[-2000:]
+
+
 def test_a_second_server_starting_at_the_same_moment_is_refused_the_port():
     # Both still loading their models: the first has its port, the second must not get it too.
     first = bind_sockets("127.0.0.1", 0)
