@@ -585,6 +585,8 @@ class Gateway:
             status = str(exc.status)
             if call is not None:
                 call.rename(exc)  # chat's field names, as this API calls them
+            if parsed is not None:
+                exc.request_id = parsed.id
             raise
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             if self.cutting and isinstance(exc, asyncio.CancelledError):

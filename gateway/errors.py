@@ -33,6 +33,9 @@ class ApiError(Exception):
         self.code = code
         self.retry_after = 1  # seconds, on a 429 or 503 (an upstream server's own, when relayed)
         self.relayed = False  # an upstream server's error, in its own words
+        # The completion's id once the request was read: the one its replicas were
+        # sent, so that the answer's x-request-id finds the request in their logs.
+        self.request_id: str | None = None
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -55,7 +58,7 @@ class ApiError(Exception):
             # aiohttp's lingering read (up to 10 s) has taken what the client still sends.
             resp.force_close()
         # As on every OpenAI response (the SDK's error.request_id); a completion's is its own id.
-        resp.headers["x-request-id"] = f"req-{getrandbits(96):024x}"
+        resp.headers["x-request-id"] = self.request_id or f"req-{getrandbits(96):024x}"
         return resp
 
 

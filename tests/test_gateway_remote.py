@@ -1581,6 +1581,47 @@ async def test_an_answer_that_fails_before_its_first_token_goes_to_another_repli
         assert all(r.healthy for r in gateway.replicas)
 
 
+async def test_a_non_streamed_answer_failed_mid_way_goes_to_another_replica(tiny_model_dir):
+    """A server's error event after some tokens was relayed as a 500 to a client
+    that had had nothing yet (README: such requests go to another replica); a
+    stream already under way ends with the error.  An error answer's x-request-id
+    is the completion id its replicas were sent (it was a fresh req- id, in no
+    replica's log)."""
+    seen = []
+
+    async def failing(request):
+        await request.read()
+        seen.append(request.headers.get("X-Request-Id"))
+        token = {"choices": [{"index": 0, "delta": {"content": "Fi"}, "finish_reason": None}]}
+        failure = {"error": {"message": "EngineCore encountered an issue", "type": "InternalServerError", "code": 500}}
+        return web.Response(body=_sse(token, failure, b"[DONE]"), content_type="text/event-stream")
+
+    router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=100)
+    messages = [{"role": "user", "content": "hi"}]
+    async with _gateway_over_pair(tiny_model_dir, failing, _answer_fine, ("bad", "good"), router) as (
+            gateway, url, client, _):
+        for _ in range(4):  # two of them to the failing replica first
+            assert (await client.chat.completions.create(model=MODEL, messages=messages)).choices[0].message.content \
+                == "Fine"
+        assert len(seen) == 2
+        failed_streams = 0
+        for _ in range(2):
+            parts = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+            try:
+                text = "".join([c.choices[0].delta.content or "" async for c in parts if c.choices])
+            except openai.APIError:
+                failed_streams += 1
+            else:
+                assert text == "Fine"
+        assert failed_streams == 1
+        assert gateway.router.inflight_requests == [0, 0]
+    async with _gateway_over_one(tiny_model_dir, failing, router) as (_, url, _, _):
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": messages}) as resp:
+                assert resp.status == 500 and resp.headers["x-request-id"] == seen[-1]
+                assert seen[-1].startswith("chatcmpl-")
+
+
 async def test_a_finished_answer_without_done_is_whole_and_leaves_the_replica_in(tiny_model_dir):
     """A server that closes the stream after every choice's finish_reason but
     without [DONE] (or with a [DONE] whose blank line EOF cut off) gave a whole
