@@ -86,8 +86,9 @@ class PrefixHasher:
         ``namespace``: the request's, as for its prompt (its text is no other tenant's to time).
 
         The offset is where the placeholder's tokens start in the tokenised
-        template text: deterministic, which is all block identity needs, since the
-        engine receives these pairs rather than recomputing them.  Found in one
+        template text (a token running into it included): deterministic, which is
+        all block identity needs, since the engine receives these pairs rather
+        than recomputing them.  Found in one
         pass over the text (tokenising it up to each image in turn made a request
         of thousands of tiny images cost seconds to minutes of the event loop).
         """

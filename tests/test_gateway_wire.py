@@ -324,10 +324,12 @@ async def test_errors_are_sdk_exceptions_and_server_survives(gw):
     with pytest.raises(openai.NotFoundError) as info:
         await client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     assert info.value.code == "model_not_found"
-    assert info.value.request_id.startswith("req-")  # errors carry x-request-id too, as OpenAI's do
+    # Errors carry x-request-id too, as OpenAI's do: once the request was read, the
+    # completion id its replicas would be sent; before, one of its own.
+    assert info.value.request_id.startswith("chatcmpl-")
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=5)
-    assert info.value.param == "temperature"
+    assert info.value.param == "temperature" and info.value.request_id.startswith("req-")
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4090)
     assert info.value.code == "context_length_exceeded"
