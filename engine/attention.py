@@ -220,7 +220,8 @@ def _unfit_by_config(config, max_model_len: int) -> str | None:
             return (f"some layers attend through {what} of {size} tokens, which the engine does not apply (it attends "
                     f"to the whole context): model.max_model_len at most {size} keeps every request inside it")
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    for params in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]):
+    # One set of parameters, or one per layer type (Gemma 3's).
+    for params in [p for p in rope.values() if isinstance(p, dict)] or [rope]:
         kind = params.get("rope_type", params.get("type"))
         if kind in _LENGTH_DEPENDENT_ROPE:
             # Where transformers switches factors: LongRoPE past its original length,
@@ -276,27 +277,29 @@ def check_paged_attention(model, device: torch.device, max_model_len: int) -> No
     except Exception:  # noqa: BLE001 - a config of an unusual shape: the forward's probe still judges it
         log.warning("could not read the model's config for what the engine does not apply", exc_info=True)
         unfit = None
-    if unfit is not None:
-        pass
-    elif not seen:
-        unfit = "its layers do not call transformers' attention interface (ALiBi models such as Bloom and MPT)"
-    elif any(kwargs.get("paged") is not sentinel for kwargs in seen.values()):
-        unfit = "its layers do not pass the engine's step keywords down to attention (as Falcon's)"
-    else:
-        for layer, kwargs in sorted(seen.items(), key=lambda item: str(item[0])):
-            window = kwargs.get("sliding_window")
-            if window is not None and window < max_model_len:
-                unfit = (f"layer {layer} attends through a sliding window of {window} tokens, which the engine does "
-                         f"not apply (it attends to the whole context): model.max_model_len at most {window} keeps "
-                         "every request inside it")
-                break
-            asked = next((name for name in _UNAPPLIED if kwargs.get(name) is not None), None)
-            if asked is not None:
-                unfit = f"layer {layer} asks for {_UNAPPLIED[asked]}, which the engine does not apply"
-                break
+    unfit = unfit or _unfit_by_probe(seen, sentinel, max_model_len)
     if unfit is not None:
         raise ConfigError(f"the kvgate engine cannot serve {kind} exactly: {unfit}; its answers would differ from the "
                           "model's own. Serve it with vLLM behind the gateway (deploy/vllm.md).", "model.path")
+
+
+def _unfit_by_probe(seen: dict, sentinel: object, max_model_len: int) -> str | None:
+    """What the probe's forward shows the engine does not apply, or None: ``seen``
+    holds each layer's keywords to attention, ``sentinel`` the ``paged=`` it was sent."""
+    if not seen:
+        return "its layers do not call transformers' attention interface (ALiBi models such as Bloom and MPT)"
+    if any(kwargs.get("paged") is not sentinel for kwargs in seen.values()):
+        return "its layers do not pass the engine's step keywords down to attention (as Falcon's)"
+    for layer, kwargs in sorted(seen.items(), key=lambda item: str(item[0])):
+        window = kwargs.get("sliding_window")
+        if window is not None and window < max_model_len:
+            return (f"layer {layer} attends through a sliding window of {window} tokens, which the engine does "
+                    f"not apply (it attends to the whole context): model.max_model_len at most {window} keeps "
+                    "every request inside it")
+        asked = next((name for name in _UNAPPLIED if kwargs.get(name) is not None), None)
+        if asked is not None:
+            return f"layer {layer} asks for {_UNAPPLIED[asked]}, which the engine does not apply"
+    return None
 
 
 _probes = itertools.count()

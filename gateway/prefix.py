@@ -104,9 +104,9 @@ class PrefixHasher:
                 found = len(rendered)
             places.append(found)
             pos = found + len(IMAGE_PLACEHOLDER)
-        return list(zip(self._token_starts(rendered, places, namespace), map(content_hash, images)))
+        return list(zip(self._tokens_before(rendered, places, namespace), map(content_hash, images)))
 
-    def _token_starts(self, text: str, places: list[int], namespace: str) -> list[int]:
+    def _tokens_before(self, text: str, places: list[int], namespace: str) -> list[int]:
         """How many of ``text``'s tokens end at or before each of ``places`` (ascending):
         a token that runs into the placeholder (" <" in byte-level vocabularies)
         counts with the image, so that the block holding it is told apart by it too."""

@@ -37,12 +37,14 @@ async def in_daemon_thread(fn: Callable[..., T], *args, name: str = "kvgate-star
             result, error = fn(*args), None
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
             result, error = None, exc
+        finally:
+            _running.discard(threading.current_thread())
         try:
             loop.call_soon_threadsafe(settle, result, error)
         except RuntimeError:
             pass  # the loop has closed: the server stopped while this ran
 
-    thread = threading.Thread(target=_tracked(run), name=name, daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     _running.add(thread)
     thread.start()
     return await future
@@ -50,15 +52,6 @@ async def in_daemon_thread(fn: Callable[..., T], *args, name: str = "kvgate-star
 
 # Start-up threads still at work, for abandoned().
 _running: set[threading.Thread] = set()
-
-
-def _tracked(run: Callable[[], None]) -> Callable[[], None]:
-    def tracked() -> None:
-        try:
-            run()
-        finally:
-            _running.discard(threading.current_thread())
-    return tracked
 
 
 def abandoned() -> bool:

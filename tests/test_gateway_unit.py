@@ -552,7 +552,7 @@ def test_a_token_running_into_an_image_placeholder_counts_with_the_image():
             return {"offset_mapping": [(0, 4), (4, 6), (6, 11), (11, 12)]}
 
     hasher = PrefixHasher(Spans(), 4, "salt", lambda messages, namespace: [], lambda text, namespace: [])
-    assert hasher._token_starts("look <image>", [5], "") == [1]
+    assert hasher._tokens_before("look <image>", [5], "") == [1]
 
 
 # ----------------------------------------------------------------------------- router
