@@ -172,7 +172,7 @@ def chunk_outputs(chunk: Any, rid: str, chat: bool) -> list[GenerationOutput]:
             batch.append(GenerationOutput(
                 rid, USAGE_ALL, [], "", None, None,
                 Usage(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")), _cached_tokens(usage),
-                      _detail(usage, "completion_tokens_details", "reasoning_tokens")),
+                      _reasoning_tokens(usage)),
             ))
     except (AttributeError, TypeError, KeyError) as exc:  # `data: null`, a choice that is a string, ...
         raise ValueError(f"not an OpenAI stream chunk: {exc}") from None
@@ -208,6 +208,13 @@ def _cached_tokens(usage: dict) -> int | None:
     unknown, which the client is told as it came and the hit ratio leaves out,
     not a whole-prompt miss."""
     return _detail(usage, "prompt_tokens_details", "cached_tokens")
+
+
+def _reasoning_tokens(usage: dict) -> int | None:
+    """The completion tokens a server counts as reasoning: OpenAI's (and vLLM's)
+    place, else SGLang's, which puts the count at usage's top level."""
+    within = _detail(usage, "completion_tokens_details", "reasoning_tokens")
+    return within if within is not None else _count_or_none(usage.get("reasoning_tokens"))
 
 
 def _count(value: object) -> int:

@@ -2934,6 +2934,9 @@ async def test_reasoning_through_the_responses_api_is_a_reasoning_item_and_goes_
     ``reasoning`` and ``reasoning_content``, before a tool call too, where chat
     templates show a model its earlier thinking."""
     seen = []
+    # vLLM counts reasoning tokens where OpenAI does; SGLang at usage's top level.
+    counted = ({"completion_tokens_details": {"reasoning_tokens": 5}} if field == "reasoning"
+               else {"reasoning_tokens": 5})
 
     async def thinks(request):
         seen.append(await request.json())
@@ -2942,14 +2945,14 @@ async def test_reasoning_through_the_responses_api_is_a_reasoning_item_and_goes_
         chunks += [{"choices": [{"index": 0, "delta": {"content": "Blue."}, "finish_reason": None}]},
                    {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
                    {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19,
-                                             "completion_tokens_details": {"reasoning_tokens": 5}}}]
+                                             **counted}}]
         return web.Response(body=_sse(*chunks) + b"data: [DONE]\n\n", content_type="text/event-stream")
 
     router = RouterConfig(policy="round-robin", health_interval_s=60)
     async with _gateway_over_pair(tiny_model_dir, thinks, thinks, ("a", "b"), router) as (gateway, _, client, _):
         whole = await client.responses.create(model=MODEL, input="Name a colour.")
         Response.model_validate(whole.to_dict())
-        # The server's count of reasoning tokens (vLLM's, with a reasoning parser) is passed on.
+        # The server's count of reasoning tokens (with a reasoning parser) is passed on.
         assert whole.usage.output_tokens_details.reasoning_tokens == 5 and whole.usage.output_tokens == 7
         chat = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Colour?"}])
         assert chat.usage.completion_tokens_details.reasoning_tokens == 5
