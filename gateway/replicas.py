@@ -48,6 +48,7 @@ from gateway.router import ApproxIndex, BackendLoad, ExactIndex
 from gateway.startup_thread import in_daemon_thread
 from gateway.upstream import (
     DONE_EVENT,
+    USAGE_ALL,
     KNOWN_LOAD_METRICS,
     chunk_outputs,
     header_count,
@@ -943,6 +944,8 @@ class RemoteReplica(Replica):
         resp = await self._post(path, body, headers, started)
         self._live[resp] = 0.0
         produced = False
+        answered = False  # a choice's output came (not only usage)
+        held: list[GenerationOutput] = []  # usage that came before it
         finished: set[int] = set()  # choice indexes with a finish_reason
         try:
             if resp.status != 200:
@@ -978,9 +981,18 @@ class RemoteReplica(Replica):
                         raise UpstreamError(status, chunk)
                     batch = chunk_outputs(chunk, rid, chat)
                     finished.update(o.index for o in batch if o.finish_reason is not None)
+                    if not answered:
+                        if all(o.index == USAGE_ALL for o in batch):
+                            # Usage before any choice is no answer yet: held, so that a
+                            # stream ending here is retried as one that sent nothing.
+                            held += batch
+                            continue
+                        answered = True
+                        # A 200 alone is not success (an error event may follow), nor usage alone.
+                        self._forgive(requests=True)
+                        batch = held + batch
                     if batch:
                         if not produced:
-                            self._forgive(requests=True)  # a 200 alone is not success: an error event may follow
                             batch[0].queue_time_s = queue_time
                             batch[0].cached_tokens = cached
                         produced = True
@@ -996,6 +1008,10 @@ class RemoteReplica(Replica):
                 # EOF without [DONE] before every choice finished: a silent
                 # truncation would look like a complete answer to the client.
                 raise _EndedEarly(f"replica {self.name} closed the stream before [DONE]")
+            if not answered:
+                # [DONE] with no choice at all (every server sends at least a
+                # finish_reason): an empty 200 would pass for the model's answer.
+                raise _EndedEarly(f"replica {self.name} ended the stream without an answer")
         except aiohttp.ServerTimeoutError as exc:
             # A request silent that long while the replica serves others (a deep
             # queue delays several at once) is not counted toward the breaker, whose

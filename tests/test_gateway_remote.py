@@ -1581,6 +1581,37 @@ async def test_an_answer_that_fails_before_its_first_token_goes_to_another_repli
         assert all(r.healthy for r in gateway.replicas)
 
 
+async def test_a_stream_that_ends_without_an_answer_goes_to_another_replica(tiny_model_dir):
+    """A server that ends its stream with [DONE] and no choice (at most usage)
+    answered nothing: it was an empty 200, passed off as the model's answer.  It
+    is retried elsewhere and counts toward the server's breaker."""
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}}
+    empties = []
+
+    async def empty(request):
+        await request.read()
+        empties.append(b"" if len(empties) % 2 == 0 else _sse(usage))
+        return web.Response(body=empties[-1] + b"data: [DONE]\n\n", content_type="text/event-stream")
+
+    router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=2)
+    messages = [{"role": "user", "content": "hi"}]
+    async with _gateway_over_pair(tiny_model_dir, empty, _answer_fine, ("empty", "good"), router) as (
+            gateway, _, client, _):
+        for stream in (False, True, False, True):
+            if stream:
+                parts = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+                chunks = [c async for c in parts]
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                assert chunks[-1].choices[0].finish_reason == "stop"
+            else:
+                answer = await client.chat.completions.create(model=MODEL, messages=messages)
+                text = answer.choices[0].message.content
+                assert answer.choices[0].finish_reason == "stop"
+            assert text == "Fine"
+        assert len(empties) == 2 and gateway.replicas[0].trips == 1  # both empty answers counted
+        assert gateway.router.inflight_requests == [0, 0]
+
+
 async def test_a_non_streamed_answer_failed_mid_way_goes_to_another_replica(tiny_model_dir):
     """A server's error event after some tokens was relayed as a 500 to a client
     that had had nothing yet (README: such requests go to another replica); a
@@ -2036,7 +2067,7 @@ async def test_a_non_streaming_answer_cut_with_nowhere_to_restart_is_still_recor
 
 async def test_a_restart_that_ends_empty_leaves_one_record(tiny_model_dir, tmp_path):
     """The first replica is cut mid-answer, the restart's replica ends its
-    stream at once ([DONE] and nothing else): one request, one record."""
+    stream at once (an empty choice's finish, then [DONE]): one request, one record."""
     calls = []
 
     async def scripted(request):
@@ -2049,7 +2080,7 @@ async def test_a_restart_that_ends_empty_leaves_one_record(tiny_model_dir, tmp_p
             await asyncio.sleep(0.1)
             request.transport.close()
             return resp
-        await resp.write(b"data: [DONE]\n\n")
+        await resp.write(_sse({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}, b"[DONE]"))
         return resp
 
     path = tmp_path / "served.jsonl"
