@@ -59,6 +59,8 @@ class LimitsConfig(Section):
     max_n: int = Field(8, ge=1)
     # Upper bound on the number of chat messages in one request.
     max_messages: int = Field(1024, ge=1)
+    # Upper bound on the images in one chat request (OpenAI's is 500 a request).
+    max_images: int = Field(500, ge=0)
     # Upper bound on the number of prompts in one /v1/completions request.
     max_prompts: int = Field(64, ge=1)
     # Upper bound on the sequences one request asks for: prompts x n (each is

@@ -471,7 +471,7 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
         if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
             # A tool's answer names the call it answers; OpenAI refuses one that does not.
             raise bad_request(f"Missing required parameter: '{where}.tool_call_id'.", f"{where}.tool_call_id")
-        text = _content_text(req, msg.get("content"), where, mapped)
+        text = _content_text(req, msg.get("content"), where, mapped, limits)
         entry = {"role": mapped, "content": text}
         if mapped == "user":
             req.user_turns += 1
@@ -523,7 +523,7 @@ def _template_tool_calls(calls: Any, where: str) -> list[dict]:
     return out
 
 
-def _content_text(req: ParsedRequest, content: Any, where: str, role: str) -> str:
+def _content_text(req: ParsedRequest, content: Any, where: str, role: str, limits: LimitsConfig) -> str:
     if isinstance(content, str):
         return content
     if content is None:
@@ -557,6 +557,11 @@ def _content_text(req: ParsedRequest, content: Any, where: str, role: str) -> st
             if not _is_image_url(url):
                 raise bad_request(f"Invalid '{pwhere}.image_url.url': expected an http(s) URL or a base64 data URL of "
                                   "an image (data:image/png;base64,...).", f"{pwhere}.image_url.url", "invalid_value")
+            if len(req.images) == limits.max_images:
+                # Each image is hashed and, in the prompt, spans tokens of its own: a
+                # bound on one request's cost, as vLLM's --limit-mm-per-prompt.
+                raise bad_request(f"Too many images: more than {limits.max_images} in one request. "
+                                  f"This server allows at most {limits.max_images}.", pwhere)
             req.images.append(_image_source(url))
             pieces.append(IMAGE_PLACEHOLDER)
         else:

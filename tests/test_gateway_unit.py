@@ -173,6 +173,27 @@ def test_limits():
     assert info.value.param == "n"
     with pytest.raises(ApiError):
         parse_json(b"{not json")
+
+
+def test_images_in_one_request_are_bounded():
+    """Each image is hashed and spans prompt tokens of its own: with no bound, one
+    request could carry hundreds of thousands (vLLM: --limit-mm-per-prompt)."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    two_messages = [{"role": "user", "content": [image, image]}, {"role": "user", "content": [image]}]
+    body = {"model": "m", "messages": two_messages}
+    assert len(parse_request(CHAT, body, LimitsConfig(max_images=3)).images) == 3
+    with pytest.raises(ApiError) as info:
+        parse_request(CHAT, body, LimitsConfig(max_images=2))
+    assert info.value.status == 400 and info.value.param == "messages[1].content[0]"
+    assert info.value.message == "Too many images: more than 2 in one request. This server allows at most 2."
+    # OpenAI's bound by default.
+    assert len(parse_request(CHAT, {"model": "m", "messages": [
+        {"role": "user", "content": [image] * 500}]}, LimitsConfig()).images) == 500
+    with pytest.raises(ApiError):
+        parse_request(CHAT, {"model": "m", "messages": [{"role": "user", "content": [image] * 501}]}, LimitsConfig())
+    # 0: a text-only service refuses every image.
+    with pytest.raises(ApiError):
+        parse_request(CHAT, {"model": "m", "messages": two_messages[1:]}, LimitsConfig(max_images=0))
     with pytest.raises(ApiError):
         parse_json(b"\xff\xfe\xfa")
     with pytest.raises(ApiError):
