@@ -319,6 +319,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             raise CliError("--record-trace: give a file path")
         config.server.record_trace = os.path.expanduser(args.record_trace)  # "~/x" quoted, as the config's
     recording = config.server.record_trace
+    made: list[str] = []  # what the check below created: gone again if the server does not start
     if recording:  # now, not after the model has loaded
         # The flag's errors name it; the config file's start at its FILE:LINE.
         flag = "--record-trace" if args.record_trace else located(args.config, "server.record_trace") + "server.record_trace"
@@ -332,6 +333,12 @@ def _run_serve(args: argparse.Namespace) -> int:
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing):  # makedirs would say "File exists", which names no culprit
             raise CliError(f"{flag}: cannot write {recording}: {existing} is a file, not a folder")
+        parent = folder
+        while parent != existing:
+            made.append(parent)
+            parent = os.path.dirname(parent)
+        if not os.path.exists(recording):
+            made.insert(0, recording)
         try:
             # What the recorder will do at start: its folder, and a file it can write.
             os.makedirs(folder, exist_ok=True)
@@ -343,10 +350,25 @@ def _run_serve(args: argparse.Namespace) -> int:
             logging.getLogger("kvgate").info("created %s for the recording", folder)
     from gateway.server import run_gateway
 
-    with _startup_errors(args.config, _listen_flags(args)):
-        run_gateway(config, config.server.host if args.host is None else args.host,
-                    args.port if args.port is not None else config.server.port, args.replica)
+    try:
+        with _startup_errors(args.config, _listen_flags(args)):
+            run_gateway(config, config.server.host if args.host is None else args.host,
+                        args.port if args.port is not None else config.server.port, args.replica)
+    except CliError:
+        _remove_unused(made)  # a start that failed (the port taken, the model) recorded nothing
+        raise
     return 0
+
+
+def _remove_unused(paths: Sequence[str]) -> None:
+    """The empty file and then the folders the recording's check made, each only
+    while still empty (innermost first)."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if os.path.isdir(path):
+                os.rmdir(path)  # refuses a folder that is not empty
+            elif os.path.getsize(path) == 0:
+                os.unlink(path)
 
 
 def _run_engine(args: argparse.Namespace) -> int:

@@ -638,6 +638,27 @@ def test_a_listen_address_is_named_at_its_line_unless_a_flag_gave_it(tmp_path, c
         assert capsys.readouterr().err.startswith(f"kvgate: {path}:3: cannot start: cannot resolve host")
 
 
+def test_a_failed_start_leaves_no_recording_behind(tmp_path, capsys, monkeypatch):
+    """The recording's path is checked (its folders made, its file opened) before
+    the port is bound: a start that then failed left an empty file and the
+    folders behind.  What was there before stays as it was."""
+    monkeypatch.setattr(engine.async_engine, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text('{"chat_id": 1}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.touch()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        new = tmp_path / "recordings" / "day" / "served.jsonl"
+        for recording in (new, earlier, empty):
+            assert main(["serve", "--host", "127.0.0.1", "--port", port, "--record-trace", str(recording)]) == 2
+            assert "in use" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.jsonl", "empty.jsonl"]
+    assert earlier.read_text() == '{"chat_id": 1}\n' and empty.stat().st_size == 0
+
+
 def test_a_kv_cache_beyond_the_machine_is_refused_before_allocating(tmp_path, monkeypatch, tiny_model_dir):
     """On CPU both tiers are RAM: past what is available, an allocator's error or the OOM killer."""
     from engine import memory
