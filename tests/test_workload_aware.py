@@ -15,6 +15,9 @@ from engine.policies import NoEvictableBlock, make_policy
 from engine.policies.reuse_model import ReuseModel, fit_lambda, fit_mixture
 from engine.policies.rhythm import TopicSwitchDetector, TrafficRhythm
 from engine.policies.workload_aware import WorkloadAwarePolicy, paper_priority, posterior_reuse
+from engine.request import GenerationRequest
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
 
 
 def ctx(workload="to-c", rtype="text", turn=1, session=None, ts=0.0, blocks=1, tokens=100, chat_id=-1):
@@ -718,6 +721,42 @@ def test_fallback_to_lru_on_an_adversarial_stream_and_back():
     assert policy.state()["active"] == "wa"
     state = policy.state()
     assert set(state) >= {"active", "fallbacks", "reuse_alarm", "traffic_spike"}
+
+
+def test_fallback_to_lru_in_the_engines_call_order():
+    """The engine acquires a prompt's cached prefix at admission and publishes its
+    other blocks after the model step, with other requests' calls between: the
+    shadow LRU's hits past the real cache's were never counted, so it could never
+    be seen ahead and the fallback never fired in a live engine (only in replay,
+    which touches a request's blocks in one go).  The stream of the test above,
+    through the real scheduler, two requests admitted per step."""
+    cfg = WorkloadAwareConfig.model_validate({
+        "weights": {"reuse": 0.0, "spatial": 1.0, "lifetime": 0.0}, "position_classes": 2,
+        "rhythm": {"enabled": False}, "topic_switch": {"enabled": False}, "shared_class": False,
+        "fallback": {"window_s": 60.0, "check_interval_s": 10.0, "min_accesses": 100, "margin": 0.05, "sustain_s": 30.0},
+        "alarm": {"window_s": 60.0, "min_accesses": 1},
+    })
+    bs = 4
+    pool = BlockPool(40, 0, "wa", CacheConfig(workload_aware=cfg))
+    clock = [0.0]
+    scheduler = Scheduler(pool, bs, max_num_seqs=8, max_batched_tokens=256, clock=lambda: clock[0], tenant_fair=False)
+    seq_id, one_off = 0, 10_000
+    while clock[0] < 200.0:
+        for i in range(8):
+            clock[0] += 0.5
+            admitted = []
+            # A one-off prompt, then a hot one: two full blocks and a token each.
+            for tokens, chat_id in (([one_off * 10 + j for j in range(9)], one_off),
+                                    ([1000 + 10 * i + j for j in range(9)], i)):
+                context = RequestContext(prompt_blocks=2, prompt_tokens=9, timestamp=clock[0], chat_id=chat_id)
+                admitted.append(Sequence(seq_id, GenerationRequest(f"r{seq_id}", tokens, context=context), 0, bs, "x"))
+                scheduler.add(admitted[-1])
+                seq_id += 1
+            one_off += 2
+            scheduler.after_step(scheduler.schedule())  # prefix acquired, then the computed blocks published
+            for seq in admitted:
+                scheduler.finish(seq, "stop")
+    assert pool.device_policy.state()["fallbacks"] >= 1
 
 
 def test_reuse_alarm_raised_and_logged(caplog):

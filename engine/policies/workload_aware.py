@@ -664,8 +664,9 @@ class WorkloadAwarePolicy(EvictionPolicy):
         self._blocks = 1
         self._boost = 1.0
         self._cat_cache: dict[tuple, int] = {}
-        # id(ctx) -> [ctx, session, switch, base, last offset, last key]: the
-        # classification of recent requests and where each one's calls stopped.
+        # id(ctx) -> [ctx, session, switch, base, last offset, last key, leads]: the
+        # classification of recent requests, where each one's calls stopped, and
+        # its prefix runs then (_lead, _lead_lru, _lead_wa, _alarm_lead).
         self._recent: OrderedDict[int, list] = OrderedDict()
         self._lead = self._lead_lru = self._lead_wa = False
         # The alarm's own prefix: prompt blocks only, and a block promoted from the
@@ -879,6 +880,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
             if entry is not None and entry[0] is left:
                 entry[4] = self._offset
                 entry[5] = self._key
+                entry[6] = (self._lead, self._lead_lru, self._lead_wa, self._alarm_lead)
         self._ctx = ctx
         self._offset = offset - 1
         self._key = None
@@ -886,10 +888,17 @@ class WorkloadAwarePolicy(EvictionPolicy):
         # admitted again, take its prefix from offset 0 once more.
         known = recent.get(id(ctx))
         if known is not None and known[0] is ctx:
-            _, self._session, self._switch, self._base, last_offset, last_key = known
+            _, self._session, self._switch, self._base, last_offset, last_key, leads = known
             if last_offset == offset - 1:
+                # Resumed where it stopped: the engine acquires a prompt's cached
+                # prefix at admission and publishes the rest after a model step,
+                # with other requests' calls between.  Its runs go on, or the
+                # shadow LRU's hits past the real cache's would never count (and
+                # the fallback could never find the policy losing).
                 self._key = last_key
-            self._lead = self._lead_lru = self._lead_wa = self._alarm_lead = False
+                self._lead, self._lead_lru, self._lead_wa, self._alarm_lead = leads
+            else:
+                self._lead = self._lead_lru = self._lead_wa = self._alarm_lead = False
         else:
             self._arrival(ctx, first_key, now)
         self._workload, self._type = ctx.workload, ctx.type
@@ -934,7 +943,7 @@ class WorkloadAwarePolicy(EvictionPolicy):
             base = (workload, rtype, turn, slot)
         self._session, self._switch, self._base = session, switch, base
         recent = self._recent
-        recent[id(ctx)] = [ctx, session, switch, base, -1, None]
+        recent[id(ctx)] = [ctx, session, switch, base, -1, None, (False,) * 4]
         if len(recent) > 1024:
             recent.popitem(last=False)
 
