@@ -48,8 +48,9 @@ from gateway.router import ApproxIndex, BackendLoad, ExactIndex
 from gateway.startup_thread import in_daemon_thread
 from gateway.upstream import (
     DONE_EVENT,
-    USAGE_ALL,
     KNOWN_LOAD_METRICS,
+    USAGE_ALL,
+    answer_events,
     chunk_outputs,
     header_count,
     header_seconds,
@@ -959,7 +960,7 @@ class RemoteReplica(Replica):
                 queue_time = header_seconds(resp.headers.get(QUEUE_TIME_HEADER))
                 cached = header_count(resp.headers.get(CACHED_TOKENS_HEADER))
             try:
-                async for _event, chunk in sse_events(resp.content):
+                async for _event, chunk in answer_events(resp):
                     if chunk is DONE_EVENT:
                         ended = True
                         break

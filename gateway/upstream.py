@@ -297,6 +297,31 @@ async def sse_events(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[str, A
         yield event, DONE_EVENT if payload == b"[DONE]" else _as_event(event, json.loads(payload))
 
 
+async def answer_events(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[str, Any]]:
+    """A 200's events: its SSE stream, or a server's whole JSON answer read as
+    the same events (a server that ignored ``stream``, or put its error in a 200):
+    the completion as one chunk, then ``[DONE]``; an error as an error event."""
+    if resp.content_type != "application/json":
+        async for item in sse_events(resp.content):
+            yield item
+        return
+    body = bytearray()
+    async for piece in resp.content.iter_any():
+        body += piece
+        if len(body) > SSE_MAX_LINE_BYTES:
+            raise ValueError(f"a JSON answer longer than {SSE_MAX_LINE_BYTES} bytes")
+    answer = json.loads(body)
+    if isinstance(answer, dict) and isinstance(answer.get("choices"), list):
+        # A chat choice's message is what a chunk's delta carries, whole.
+        answer = {**answer, "choices": [
+            {**{k: v for k, v in choice.items() if k != "message"}, "delta": choice["message"]}
+            if isinstance(choice, dict) and "message" in choice else choice for choice in answer["choices"]]}
+        yield "message", answer
+        yield "message", DONE_EVENT
+        return
+    yield "message", answer  # an error, read as one; anything else is no chunk
+
+
 def _as_event(event: str, data: Any) -> Any:
     """An ``error:`` line's flat {"code", "message", "type"} as OpenAI's error event."""
     if event == "error" and isinstance(data, dict) and "error" not in data:

@@ -1612,6 +1612,46 @@ async def test_a_stream_that_ends_without_an_answer_goes_to_another_replica(tiny
         assert gateway.router.inflight_requests == [0, 0]
 
 
+async def test_a_whole_json_answer_to_a_streamed_request_is_read(tiny_model_dir):
+    """A server that ignores ``stream`` answers 200 with the whole completion as
+    JSON, and some put an error in a 200 JSON body: both were read as a stream
+    without events, a 503 "no healthy replica" to the client, counted toward the
+    server's breaker.  The completion is the answer (streamed to a client that
+    asked so); the error is the client's (4xx) or retried elsewhere (5xx)."""
+    state = {"answer": "whole"}
+    whole = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": MODEL,
+             "choices": [{"index": 0, "message": {"role": "assistant", "content": "Whole."}, "finish_reason": "stop",
+                          "logprobs": None}],
+             "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}}
+    errors = {"client": ({"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}),
+              "server": ({"error": {"message": "engine died", "type": "InternalServerError", "code": 500}})}
+
+    async def json_answers(request):
+        await request.read()
+        return web.json_response(whole if state["answer"] == "whole" else errors[state["answer"]])
+
+    router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=100)
+    messages = [{"role": "user", "content": "hi"}]
+    async with _gateway_over_pair(tiny_model_dir, json_answers, json_answers, ("a", "b"), router) as (
+            gateway, _, client, _):
+        answer = await client.chat.completions.create(model=MODEL, messages=messages)
+        assert answer.choices[0].message.content == "Whole." and answer.choices[0].finish_reason == "stop"
+        assert answer.usage.completion_tokens == 2
+        parts = [c async for c in await client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                                                      stream_options={"include_usage": True})]
+        assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == "Whole."
+        assert parts[-1].usage.completion_tokens == 2
+        state["answer"] = "client"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, messages=messages)
+        assert info.value.body["message"] == "prompt too long"
+        state["answer"] = "server"
+        with pytest.raises(openai.InternalServerError) as failed:
+            await client.with_options(max_retries=0).chat.completions.create(model=MODEL, messages=messages)
+        assert failed.value.body["message"] == "engine died"  # both tried, the last one's words
+        assert all(r.healthy and r.trips == 0 for r in gateway.replicas)
+
+
 async def test_a_non_streamed_answer_failed_mid_way_goes_to_another_replica(tiny_model_dir):
     """A server's error event after some tokens was relayed as a 500 to a client
     that had had nothing yet (README: such requests go to another replica); a
