@@ -85,10 +85,11 @@ class WaitQueue:
         """Each tenant's earliest waiting sequence."""
         return [queue[0] for queue in self._queues.values()]
 
-    def fairest(self, running: Counter) -> Sequence:
-        """The earliest sequence of a tenant with the fewest sequences ``running``."""
-        return min((queue[0] for queue in self._queues.values()),
-                   key=lambda seq: (running[_tenant(seq)], seq.wait_order))
+    def by_fairness(self, running: Counter) -> list[Sequence]:
+        """Each tenant's earliest sequence, the tenants with the fewest sequences
+        ``running`` first (the earliest first among equals)."""
+        return sorted((queue[0] for queue in self._queues.values()),
+                      key=lambda seq: (running[_tenant(seq)], seq.wait_order))
 
     def remove(self, seq: Sequence) -> None:
         tenant = _tenant(seq)
@@ -205,22 +206,24 @@ class Scheduler:
         waiting = self.waiting
         running: Counter | None = None  # sequences running per tenant, counted once tenants compete
         while waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = waiting.head()
-            count = None
+            earliest = waiting.head()
             if self.tenant_fair and waiting.tenants > 1:
                 if running is None:
                     running = Counter(_tenant(s) for s in self.running)
-                fair = waiting.fairest(running)
-                if fair is not seq:
-                    count = self._admit(fair, budget, now)
-                    if count is not None:
-                        seq = fair
-            if count is None:
-                # The earliest, also when the fair pick lacks blocks: a request that
-                # does not fit yet must not keep out earlier ones that do.
+                # Each tenant's head, the fewest running first, up to the earliest of
+                # all: one that lacks blocks must not keep out the next tenant's that
+                # fits (tenant-fair would be first come, first served whenever one
+                # large request waits), nor later ones the earliest (which must not starve).
+                candidates = waiting.by_fairness(running)
+                candidates = candidates[:candidates.index(earliest) + 1]
+            else:
+                candidates = [earliest]
+            for seq in candidates:
                 count = self._admit(seq, budget, now)
-                if count is None:
+                if count is not None:
                     break
+            else:
+                break
             waiting.remove(seq)
             if running is not None:
                 running[_tenant(seq)] += 1

@@ -665,6 +665,27 @@ def test_the_fair_pick_lacking_blocks_keeps_out_no_earlier_request_that_fits():
     assert admitted == small and big in scheduler.waiting and len(scheduler.waiting) == 1
 
 
+def test_a_fair_pick_lacking_blocks_lets_the_next_tenant_that_fits_in():
+    """Tenants with nothing running, one whose request does not fit yet and one
+    whose request does: the second was kept behind the first tenant's backlog too
+    (first come, first served took over from the fair pick that lacked blocks).
+    The earliest request of all still goes before later ones that overtake it."""
+    from engine.block_pool import BlockPool
+    from engine.scheduler import Scheduler
+
+    bs = 16
+    pool = BlockPool(64, 0, "lru")
+    scheduler = Scheduler(pool, bs, 16, 8192, clock=lambda: 0.0, tenant_fair=True)
+    _waiting(scheduler, "hog", "acme", bs * 58)
+    scheduler.after_step(scheduler.schedule())  # acme runs one sequence on 58 of the 64 blocks
+    backlog = [_waiting(scheduler, f"a{i}", "acme", bs * 2) for i in range(3)]  # two blocks each
+    big = _waiting(scheduler, "b", "globex", 200)  # 13 blocks: does not fit yet
+    small = _waiting(scheduler, "c", "initech", bs * 2)  # fits
+    admitted = [seq for seq, _ in scheduler.schedule()[1:]]
+    # initech first (nothing running, fits), then acme's earliest in the blocks left.
+    assert admitted == [small, backlog[0], backlog[1]] and big in scheduler.waiting
+
+
 def test_a_tenant_holding_every_slot_gives_one_up_to_a_tenant_waiting():
     """Admission alone left a waiting tenant until the other's sequences ended (a
     review measured 13 s at max_tokens 40, minutes at 2,000): with every slot
