@@ -66,7 +66,8 @@ class TuneResult:
     elapsed_s: float
     stopped: str  # "converged", "round limit", "time limit", "evaluation limit", "interrupted"
     skipped: list[str] = field(default_factory=list)  # search keys this config does not have
-    holdout: dict[str, float] | None = None  # lru / start / best on the held-out tail
+    # lru / start / best on the held-out tail (and configured: the config's policy when neither wa nor lru)
+    holdout: dict[str, float] | None = None
     # Whether every candidate of the first round was tried: before that, the best
     # so far is a guess from a few settings, not a search result.
     first_round_done: bool = True
@@ -194,9 +195,11 @@ class _Runner:
         def mean(values: list[float]) -> float:
             return sum(values) / len(values) if values else 0.0
 
-        # The check replays lru once and wa twice on a tail of held_share x the search part;
-        # a quarter more, as a cold cache on a tail need not replay at the head's pace.
-        return 1.25 * (mean(self.seconds["lru"]) + 2 * mean(self.seconds["wa"])) * self.held_share
+        # The check replays lru once, wa twice and the config's other policy once on a tail
+        # of held_share x the search part; a quarter more, as a cold cache on a tail need
+        # not replay at the head's pace.
+        served = mean(self.seconds[self.base.policy]) if self.base.policy not in ("wa", "lru") else 0.0
+        return 1.25 * (mean(self.seconds["lru"]) + 2 * mean(self.seconds["wa"]) + served) * self.held_share
 
     def out_of_budget(self) -> str | None:
         if time.monotonic() >= self.search_deadline():
@@ -331,7 +334,7 @@ def _extend_grids(knobs: Space, best: Evaluation) -> None:
 
 def _check_holdout(run: _Runner, check: Trace, start: Evaluation,
                    descent: _Descent) -> tuple[dict[str, float] | None, str | None]:
-    """LRU, the starting and the tuned settings replayed on the held-out tail from
+    """LRU, the starting and the tuned settings (and the config's policy, if another) replayed on the held-out tail from
     a cold cache.  The search stopped early enough to leave the time this takes,
     and it always runs to its end (only Ctrl-C stops it): a search cut by the time
     limit is the very one whose result needs the check."""
@@ -350,6 +353,8 @@ def _check_holdout(run: _Runner, check: Trace, start: Evaluation,
         # Unchanged settings need no second replay (time the limit may not have).
         same = descent.best.settings == start.settings
         held["best"] = held["start"] if same else held_ratio("wa", descent.best.settings)
+        if run.base.policy not in ("wa", "lru"):
+            held["configured"] = held_ratio(run.base.policy, {})  # what a switch would give up
         return held, None
     except KeyboardInterrupt:
         descent.stopped = "interrupted"
@@ -433,8 +438,9 @@ def format_report(result: TuneResult, trace_name: str, requests: int, unique_blo
                      "and using them switches the policy")
     if result.holdout is not None:
         h = result.holdout
-        lines.append(f"# held-out tail (cold cache): lru {h['lru']:.4f}, starting {h['start']:.4f}, tuned {h['best']:.4f} "
-                     f"({pts(h['best'], h['start'])} vs starting)")
+        served = f", {result.configured_policy} {h['configured']:.4f}" if "configured" in h else ""
+        lines.append(f"# held-out tail (cold cache): lru {h['lru']:.4f}{served}, starting {h['start']:.4f}, "
+                     f"tuned {h['best']:.4f} ({pts(h['best'], h['start'])} vs starting)")
     elif result.holdout_skipped:
         lines.append(f"# held-out tail not checked ({result.holdout_skipped})")
     if result.skipped:
@@ -469,6 +475,16 @@ def _doubt(result: TuneResult) -> str | None:
         return "the searched requests reuse no block, so no setting can make a difference"
     if result.lru == result.start.hit_ratio == result.best.hit_ratio == 0:
         return "no setting scored a hit at this capacity (too small to keep a prefix until it is reused)"
+    if result.configured_policy != "wa":
+        # The snippet switches the policy: only for one that beats what the config serves.
+        policy = result.configured_policy
+        served = result.lru if result.configured is None else result.configured
+        if result.best.hit_ratio <= served:
+            return f"tuned wa ({result.best.hit_ratio:.4f}) does not beat the config's {policy} ({served:.4f})"
+        if result.holdout is not None:
+            tail = result.holdout.get("configured", result.holdout["lru"])
+            if result.holdout["best"] <= tail:
+                return f"tuned wa does not beat the config's {policy} on the held-out tail"
     if result.holdout is not None:
         # The held-out tail has the last word, even on a short search.
         if result.holdout["best"] < result.holdout["start"]:

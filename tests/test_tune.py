@@ -103,6 +103,31 @@ def test_report_warns_when_the_held_out_tail_disagrees():
     assert yaml.safe_load(winning) == {"cache": {"policy": "wa", "workload_aware": {"weights": {"spatial": 0.5}}}}
 
 
+def test_report_keeps_the_configs_policy_when_tuned_wa_does_not_beat_it():
+    """The snippet switches a config that serves another policy to wa: it did so
+    even when its own figures showed wa below that policy (s3fifo 0.0874 against
+    tuned wa 0.0585 on a slice of the Mooncake trace)."""
+    def report(policy: str, configured: float | None, **extra) -> str:
+        lru = 0.30 if policy == "lru" else 0.20
+        result = TuneResult(100, 0, lru, Evaluation({}, 0.25), Evaluation({"weights.spatial": 0.5}, 0.27), 10, 1, 1.0,
+                            "converged", configured_policy=policy, configured=configured, **extra)
+        return format_report(result, "t.jsonl", 50, 1000)
+
+    for policy, configured in (("s3fifo", 0.28), ("lru", None)):
+        losing = report(policy, configured)
+        served = 0.28 if configured else 0.30
+        assert f"tuned wa (0.2700) does not beat the config's {policy} ({served:.4f})" in losing
+        assert yaml.safe_load(losing) == {"cache": {"policy": policy}}
+    assert yaml.safe_load(report("s3fifo", 0.26))["cache"]["policy"] == "wa"  # it does beat it
+    # On the held-out tail too: the config's own policy is replayed there beside the others.
+    tail = {"lru": 0.15, "start": 0.19, "best": 0.20}
+    behind = report("s3fifo", 0.26, holdout={**tail, "configured": 0.21})
+    assert "held-out tail (cold cache): lru 0.1500, s3fifo 0.2100, starting 0.1900" in behind
+    assert "does not beat the config's s3fifo on the held-out tail" in behind
+    assert yaml.safe_load(behind) == {"cache": {"policy": "s3fifo"}}
+    assert yaml.safe_load(report("s3fifo", 0.26, holdout={**tail, "configured": 0.19}))["cache"]["policy"] == "wa"
+
+
 # -- stopping: Ctrl-C and the time limit -----------------------------------------------
 
 
