@@ -376,7 +376,9 @@ class ApproxIndex:
 
     Without KV events the best guess is that the blocks of a routed prompt stay
     cached for ``ttl_s`` and that the cache holds at most ``capacity`` blocks,
-    oldest dropped first (an LRU model of the remote cache).
+    oldest dropped first (an LRU model of the remote cache), and of one prompt
+    its tail first, as the servers' prefix caches free them: a lost head would
+    make the whole prompt a miss while its tail held the room.
     """
 
     __slots__ = ("ttl_s", "capacity", "_seen", "_clock")
@@ -401,16 +403,26 @@ class ApproxIndex:
     def record(self, keys: Sequence[int]) -> None:
         now = self._clock()
         seen = self._seen
-        for key in keys:
+        for key in reversed(keys):  # the head the most recent
             seen[key] = now
             seen.move_to_end(key)
         while len(seen) > self.capacity:
+            seen.popitem(last=False)
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """Entries past ttl_s leave (oldest first: the order is by time), so that
+        the count is of what match() still believes held."""
+        cutoff = now - self.ttl_s
+        seen = self._seen
+        while seen and next(iter(seen.values())) < cutoff:
             seen.popitem(last=False)
 
     def clear(self) -> None:
         self._seen.clear()
 
     def __len__(self) -> int:
+        self._expire(self._clock())
         return len(self._seen)
 
 

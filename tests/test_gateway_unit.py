@@ -599,11 +599,17 @@ def test_approx_index_ttl_and_capacity():
     now = [0.0]
     idx = ApproxIndex(ttl_s=10, capacity=3, clock=lambda: now[0])
     idx.record([1, 2, 3])
-    assert idx.match([1, 2, 3]) == 3
+    assert idx.match([1, 2, 3]) == 3 and len(idx) == 3
+    # Past capacity a prompt loses its tail first, as a server's prefix cache frees
+    # it: the head kept, the prompt still matches in part (dropping the head first
+    # made it a whole miss while its tail held the room).
     idx.record([4])
-    assert idx.match([1, 2]) == 0 and idx.match([2, 3, 4]) == 3
+    assert idx.match([1, 2, 3]) == 2 and idx.match([4]) == 1
+    idx.record([5, 6])
+    assert idx.match([1]) == 0 and idx.match([4]) == 1 and idx.match([5, 6]) == 2 and len(idx) == 3
     now[0] = 11
-    assert idx.match([2]) == 0
+    assert idx.match([5]) == 0
+    assert len(idx) == 0  # what match no longer believes held is not counted (the index-blocks gauge)
 
 
 def test_prefix_aware_prefers_cached_replica_but_load_spreads():

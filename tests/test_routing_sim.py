@@ -9,6 +9,7 @@ from engine.traces import load_trace
 from gateway.cli import main
 from gateway.config import RouterConfig
 from gateway.router import BackendLoad
+from gateway import routing_sim
 from gateway.routing_sim import load_imbalance, run_routing, simulate
 from tests.engine_helpers import noting_stdout
 
@@ -241,7 +242,7 @@ def test_the_routing_plot_title_names_the_index(tmp_path, monkeypatch):
     assert title.endswith("2 replicas; router index: approximate (what was sent where, as for an external server)")
 
 
-def test_the_approximate_index_capacity_counts_the_gateway_blocks_not_the_trace_blocks(tmp_path):
+def test_the_approximate_index_capacity_counts_the_gateway_blocks_not_the_trace_blocks(tmp_path, monkeypatch):
     """router.approx_capacity_blocks is in engine.block_size blocks; a Mooncake block holds
     512 tokens, 32 of the gateway's, so 1,280 gateway blocks remember 40 trace blocks."""
     doc = list(range(1, 41))
@@ -250,7 +251,14 @@ def test_the_approximate_index_capacity_counts_the_gateway_blocks_not_the_trace_
         {"timestamp": 1000, "input_length": 41 * 512, "output_length": 10, "hash_ids": doc + [41]},
     ])
     assert trace.block_tokens == 512
-    for capacity, hit_ratio in ((1280, 40 / 81), (1279, 0)):
+    made = []
+    real = routing_sim.ApproxIndex
+    monkeypatch.setattr(routing_sim, "ApproxIndex",
+                        lambda ttl_s, capacity, clock: made.append(capacity) or real(ttl_s, capacity, clock=clock))
+    for capacity in (1280, 1279):
         out = simulate(trace, "prefix-aware", 2, 1000, "lru", None, RouterConfig(approx_capacity_blocks=capacity),
                        index="approx", gateway_block_tokens=16)
-        assert out.hit_ratio == hit_ratio, capacity
+        # The second prompt goes where the first went: one gateway block short, the
+        # index forgets the prompt's last trace block, not its first (a tail goes first).
+        assert out.hit_ratio == 40 / 81 and out.decisions["prefix"] == 1, capacity
+    assert made == [40, 40, 39, 39]
