@@ -455,7 +455,11 @@ def _writable(path: str | None, flag: str) -> None:
         raise CliError(f"{flag}: give a file path (for standard output, /dev/stdout)")
     if os.path.isdir(path):
         raise CliError(f"{flag}: {path} is a directory")
-    if os.path.exists(path) and not os.path.isfile(path):  # /dev/stdout, a pipe: written in place
+    from engine.whole_file import is_stdout
+
+    if is_stdout(path):  # written through the descriptor the shell gave, wherever it leads
+        return
+    if os.path.exists(path) and not os.path.isfile(path):  # a pipe, a device: written in place
         if not os.access(path, os.W_OK):
             raise CliError(f"{flag}: cannot write {path}: permission denied")
         return
@@ -554,6 +558,17 @@ def _percent_as_fraction(text: str) -> str:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
+    from engine.whole_file import is_stdout
+
+    if is_stdout(args.json) or is_stdout(args.plot):
+        # Standard output holds the results file alone (`--json /dev/stdout | jq`):
+        # the table goes to standard error.
+        with contextlib.redirect_stdout(sys.stderr):
+            return _replay(args)
+    return _replay(args)
+
+
+def _replay(args: argparse.Namespace) -> int:
     from engine.replay import future_accesses
     from engine.replay_report import (
         collect_until_interrupted, interrupted_note, print_row, table_footer, table_header, table_row, trace_summary,

@@ -440,6 +440,33 @@ def test_a_full_disk_under_stdout_is_one_line_not_a_traceback(tmp_path, argv):
     assert done.stderr.endswith("kvgate: stdout: No space left on device\n") and "Traceback" not in done.stderr
 
 
+def test_results_on_standard_output_are_the_results_alone_and_keep_what_was_there(tmp_path):
+    """`--json /dev/stdout`, as the refusal of `--json -` suggests: the table came
+    first on the same stream (no JSON for `| jq`), and with standard output sent
+    to a file the results were renamed over it (`>> log` lost the log)."""
+    trace = mooncake_trace(tmp_path / "m.jsonl")
+    kvgate = str(Path(sys.executable).with_name("kvgate"))
+    piped = subprocess.run([kvgate, "replay", str(trace), "--capacity-blocks", "4", "--policies", "lru",
+                            "--no-progress", "--json", "/dev/stdout"], capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0
+    assert json.loads(piped.stdout)["results"][0]["policy"] == "lru"
+    assert piped.stderr.startswith("trace ")  # the table, on standard error
+    log = tmp_path / "log.txt"
+    log.write_text("earlier\n")
+    for argv in (["replay", str(trace), "--capacity-blocks", "4", "--policies", "lru", "--no-progress",
+                  "--json", "/dev/stdout"],
+                 ["synth", "--profile", "to-b", "--duration", "5", "--rate", "1", "--seed", "1", "-o", "/dev/stdout"]):
+        with open(log, "a") as appended:
+            done = subprocess.run([kvgate, *argv], stdout=appended, stderr=subprocess.PIPE, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    text = log.read_text()
+    assert text.startswith("earlier\n")
+    results, end = json.JSONDecoder().raw_decode(text, len("earlier\n"))
+    assert results["results"][0]["policy"] == "lru"
+    trace_lines = text[end:].split("\n")[1:-1]
+    assert trace_lines and all("hash_ids" in json.loads(line) for line in trace_lines)
+
+
 @pytest.mark.parametrize("argv", [
     ["replay", "{trace}", "--capacity-blocks", "4", "--json", "{out}", "--no-progress"],
     ["synth", "--stats", "{trace}"],
