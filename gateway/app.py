@@ -204,7 +204,8 @@ class Gateway:
         self.classifier = Classifier(self.config.classifier, self.hasher)
         self.router = Router(self.config.router, [r.name for r in self.replicas], self.hasher.block_size)
         self.dispatcher = Dispatcher(self.router, self.replicas, self.metrics, self.observer)
-        self.responder = Responder(self.model_name, self.observer, self.engine_mode)
+        self.responder = Responder(self.model_name, self.observer, self.engine_mode,
+                                   (lambda: local.seq) if self.engine_mode else None)
         for r in self.replicas:
             r.info_listener = self.replica_learnt
             if r.kind == "inprocess":

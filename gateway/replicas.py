@@ -415,6 +415,10 @@ class RemoteReplica(Replica):
         self._instance: object = _UNSEEN  # a `kvgate engine`'s process, as /kvgate/info names it
         self._trip_reason = ""
         self._following = False
+        # The engine's last KV event applied to the index (its snapshot's, or an
+        # event's), and the requests waiting for one (see _index_reaches).
+        self._kv_applied = -1
+        self._kv_waiters: list[tuple[int, asyncio.Future]] = []
         self._live: dict[aiohttp.ClientResponse, float] = {}  # -> when it last had output (0: none yet)
         self._events_resp: aiohttp.ClientResponse | None = None  # the /kv_events stream being followed
         # Resolved when the breaker opens: requests still waiting for their
@@ -716,6 +720,33 @@ class RemoteReplica(Replica):
     def breaker_open(self) -> bool:
         return time.monotonic() < self._open_until
 
+    def _kv_advanced(self, seq: int) -> None:
+        self._kv_applied = seq
+        if self._kv_waiters:
+            for want, reached in self._kv_waiters:
+                if want <= seq and not reached.done():
+                    reached.set_result(None)
+            self._kv_waiters = [(want, reached) for want, reached in self._kv_waiters if not reached.done()]
+
+    async def _index_reaches(self, seq: int) -> None:
+        """Wait (briefly) until the index has applied the engine's KV events up to
+        ``seq``: the events of the step that ended a request travel on their own
+        stream, and a busy gateway could answer the request first.  Its client's
+        next request, sent at once with the same prompt, was then routed on an
+        index without the prompt's blocks (to another engine, all recomputed)."""
+        if not self._following or self._kv_applied >= seq:
+            return
+        reached = asyncio.get_running_loop().create_future()
+        self._kv_waiters.append((seq, reached))
+        try:
+            await asyncio.wait_for(reached, _KV_CATCH_UP_S)
+        except asyncio.TimeoutError:
+            pass  # the answer goes out all the same; the index follows when it follows
+        finally:
+            if not reached.done():
+                reached.cancel()
+            self._kv_waiters = [(want, other) for want, other in self._kv_waiters if other is not reached]
+
     async def _follow_kv_events(self) -> None:
         """Keep the index equal to the replica's cache: snapshot, then ordered events.
 
@@ -763,6 +794,7 @@ class RemoteReplica(Replica):
                             trips = self.trips
                             await self.index.rebuild(held_from_snapshot(data))
                             last = data["seq"]
+                            self._kv_advanced(last)
                             if data.get("draining"):
                                 # Reconnected to an engine that is still stopping: it stays out.
                                 self.draining, self.healthy = True, False
@@ -799,6 +831,10 @@ class RemoteReplica(Replica):
                         last = seq
                         self.events_seen += 1
                         self.index.apply(data["kind"], data["keys"], data["tier"])
+                        if self._kv_waiters:
+                            self._kv_advanced(seq)
+                        else:
+                            self._kv_applied = seq
                     raise ReplicaUnavailable("/kv_events ended")
             except asyncio.CancelledError:
                 raise
@@ -955,7 +991,7 @@ class RemoteReplica(Replica):
                 # Only a prompt the server accepted can be in its cache.
                 self.index.record(job.keys)
             ended = False
-            queue_time = cached = None
+            queue_time = cached = kv_seq = None
             if self.kind == "engine":
                 queue_time = header_seconds(resp.headers.get(QUEUE_TIME_HEADER))
                 cached = header_count(resp.headers.get(CACHED_TOKENS_HEADER))
@@ -981,6 +1017,8 @@ class RemoteReplica(Replica):
                                                       f"{UpstreamError(status, chunk)}", status, chunk)
                         raise UpstreamError(status, chunk)
                     batch = chunk_outputs(chunk, rid, chat)
+                    if "kvgate_kv_seq" in chunk:  # a `kvgate engine`'s, with usage: its last KV event then
+                        kv_seq = chunk["kvgate_kv_seq"]
                     finished.update(o.index for o in batch if o.finish_reason is not None)
                     if not answered:
                         if all(o.index == USAGE_ALL for o in batch):
@@ -1013,6 +1051,8 @@ class RemoteReplica(Replica):
                 # [DONE] with no choice at all (every server sends at least a
                 # finish_reason): an empty 200 would pass for the model's answer.
                 raise _EndedEarly(f"replica {self.name} ended the stream without an answer")
+            if type(kv_seq) is int:
+                await self._index_reaches(kv_seq)
         except aiohttp.ServerTimeoutError as exc:
             # A request silent that long while the replica serves others (a deep
             # queue delays several at once) is not counted toward the breaker, whose
@@ -1162,6 +1202,10 @@ _NOT_FROM_CLIENTS = ("kvgate_context", "kvgate_mm_hashes", "kvgate_token_ids", "
 _NOTHING_LISTENS_WAIT_S = 1.0
 # RemoteReplica._instance before /kvgate/info first answered (None: an engine that names no process).
 _UNSEEN = object()
+# Longest wait, at a request's end, for the KV events of the step that ended it
+# (a gateway that follows keeps up in milliseconds; one that does not must not
+# hold answers for it).
+_KV_CATCH_UP_S = 0.05
 # Longest wait before reopening /kv_events; also the wait while the engine drains.
 _KV_EVENTS_MAX_BACKOFF_S = 2.0
 # A `kvgate engine` sends an SSE comment down an idle /kv_events this often, so

@@ -63,13 +63,16 @@ class Responder:
     shapers close ``gen`` on every exit, which aborts the engine work.
     """
 
-    def __init__(self, model_name: str, observer: Observer, engine_mode: bool = False) -> None:
+    def __init__(self, model_name: str, observer: Observer, engine_mode: bool = False,
+                 kv_seq: Callable[[], int] | None = None) -> None:
         self.model_name = model_name
         self.observer = observer
         # `kvgate engine`: streams tell the calling gateway how long the request
         # queued before its first step (QUEUE_TIME_HEADER), for its queue-time series,
-        # and its prefix-cache hit (CACHED_TOKENS_HEADER), for a stream cut short.
+        # and its prefix-cache hit (CACHED_TOKENS_HEADER), for a stream cut short;
+        # and, with the usage, the engine's last KV event (``kv_seq()``) by then.
         self.engine_mode = engine_mode
+        self.kv_seq = kv_seq
         # Set when the server, stopping, cancels the streams still running.
         self.cutting = False
 
@@ -182,7 +185,11 @@ class Responder:
             gen = None  # exhausted: nothing to close
             if resp is None:
                 resp = await self._open(request, rid)
-            tail = fmt.usage(usage.as_dict(subs)) + DONE if parsed.include_usage else DONE
+            if parsed.include_usage:
+                kv_seq = self.kv_seq() if with_ids and self.kv_seq is not None else None  # for a gateway
+                tail = fmt.usage(usage.as_dict(subs), kv_seq) + DONE
+            else:
+                tail = DONE
             resp.ending = True
             await resp.write_eof(tail_frames + tail)  # one send for the last frames, the tail and the end
             return resp

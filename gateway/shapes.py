@@ -288,8 +288,11 @@ class StreamFormatter:
             choice["token_ids"] = token_ids
         return self._frame(choice)
 
-    def usage(self, usage: dict) -> bytes:
-        return self._head + b'], "usage": ' + json.dumps(usage).encode() + b"}\n\n"
+    def usage(self, usage: dict, kv_seq: int | None = None) -> bytes:
+        """The usage chunk; ``kv_seq``: a `kvgate engine`'s last KV event by then, for
+        the calling gateway (its index has the request's blocks once it applied that)."""
+        tail = b"}\n\n" if kv_seq is None else b', "kvgate_kv_seq": %d}\n\n' % kv_seq
+        return self._head + b'], "usage": ' + json.dumps(usage).encode() + tail
 
 
 def _ended(finish: str | None, stop_reason: int | str | None) -> dict:

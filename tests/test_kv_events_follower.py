@@ -269,6 +269,45 @@ async def test_an_idle_engine_keeps_its_followers(tiny_model_dir, monkeypatch, c
         await engine_server.stop()
 
 
+async def test_an_answer_leaves_once_the_index_holds_its_prompt(tiny_model_dir, monkeypatch):
+    """The KV events of the step that ends a request travel on their own stream:
+    a busy gateway answered first, and the client's next request with the same
+    prompt, sent at once, was routed on an index without its blocks (a review saw
+    19 to 57 of 60 such repeats sent to the other engine).  The engine says its
+    last event with the usage; the gateway waits (briefly) until it applied it.
+    Here the follower takes 10 ms an event, as a gateway busy with other streams."""
+    real_events = replicas.sse_events
+
+    async def lagging(stream):
+        async for event, data in real_events(stream):
+            if event != "snapshot":
+                await asyncio.sleep(0.01)
+            yield event, data
+
+    monkeypatch.setattr(replicas, "sse_events", lagging)  # the follower's; answers are read apart
+    engine_app = create_app(tiny_config(tiny_model_dir), engine_mode=True)
+    engine_server = await start_server(engine_app)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine_server.url)],
+                                 router=RouterConfig(health_interval_s=60)))
+    gw = await start_server(app)
+    try:
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy, what="in routing")
+        engine = engine_app[GATEWAY].replicas[0]
+        for turn in range(3):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"turn {turn} " + "hi " * 60}],
+                    "max_tokens": 1}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+            held = {key for keys in engine.held_keys().values() for key in keys}
+            assert len(held) >= 4 * (turn + 1) and set(replica.index.tiers) == held, turn
+    finally:
+        await gw.stop()
+        await engine_server.stop()
+
+
 async def _chat(url: str) -> dict:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     async with aiohttp.ClientSession() as session:
