@@ -20,6 +20,8 @@ HOUR_S = 3600.0
 MAX_WEIGHT = 1e6
 # Categories (K) of the workload-aware policy: each eviction scores one head per category.
 MAX_CATEGORIES = 1024
+# Checks of the LRU fallback and the reuse alarm in one window (window_s / check_interval_s).
+MAX_CHECKS_PER_WINDOW = 300
 _BOUND_NOTES = {WEEK_S: "a week", HOUR_S: "an hour", MAX_WEIGHT: "a million"}
 
 
@@ -322,6 +324,18 @@ class WorkloadAwareConfig(Section):
             if key not in allowed:
                 raise ValueError(f"override key {key!r} is not a workload or request type; allowed: {', '.join(allowed)}")
         return value
+
+    @model_validator(mode="after")
+    def _checks_per_window(self) -> "WorkloadAwareConfig":
+        # Each check sums its windows' intervals, and an arrival after an idle spell
+        # makes up to a window's worth of checks: 1e-4 s stalled the engine's pool.
+        interval = self.fallback.check_interval_s
+        longest = max(self.fallback.window_s, self.alarm.window_s)
+        if longest / interval > MAX_CHECKS_PER_WINDOW:
+            raise ValueError(f"fallback.check_interval_s {interval:g} s cuts a {longest:g} s window into more than "
+                             f"{MAX_CHECKS_PER_WINDOW} checks; give at least {longest / MAX_CHECKS_PER_WINDOW:g} s "
+                             "(or shorter windows)")
+        return self
 
     def paper_variant(self) -> "WorkloadAwareConfig":
         """The paper's algorithm: (type, turn) categories, exact priority, no additions."""

@@ -448,7 +448,7 @@ def test_prior_rates_are_bounded_and_no_limit_sentinels_still_work(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("server:\n  shutdown_delay_s: 3600\n  limits: {header_timeout_s: 0, send_timeout_s: null}\n"
                     "replicas:\n  - {kind: engine, url: 'http://e:8001', read_timeout_s: 0}\n"
-                    "cache:\n  workload_aware:\n    fallback: {sustain_s: 0, window_s: 604800}\n"
+                    "cache:\n  workload_aware:\n    fallback: {sustain_s: 0, window_s: 604800, check_interval_s: 3600}\n"
                     "    weights: {reuse: 1.0e+6}\n")
     config = load_config(path)
     assert config.server.limits.header_timeout_s == 0 and config.server.limits.send_timeout_s is None

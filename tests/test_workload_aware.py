@@ -759,6 +759,30 @@ def test_fallback_to_lru_in_the_engines_call_order():
     assert pool.device_policy.state()["fallbacks"] >= 1
 
 
+def test_checks_per_window_are_bounded_and_an_idle_spell_costs_one_window(monkeypatch):
+    """Each check sums its windows' intervals and an arrival after an idle spell
+    made a window's worth of checks and more: check_interval_s 1e-4 s (accepted)
+    took over 20 s for 4 requests, in the engine's pool calls.  Intervals that cut
+    a window into more than 300 checks are refused; after an idle spell longer
+    than the windows, the checks past the first window's are skipped (each would
+    find every window empty)."""
+    with pytest.raises(ValidationError, match=r"check_interval_s 0.0001 s cuts a 300 s window into more than 300 "
+                                              r"checks; give at least 1 s"):
+        WorkloadAwareConfig.model_validate({"fallback": {"check_interval_s": 1e-4}})
+    with pytest.raises(ValidationError, match="cuts a 600 s window"):  # the alarm's window counts too
+        WorkloadAwareConfig.model_validate({"fallback": {"check_interval_s": 1}, "alarm": {"window_s": 600}})
+    cfg = WorkloadAwareConfig.model_validate({"fallback": {"check_interval_s": 1.0}})  # 300 checks: the most
+    policy = WorkloadAwarePolicy(100, cfg)
+    checks = []
+    evaluate = policy._evaluate
+    monkeypatch.setattr(policy, "_evaluate", lambda now: checks.append(now) or evaluate(now))
+    for i, now in enumerate((0.0, 0.5, 100_000.0)):
+        policy.insert(i + 1, ctx(ts=now, chat_id=i), 0, now)
+        policy.release(i + 1, ctx(ts=now, chat_id=i), now)
+    assert len(checks) == 301  # the bucket that ended, then one window of empty ones (not 100,000)
+    assert policy.state()["reuse_alarm"] is False
+
+
 def test_reuse_alarm_raised_and_logged(caplog):
     cfg = WorkloadAwareConfig.model_validate({
         "fallback": {"enabled": False, "check_interval_s": 10.0},

@@ -964,12 +964,9 @@ class WorkloadAwarePolicy(EvictionPolicy):
     # ---- shadow comparison, fallback and alarm ------------------------------
 
     def _window_sums(self, n: int) -> list[int]:
-        sums = [0] * _COUNTS
-        buckets = list(self._buckets)[-n:]
-        for bucket in buckets:
-            for i in range(_COUNTS):
-                sums[i] += bucket[i]
-        return sums
+        buckets = self._buckets
+        window = buckets if n >= len(buckets) else list(buckets)[-n:]
+        return [sum(counts) for counts in zip(*window)] if window else [0] * _COUNTS
 
     def _roll(self, now: float) -> None:
         """Close the bucket that ended, and an empty one for every whole interval
@@ -977,14 +974,18 @@ class WorkloadAwarePolicy(EvictionPolicy):
         interval = self.cfg.fallback.check_interval_s
         if self._bucket_end != -INF:
             keep = max(self._nbuckets, self._alarm_buckets)
-            idle = min(int((now - self._bucket_end) // interval), keep + self._patience)
+            idle = int((now - self._bucket_end) // interval)
             alarm_before = self.reuse_alarm
-            for _ in range(1 + idle):
+            # Past `keep` empty intervals every window is empty, and each further
+            # check finds nothing to judge: only the count since a switch moves on.
+            for _ in range(1 + min(idle, keep)):
                 self._buckets.append(self._cur)
                 self._cur = [0] * _COUNTS
                 while len(self._buckets) > keep:
                     self._buckets.popleft()
                 self._evaluate(now)
+            if idle > keep and self.shadow_lru is not None:
+                self._since_switch += idle - keep
             # Said once, as things stand now: catching up on idle intervals may
             # raise the alarm at one and clear it at the next, all at this instant.
             if self.reuse_alarm != alarm_before and self.announce:
