@@ -226,8 +226,9 @@ class ReplicaConfig(Section):
     # when the gateway starts; `kvgate engine`, which may share this file, ignores it.
     api_key_env: str | None = None
     # Seconds to wait for a TCP connection to the replica (and, at start, for a
-    # `kvgate engine` to answer /kvgate/info).  A replica that connects but never
-    # answers is left when its health checks open the breaker.
+    # `kvgate engine` to answer /kvgate/info, each try within what is left of it).
+    # A replica that connects but never answers is left when its health checks
+    # open the breaker.
     connect_timeout_s: float = Field(10.0, gt=0)
     # Seconds a request waits for the replica's next bytes (its response headers,
     # then each piece of the stream) before giving up on it: a request stuck in a
@@ -416,7 +417,8 @@ class RouterConfig(Section):
     approx_ttl_s: float = Field(300.0, gt=0)
     approx_capacity_blocks: int = Field(100_000, ge=1)
     health_interval_s: float = Field(2.0, gt=0)
-    # How long a probe waits for an answer.  A hung replica (accepting, never
+    # How long a probe waits for an answer (also an engine's /kvgate/info, an external
+    # server's /v1/models and its metrics_url).  A hung replica (accepting, never
     # answering) leaves routing after about breaker_failures x (interval + timeout).
     health_timeout_s: float = Field(5.0, gt=0, le=HOUR_S)
     breaker_failures: int = Field(3, ge=1)

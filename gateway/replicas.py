@@ -466,7 +466,10 @@ class RemoteReplica(Replica):
             began = time.monotonic()
             while True:
                 try:
-                    await self._fetch_info()
+                    # Each try within what is left of connect_timeout_s: a server that
+                    # takes the connection and never answers held the start 5 s at least.
+                    left = self.cfg.connect_timeout_s - (time.monotonic() - began)
+                    await self._fetch_info(max(0.1, min(left, self.router_cfg.health_timeout_s)))
                     break
                 except Exception as exc:  # noqa: BLE001
                     nothing_listens = isinstance(exc, aiohttp.ClientConnectorError)
@@ -505,12 +508,12 @@ class RemoteReplica(Replica):
         """The Authorization header the replica expects (its api_key, or api_key_env's value)."""
         return {"Authorization": f"Bearer {self._key}"} if self._key else {}
 
-    async def _fetch_info(self) -> bool:
+    async def _fetch_info(self, timeout_s: float | None = None) -> bool:
         """Learn the engine's block identity and limits; True when it is another
-        process than the one seen before (or the first seen)."""
-        async with self._session.get(
-            self.base + "/kvgate/info", headers=self.auth_headers(), timeout=aiohttp.ClientTimeout(total=5)
-        ) as resp:
+        process than the one seen before (or the first seen).  Within ``timeout_s``
+        (router.health_timeout_s by default)."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.router_cfg.health_timeout_s)
+        async with self._session.get(self.base + "/kvgate/info", headers=self.auth_headers(), timeout=timeout) as resp:
             resp.raise_for_status()
             data = await resp.json()
         instance = data.get("instance")  # None from an engine before 0.2
@@ -547,7 +550,8 @@ class RemoteReplica(Replica):
     async def _fetch_models(self) -> None:
         """An external server's model name (the gateway serves it under that name
         unless model.served_name says otherwise) and context length."""
-        async with self._session.get(self.base + "/v1/models", headers=self.auth_headers(), timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        timeout = aiohttp.ClientTimeout(total=self.router_cfg.health_timeout_s)
+        async with self._session.get(self.base + "/v1/models", headers=self.auth_headers(), timeout=timeout) as resp:
             resp.raise_for_status()
             data = await resp.json()
         cards = {m["id"]: m for m in data.get("data", ())}
@@ -867,7 +871,7 @@ class RemoteReplica(Replica):
         while True:
             try:
                 async with self._session.get(self.cfg.metrics_url, headers=self.auth_headers(),
-                                             timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                                             timeout=aiohttp.ClientTimeout(total=self.router_cfg.health_timeout_s)) as resp:
                     resp.raise_for_status()
                     text = await resp.text()
                 waiting, usage = parse_backend_metrics(text, self.cfg.model or (self.info.model if self.info else None))

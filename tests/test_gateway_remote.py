@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, ReplicaConfig, RouterConfig
-from gateway.replicas import ReplicaUnavailable
+from gateway.replicas import RemoteReplica, ReplicaInfo, ReplicaUnavailable
 from gateway.upstream import parse_backend_metrics
 from gateway.server import start_server
 from tests.engine_procs import (
@@ -384,6 +384,23 @@ async def test_a_gateway_started_before_its_engines_serves_at_once(tiny_model_di
                 assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_healthy_replica"
     finally:
         await gw.stop()
+
+
+async def test_an_engine_that_takes_the_connection_and_never_answers_holds_the_start_connect_timeout_s():
+    """config.yaml: connect_timeout_s is also how long a starting gateway waits for
+    an engine that accepts connections but does not answer yet.  Each try of
+    /kvgate/info had a fixed 5 s of its own: 0.5 s held the start for 5.35 s."""
+    silent = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    replica = RemoteReplica(ReplicaConfig(kind="engine", url=f"http://127.0.0.1:{port}", connect_timeout_s=0.5),
+                            RouterConfig(health_interval_s=60), ReplicaInfo(MODEL, 16, MODEL, 1024))
+    try:
+        began = time.monotonic()
+        await replica.start()
+        assert time.monotonic() - began < 2 and not replica.healthy
+    finally:
+        await replica.close()
+        silent.close()
 
 
 async def test_an_external_server_gets_no_client_kvgate_fields_and_shared_tenants_are_warned(tiny_model_dir,
@@ -2152,7 +2169,6 @@ def test_a_breaker_trip_spares_streams_by_the_run_of_failures_that_tripped_it(mo
     later run of probe failures: every stream with output in the hour between was
     spared, hung ones included."""
     import gateway.replicas as replicas
-    from gateway.replicas import RemoteReplica, ReplicaInfo
 
     now = [1000.0]
     monkeypatch.setattr(replicas.time, "monotonic", lambda: now[0])
