@@ -22,6 +22,9 @@ from typing import Callable, NamedTuple
 from engine.block_pool import BlockPool, NoFreeBlocks
 from engine.sequence import Sequence, Status
 
+# Tenants' heads tried for a free slot at one admission (the earliest of all among them).
+_FAIR_TRIES = 8
+
 
 class ScheduledSeq(NamedTuple):
     seq: Sequence
@@ -216,6 +219,10 @@ class Scheduler:
                 # large request waits), nor later ones the earliest (which must not starve).
                 candidates = waiting.by_fairness(running)
                 candidates = candidates[:candidates.index(earliest) + 1]
+                if len(candidates) > _FAIR_TRIES:
+                    # Each try looks up a prompt's cached prefix: with hundreds of tenants
+                    # waiting on a full pool, every step would look up all of theirs.
+                    candidates = candidates[:_FAIR_TRIES - 1] + [earliest]
             else:
                 candidates = [earliest]
             for seq in candidates:
