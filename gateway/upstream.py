@@ -312,14 +312,28 @@ async def answer_events(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[str
             raise ValueError(f"a JSON answer longer than {SSE_MAX_LINE_BYTES} bytes")
     answer = json.loads(body)
     if isinstance(answer, dict) and isinstance(answer.get("choices"), list):
-        # A chat choice's message is what a chunk's delta carries, whole.
-        answer = {**answer, "choices": [
-            {**{k: v for k, v in choice.items() if k != "message"}, "delta": choice["message"]}
-            if isinstance(choice, dict) and "message" in choice else choice for choice in answer["choices"]]}
+        answer = {**answer, "choices": [_as_chunk_choice(choice) for choice in answer["choices"]]}
         yield "message", answer
         yield "message", DONE_EVENT
         return
     yield "message", answer  # an error, read as one; anything else is no chunk
+
+
+def _as_chunk_choice(choice: Any) -> Any:
+    """A whole answer's choice as a stream chunk's: a chat message is the delta,
+    whole, its tool calls numbered as a stream numbers them (a whole message's
+    carry no index; vLLM's list is there, empty, when there are none)."""
+    if not isinstance(choice, dict) or not isinstance(choice.get("message"), dict):
+        return choice
+    delta = dict(choice["message"])
+    calls = delta.get("tool_calls")
+    if isinstance(calls, list):
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} if isinstance(call, dict) and "index" not in call else call
+                                   for i, call in enumerate(calls)]
+        else:
+            del delta["tool_calls"]
+    return {**{k: v for k, v in choice.items() if k != "message"}, "delta": delta}
 
 
 def _as_event(event: str, data: Any) -> Any:

@@ -1643,9 +1643,21 @@ async def test_a_whole_json_answer_to_a_streamed_request_is_read(tiny_model_dir)
     errors = {"client": ({"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}),
               "server": ({"error": {"message": "engine died", "type": "InternalServerError", "code": 500}})}
 
+    # A whole message's tool calls carry no index (a stream's do); vLLM lists none as [].
+    calls = [{"id": f"call_{name}", "type": "function", "function": {"name": name, "arguments": "{}"}}
+             for name in ("f", "g")]
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}} for name in ("f", "g")]
+    answers = {"whole": whole,
+               "tools": {**whole, "choices": [{"index": 0, "message": {"role": "assistant", "content": None,
+                                                                        "tool_calls": calls},
+                                               "finish_reason": "tool_calls"}]},
+               "no tools": {**whole, "choices": [{"index": 0, "message": {"role": "assistant", "content": "Whole.",
+                                                                           "tool_calls": []},
+                                                  "finish_reason": "stop"}]}, **errors}
+
     async def json_answers(request):
         await request.read()
-        return web.json_response(whole if state["answer"] == "whole" else errors[state["answer"]])
+        return web.json_response(answers[state["answer"]])
 
     router = RouterConfig(policy="round-robin", health_interval_s=60, breaker_failures=100)
     messages = [{"role": "user", "content": "hi"}]
@@ -1658,6 +1670,13 @@ async def test_a_whole_json_answer_to_a_streamed_request_is_read(tiny_model_dir)
                                                                       stream_options={"include_usage": True})]
         assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == "Whole."
         assert parts[-1].usage.completion_tokens == 2
+        state["answer"] = "tools"
+        async with client.chat.completions.stream(model=MODEL, messages=messages, tools=tools) as stream:
+            final = await stream.get_final_completion()  # the SDK's accumulator wants each call's index
+        assert [call.function.name for call in final.choices[0].message.tool_calls] == ["f", "g"]
+        state["answer"] = "no tools"
+        parts = [c async for c in await client.chat.completions.create(model=MODEL, messages=messages, stream=True)]
+        assert not any(c.choices[0].delta.tool_calls is not None for c in parts if c.choices)
         state["answer"] = "client"
         with pytest.raises(openai.BadRequestError) as info:
             await client.chat.completions.create(model=MODEL, messages=messages)
