@@ -338,7 +338,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             made.append(parent)
             parent = os.path.dirname(parent)
         if not os.path.exists(recording):
-            made.insert(0, recording)
+            made.insert(0, os.path.realpath(recording))  # a link's target (the file made), never the link
         try:
             # What the recorder will do at start: its folder, and a file it can write.
             os.makedirs(folder, exist_ok=True)

@@ -679,10 +679,13 @@ def test_a_failed_start_leaves_no_recording_behind(tmp_path, capsys, monkeypatch
         taken.listen()
         port = str(taken.getsockname()[1])
         new = tmp_path / "recordings" / "day" / "served.jsonl"
-        for recording in (new, earlier, empty):
+        link = tmp_path / "link.jsonl"  # to a file not made yet: the link stays, no file behind it
+        link.symlink_to(tmp_path / "target.jsonl")
+        for recording in (new, earlier, empty, link):
             assert main(["serve", "--host", "127.0.0.1", "--port", port, "--record-trace", str(recording)]) == 2
             assert "in use" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.jsonl", "empty.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier.jsonl", "empty.jsonl", "link.jsonl"]
+    assert link.is_symlink() and not link.exists()
     assert earlier.read_text() == '{"chat_id": 1}\n' and empty.stat().st_size == 0
 
 
