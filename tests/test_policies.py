@@ -129,6 +129,25 @@ def test_fifo_holds_an_entry_per_key_however_often_a_hot_key_is_read():
     assert [policy.evict(2e5) for _ in range(3)] == [2, 3, 1] and not policy._heap
 
 
+def test_fifo_drops_the_entries_of_keys_removed_before_an_eviction_reached_them():
+    """A host tier that never fills: its blocks are promoted (removed) and demoted
+    (cached again) over and over, each demotion one more heap entry, dropped only
+    when an eviction reached it (319,936 entries for 64 cached keys after 20k
+    requests).  The order of the live keys is kept."""
+    policy = FIFOPolicy()
+    for key in range(64):
+        policy.insert(key, CTX, 0, 0.0)
+        policy.release(key, CTX, 0.0)
+    for n in range(1, 10_001):
+        key = n % 64
+        policy.remove(key)  # promoted to the device tier
+        policy.insert(key, CTX, 0, float(n))  # demoted back
+        policy.release(key, CTX, float(n))
+    assert len(policy._heap) <= 2 * 64 + 64
+    # Cached last: 10,000 % 64 = 16, so 17..63 then 0..16.
+    assert [policy.evict(1e5) for _ in range(64)] == [*range(17, 64), *range(17)]
+
+
 def test_s3fifo_keeps_reread_keys_over_one_hit_wonders():
     pool = BlockPool(10, policy="s3fifo")
     hot = [1, 2, 3]

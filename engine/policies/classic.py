@@ -91,6 +91,13 @@ class FIFOPolicy(EvictionPolicy):
         self._evictable.discard(key)
         self._queued.discard(key)
         self._inserted.pop(key, None)
+        if len(self._heap) > 2 * len(self._queued) + 64:
+            # Removed keys' entries leave only as evictions reach them: a host tier
+            # never full, its blocks promoted and demoted again and again, added one
+            # a demotion for good.  Rebuilt from the live ones, amortised O(1) a removal.
+            inserted = self._inserted
+            self._heap = [(seq, key) for seq, key in self._heap if inserted.get(key) == seq]
+            heapq.heapify(self._heap)
 
     def num_evictable(self) -> int:
         return len(self._evictable)
