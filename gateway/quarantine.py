@@ -64,12 +64,18 @@ class LostPrompts:
         if loss not in seen:
             seen.append(loss)
         if len(self._prompts) > _MAX_PROMPTS:
-            del self._prompts[next(iter(self._prompts))]
+            # Forgotten in its losses too: a loss map holds only prompts still known
+            # (a replica dropping connections for minutes is one loss, its map
+            # grew with every request it lost until the window ended).
+            self._forget(next(iter(self._prompts)))
 
     def served(self, prompt: tuple) -> None:
         """``prompt`` was answered in full: not what brought its replicas down.  (It
         also leaves the losses it was in, so that it no longer hides which prompt of
         those lost beside it did.)"""
+        self._forget(prompt)
+
+    def _forget(self, prompt: tuple) -> None:
         for loss in self._prompts.pop(prompt, ()):
             record = self._losses.get(loss)
             if record is not None:

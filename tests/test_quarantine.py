@@ -39,6 +39,20 @@ def test_only_the_prompt_common_to_every_loss_is_refused():
     assert lost.refusal(("Q",), "req-new") is None and not lost  # pruned: requests skip the check again
 
 
+def test_a_long_loss_forgets_the_prompts_that_leave_the_bound(monkeypatch):
+    """A replica losing requests less than a second apart is one loss for as long
+    as it lasts; its map of prompts kept every one past the bound on prompts
+    known (25,000 after 50,000 losses at 250 a second), which each request's
+    check intersects.  A prompt forgotten leaves its losses too."""
+    import gateway.quarantine as quarantine
+
+    monkeypatch.setattr(quarantine, "_MAX_PROMPTS", 100)
+    lost, _ = _lost_prompts()
+    for n in range(1000):
+        lost.note((f"p{n}",), ("a", 1), f"req-{n}")
+    assert len(lost._prompts) == 100 and set(lost._losses[("a", 1)][1]) == {(f"p{n}",) for n in range(900, 1000)}
+
+
 def test_a_prompt_answered_in_full_after_a_loss_is_not_the_cause(caplog):
     lost, _ = _lost_prompts()
     # Replicas dying of something else, one after the other, while a canary's prompt runs.
