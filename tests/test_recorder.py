@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from pathlib import Path
 
@@ -122,6 +123,23 @@ def test_replay_caches_recorded_output_blocks_and_skips_partial_ones(tmp_path):
     result = replay(trace, "lru", 100)
     # Turn 2 hits the prompt and the answer blocks; its partial block is a miss.
     assert (result.hits, result.accesses) == (4, 3 + 6)
+
+
+def test_a_recording_of_distinct_blocks_rotates_before_its_id_map_outgrows_the_bound(tmp_path):
+    """A block's id takes ~8 bytes of the file and ~110 of memory: a file of distinct
+    blocks held 14x record_max_bytes in its id map before rotating.  It rotates at
+    max_bytes / 64 distinct blocks too."""
+    path = tmp_path / "trace.jsonl"
+    rec = TraceRecorder(path, max_bytes=64 * 1024, keep=5)
+    most = 0
+    for i in range(100):
+        rec.record(RequestContext(chat_id=i), list(range(i * 20, i * 20 + 20)), 20 * 16, 1)
+        most = max(most, len(rec._ids))
+    rec.close()
+    assert most <= 1024 and (tmp_path / "trace.jsonl.1").exists()
+    assert os.path.getsize(tmp_path / "trace.jsonl.1") < 64 * 1024
+    first = [json.loads(line) for line in (tmp_path / "trace.jsonl.1").read_text().splitlines()]
+    assert first[0]["hash_ids"][0] == 1 and len(first) * 20 >= 1000  # ~a 64th of the bytes in blocks
 
 
 def test_rotation_by_size_starts_each_file_afresh(tmp_path):
