@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--json", metavar="OUT", help="write results as JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.phases < 2:
+        parser.error("--phases: give 2 or more (the first warms up; speeds are compared after it)")
     if args.child:
         print(json.dumps(asyncio.run(_run(args.model, args.phases, args.requests, args.threads))))
         return

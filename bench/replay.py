@@ -17,12 +17,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine import synth
-from engine.replay import future_accesses, replay
-from engine.replay_report import capacity_answers, format_table, trace_summary
-from engine.traces import load_trace
-
 ROOT = Path(__file__).resolve().parents[1]
+# The repository's packages before bench/ itself, whose engine.py would shadow the engine package.
+sys.path.insert(0, str(ROOT))
+
+from engine import synth  # noqa: E402
+from engine.replay import future_accesses, replay  # noqa: E402
+from engine.replay_report import capacity_answers, format_table, trace_summary  # noqa: E402
+from engine.traces import load_trace  # noqa: E402
+
 MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.20)
 

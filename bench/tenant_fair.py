@@ -122,6 +122,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--json", metavar="OUT", help="write results as JSON")
     args = parser.parse_args()
+    if args.seconds <= 2:
+        parser.error("--seconds: give more than 2 (the light tenant starts 2 s in, after the heavy one's queue)")
     results = asyncio.run(_main(args))
     if args.json:
         with open(args.json, "w") as f:

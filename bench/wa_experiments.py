@@ -262,9 +262,12 @@ def main() -> int:
         out["spikes"] = _pmap(spike_minutes, jobs, args.jobs)
         print("\n## to-B spike minutes\n\n| trace @ capacity | policy | spike minutes | hit ratio in spikes | elsewhere |")
         print("|---|---|---|---|---|")
+        def ratio(value: float | None) -> str:
+            return "-" if value is None else f"{value:.4f}"  # no block looked up in such minutes
+
         for row in out["spikes"]:
             print(f"| {row['trace']} @ {row['fraction']:.0%} | {row['label']} | {row['spike_minutes']}/{row['minutes']}"
-                  f" | {row['spike_hit_ratio']:.4f} | {row['other_hit_ratio']:.4f} |")
+                  f" | {ratio(row['spike_hit_ratio'])} | {ratio(row['other_hit_ratio'])} |")
     out["seconds"] = time.perf_counter() - start
     Path(args.json).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {args.json} ({out['seconds']:.0f} s)")
