@@ -536,12 +536,16 @@ class Gateway:
                 raise errors.shutting_down()
             body = await self.read_body(request)
             # Counted once the body is in: a client trickling its body holds no slot.
-            if self.max_inflight is not None:
+            # An engine's limits are for clients calling it directly: a gateway's
+            # requests were counted by that gateway (per gateway, as README says), and
+            # here they all come under its one key, every tenant of every gateway.
+            limited = not (self.engine_mode and isinstance(body, dict) and "kvgate_context" in body)
+            if self.max_inflight is not None and limited:
                 if self.admitted >= self.max_inflight:
                     raise errors.overloaded(self.max_inflight)
                 self.admitted += 1
                 admitted = True
-            if self.max_per_tenant is not None and principal.tenant is not None:
+            if self.max_per_tenant is not None and principal.tenant is not None and limited:
                 held = self.tenant_admitted.get(principal.tenant, 0)
                 if held >= self.max_per_tenant:
                     raise errors.tenant_overloaded(self.max_per_tenant)

@@ -386,6 +386,37 @@ async def test_a_gateway_started_before_its_engines_serves_at_once(tiny_model_di
         await gw.stop()
 
 
+async def test_an_engines_in_flight_limits_are_for_its_direct_clients_not_its_gateways(tiny_model_dir):
+    """Engines and gateways read one config (the manifests' ConfigMap): an engine
+    applied server.limits' in-flight bounds to every gateway's requests together,
+    all under the gateway's one key, so tenants under their own limit got 429s
+    (README: the bounds are each gateway's own).  A client calling the engine
+    directly is still held to them."""
+    from gateway.config import LimitsConfig
+
+    limits = LimitsConfig(max_inflight_requests=1, max_inflight_per_tenant=1)
+    engine_app = create_app(tiny_config(tiny_model_dir, limits=limits), engine_mode=True)
+    engine_server = await start_server(engine_app)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine_server.url)],
+                                 router=RouterConfig(health_interval_s=60)))
+    gw = await start_server(app)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
+
+    async def status(url: str) -> int:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                await resp.read()
+                return resp.status
+
+    try:
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="in routing")
+        assert await asyncio.gather(*(status(gw.url) for _ in range(4))) == [200] * 4
+        assert 429 in await asyncio.gather(*(status(engine_server.url) for _ in range(4)))
+    finally:
+        await gw.stop()
+        await engine_server.stop()
+
+
 async def test_an_engine_that_takes_the_connection_and_never_answers_holds_the_start_connect_timeout_s():
     """config.yaml: connect_timeout_s is also how long a starting gateway waits for
     an engine that accepts connections but does not answer yet.  Each try of
