@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import time
 from pathlib import Path
@@ -202,7 +203,8 @@ class Gateway:
         self.passthrough = all(r.kind == "openai" for r in self.replicas)
         self.has_external = any(r.kind == "openai" for r in self.replicas)
         self.classifier = Classifier(self.config.classifier, self.hasher)
-        self.router = Router(self.config.router, [r.name for r in self.replicas], self.hasher.block_size)
+        self.router = Router(self.config.router, [r.name for r in self.replicas], self.hasher.block_size,
+                             rotation=random.randrange(1 << 20))
         self.dispatcher = Dispatcher(self.router, self.replicas, self.metrics, self.observer)
         self.responder = Responder(self.model_name, self.observer, self.engine_mode,
                                    (lambda: local.seq) if self.engine_mode else None)

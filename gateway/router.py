@@ -449,7 +449,11 @@ class Ticket:
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig, names: Sequence[str], block_size: int) -> None:
+    def __init__(self, cfg: RouterConfig, names: Sequence[str], block_size: int, rotation: int = 0) -> None:
+        """``rotation``: where round-robin and the tie-breaks among equal replicas
+        start.  Gateways in front of the same replicas each start elsewhere: all
+        from 0, they turned in step, and new prompts sent to two gateways at once
+        went to the same replica each time while another idled."""
         self.cfg = cfg
         self.names = list(names)
         self.block_size = max(1, block_size)
@@ -463,12 +467,12 @@ class Router:
         # Mean tokens charged per request, to price a reported waiting request.
         self._mean_request_tokens = float(_PRIOR_REQUEST_TOKENS)
         self._hot: dict[tuple[int, int], int] = {}
-        self._turn = 0  # round-robin's position
+        self._turn = rotation  # round-robin's position
         # Rotation among equal candidates, advanced only by decisions that used it
         # (misses, least-load): advanced by every decision, a miss followed by an
         # even number of hits found the same parity each time, and with 2
         # replicas every new prompt went to the same one.
-        self._spread = 0
+        self._spread = rotation
         self._everyone = list(range(n))
         self._name_seeds = [name.encode() for name in self.names]
 

@@ -386,6 +386,18 @@ async def test_a_gateway_started_before_its_engines_serves_at_once(tiny_model_di
         await gw.stop()
 
 
+async def test_gateways_over_the_same_replicas_do_not_turn_in_step(tiny_model_dir):
+    """Every router started its rotation among equal replicas at 0: two gateways
+    given new prompts at once (a client-side load balancer's pairs) sent both to
+    the same engine, 12 pairs in 12, while the other idled.  Each gateway starts
+    its own rotation."""
+    rotations = set()
+    for _ in range(2):
+        async with serving(create_app(tiny_config(tiny_model_dir))) as (app, _, _):
+            rotations.add(app[GATEWAY].router._spread)
+    assert len(rotations) == 2
+
+
 async def test_an_engines_in_flight_limits_are_for_its_direct_clients_not_its_gateways(tiny_model_dir):
     """Engines and gateways read one config (the manifests' ConfigMap): an engine
     applied server.limits' in-flight bounds to every gateway's requests together,

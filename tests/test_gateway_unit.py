@@ -669,6 +669,17 @@ def test_other_policies():
     assert ll.choose([], idx, [True, True]).replica == 1
 
 
+def test_a_routers_rotation_starts_where_it_is_told():
+    """Gateways over the same replicas start their rotations apart (see
+    test_gateways_over_the_same_replicas_do_not_turn_in_step): the first new
+    prompt, or round-robin's first turn, goes by the rotation given."""
+    idx = [ExactIndex(), ExactIndex()]
+    for policy in ("prefix-aware", "round-robin"):
+        first = [Router(RouterConfig(policy=policy), ["a", "b"], 16, rotation=r).choose([7, 8], idx, [True, True])
+                 for r in (0, 1)]
+        assert {d.replica for d in first} == {0, 1}, policy
+
+
 def test_misses_alternate_whatever_hits_come_between():
     """Each new prompt followed by its repeat (a hit): the rotation among equal
     misses advanced on the hit too, so with two replicas every miss found the
