@@ -134,15 +134,20 @@ def raise_open_files_limit(wanted: int = _OPEN_FILES) -> None:
 
 def run_on_event_loop(main, event_loop: str):
     """``asyncio.run(main)``, on uvloop when asked for and installed; ``main``'s result."""
-    raise_open_files_limit()
-    if event_loop == "uvloop":
-        try:
-            import uvloop
-        except ImportError:
-            log.warning("uvloop is not installed: running on asyncio's own event loop (pip install uvloop)")
-        else:
-            return uvloop.run(main)
-    return asyncio.run(main)
+    try:
+        raise_open_files_limit()
+        if event_loop == "uvloop":
+            try:
+                import uvloop
+            except ImportError:
+                log.warning("uvloop is not installed: running on asyncio's own event loop (pip install uvloop)")
+            else:
+                return uvloop.run(main)
+        return asyncio.run(main)
+    except BaseException:
+        # A Ctrl-C before the loop ran it: closed, or Python warns that it "was never awaited".
+        main.close()
+        raise
 
 
 def _is_loopback(address: str) -> bool:

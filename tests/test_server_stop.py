@@ -160,3 +160,22 @@ async def test_the_access_log_has_a_line_for_every_request_even_one_whose_client
     for status, sent, took, request_id, *agent in fields:
         assert re.fullmatch(r"\d+\.\d{3}s", took) and request_id.startswith("cmpl-"), lines
     assert float(fields[2][2][:-1]) >= 0.5  # given up after 0.5 s
+
+
+def test_a_ctrl_c_before_the_loop_runs_the_server_leaves_no_coroutine_unawaited(monkeypatch):
+    """Ctrl-C while the server's event loop starts (the open-files limit, uvloop's
+    import): the server's coroutine, made and never run, printed "RuntimeWarning:
+    coroutine '_serve' was never awaited" after the exit, which reads as a crash."""
+    import gateway.server as server
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    async def serving():
+        return None
+
+    monkeypatch.setattr(server, "raise_open_files_limit", interrupted)
+    main = serving()
+    with pytest.raises(KeyboardInterrupt):
+        server.run_on_event_loop(main, "uvloop")
+    assert main.cr_frame is None  # closed: nothing left to warn about
