@@ -199,8 +199,13 @@ class SequenceSampler:
         top = []
         k = self.params.logprobs or 0
         if k > 0:
-            values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
-            top = [(int(i), self.pieces.text(int(i)), float(v)) for v, i in zip(values, ids)]
+            values, _ = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+            # Equal values in ascending id order, as argmax takes the lowest: topk's own
+            # order among ties is arbitrary, and a greedy token tied for the top was
+            # often not listed first (exact ties are common in bf16).
+            ids = torch.nonzero(logprobs >= values[-1]).squeeze(1)
+            ids = ids[torch.sort(logprobs[ids], descending=True, stable=True).indices[:k]]
+            top = [(int(i), self.pieces.text(int(i)), float(logprobs[i])) for i in ids]
         return TokenLogprob(token, self.pieces.text(token), float(logprobs[token]), top,
                             token not in self.pieces.special_ids)
 

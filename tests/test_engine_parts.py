@@ -224,6 +224,23 @@ def test_stop_string_spanning_tokens_is_held_back():
     assert finish == "stop" and "".join(emitted) + delta == "abc "
 
 
+@pytest.mark.parametrize("k", [5, 2])
+def test_top_logprobs_list_ties_as_greedy_picks_them(k):
+    """torch.topk orders equal values arbitrarily: a greedy token tied for the top
+    (argmax takes the lowest id) was often not listed first, and which tied token
+    took the last place varied.  Ties go in ascending id order."""
+    from tests.tiny_model import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+    logits = torch.zeros(len(tokenizer))
+    logits[[300, 100, 7]] = 5.0
+    logits[[400, 50]] = 4.0
+    sampler = SequenceSampler(SamplingParams(temperature=0.0, logprobs=k), tokenizer, [1, 2, 3], set())
+    token, logprob = sampler.sample(logits)
+    assert token == 7 and [i for i, _, _ in logprob.top] == [7, 100, 300, 50, 400][:k]
+    assert all(value == logprob.logprob for _, _, value in logprob.top[:min(k, 3)])
+
+
 def test_top_k_one_is_greedy_and_penalties_apply():
     params = SamplingParams(temperature=1.0, top_k=1, presence_penalty=5.0)
     sampler = SequenceSampler(params, _Tok(), [], set())
