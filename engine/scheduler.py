@@ -22,8 +22,12 @@ from typing import Callable, NamedTuple
 from engine.block_pool import BlockPool, NoFreeBlocks
 from engine.sequence import Sequence, Status
 
-# Tenants' heads tried for a free slot at one admission (the earliest of all among them).
+# Tenants' heads whose cached prefix one admission (or one step's fairness
+# preemption) looks up, at most: the _FAIR_FIRST fairest always, the others a few
+# at a time, a window that moves along them from one try to the next, so that
+# each is tried within a few steps.
 _FAIR_TRIES = 8
+_FAIR_FIRST = 4
 
 
 class ScheduledSeq(NamedTuple):
@@ -122,6 +126,7 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.clock = clock
         self.tenant_fair = tenant_fair
+        self._fair_turn = 0  # where the window of tenants' heads tried (_some) is
         self.waiting = WaitQueue()
         self.running: list[Sequence] = []
         self.prefix_query_tokens = 0
@@ -172,7 +177,9 @@ class Scheduler:
         mostly hits.  Only when the waiting one's first chunk would then find its
         blocks: otherwise the slot would go back to the preempted sequence, each step."""
         running = Counter(_tenant(seq) for seq in self.running)
-        for head in self.waiting.heads():
+        most = max(running.values())
+        behind = [head for head in self.waiting.heads() if most - running[_tenant(head)] >= 2]
+        for head in self._some(behind, _FAIR_TRIES):
             tenant = _tenant(head)
             top, most = running.most_common(1)[0]
             if most - running[tenant] < 2:
@@ -190,6 +197,17 @@ class Scheduler:
             self.preempt(victim, now)
             running[top] -= 1
             running[tenant] += 1  # the slot it is about to take
+
+    def _some(self, heads: list[Sequence], tries: int) -> list[Sequence]:
+        """At most ``tries`` of ``heads``, in their order: the first _FAIR_FIRST, then
+        a window of the others that moves on at each call."""
+        if len(heads) <= tries:
+            return heads
+        rest = heads[_FAIR_FIRST:]
+        span = tries - _FAIR_FIRST
+        start = self._fair_turn % len(rest)
+        self._fair_turn += span
+        return heads[:_FAIR_FIRST] + [rest[i] for i in sorted((start + j) % len(rest) for j in range(span))]
 
     def _grow(self, seq: Sequence, count: int, queue: deque[Sequence], now: float) -> bool:
         """Give ``seq`` blocks for ``count`` more tokens, preempting the newest others if needed."""
@@ -218,11 +236,9 @@ class Scheduler:
                 # fits (tenant-fair would be first come, first served whenever one
                 # large request waits), nor later ones the earliest (which must not starve).
                 candidates = waiting.by_fairness(running)
-                candidates = candidates[:candidates.index(earliest) + 1]
-                if len(candidates) > _FAIR_TRIES:
-                    # Each try looks up a prompt's cached prefix: with hundreds of tenants
-                    # waiting on a full pool, every step would look up all of theirs.
-                    candidates = candidates[:_FAIR_TRIES - 1] + [earliest]
+                # Each try looks up a prompt's cached prefix: with hundreds of tenants
+                # waiting on a full pool, every step would look up all of theirs.
+                candidates = self._some(candidates[:candidates.index(earliest)], _FAIR_TRIES - 1) + [earliest]
             else:
                 candidates = [earliest]
             for seq in candidates:
