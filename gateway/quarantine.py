@@ -42,6 +42,9 @@ class LostPrompts:
         self._losses: dict[tuple, tuple[float, dict[tuple, str]]] = {}
         self._prompts: dict[tuple, list[tuple]] = {}  # prompt -> the losses it was in
         self._refused: dict[tuple, float] = {}  # prompt -> refused until
+        # Losses whose maps the bound on prompts cut: what is left of them would
+        # single out a prompt that was lost beside another, forgotten one.
+        self._cut: set[tuple] = set()
         self._next_prune = 0.0
 
     def __bool__(self) -> bool:
@@ -58,7 +61,8 @@ class LostPrompts:
         if record is None:
             record = self._losses[loss] = (now, {})
             if len(self._losses) > _MAX_LOSSES:
-                del self._losses[next(iter(self._losses))]
+                self._cut.discard(oldest := next(iter(self._losses)))
+                del self._losses[oldest]
         record[1][prompt] = request_id
         seen = self._prompts.setdefault(prompt, [])
         if loss not in seen:
@@ -66,8 +70,11 @@ class LostPrompts:
         if len(self._prompts) > _MAX_PROMPTS:
             # Forgotten in its losses too: a loss map holds only prompts still known
             # (a replica dropping connections for minutes is one loss, its map
-            # grew with every request it lost until the window ended).
-            self._forget(next(iter(self._prompts)))
+            # grew with every request it lost until the window ended).  Those
+            # losses single nobody out any more.
+            oldest = next(iter(self._prompts))
+            self._cut.update(self._prompts[oldest])
+            self._forget(oldest)
 
     def served(self, prompt: tuple) -> None:
         """``prompt`` was answered in full: not what brought its replicas down.  (It
@@ -97,6 +104,8 @@ class LostPrompts:
         cfg = self._config()
         since = now - cfg.lost_quarantine_s  # losses older than the window are forgotten
         losses = [record[1] for loss in seen if (record := self._losses.get(loss)) and record[0] > since]
+        if self._cut and any(loss in self._cut for loss in seen):
+            return None  # a loss that forgot some of its prompts cannot tell which one it was
         if len(losses) < cfg.lost_attempts or set(losses[0]).intersection(*losses[1:]) != {prompt}:
             return None  # not lost often enough yet, or not singled out from those lost beside it
         self._refused[prompt] = now + cfg.lost_quarantine_s
@@ -111,5 +120,6 @@ class LostPrompts:
         self._next_prune = now + _PRUNE_EVERY_S
         self._refused = {prompt: until for prompt, until in self._refused.items() if until > now}
         self._losses = {loss: record for loss, record in self._losses.items() if record[0] > now - window}
+        self._cut &= self._losses.keys()
         self._prompts = {prompt: kept for prompt, seen in self._prompts.items()
                          if (kept := [loss for loss in seen if loss in self._losses])}

@@ -53,6 +53,23 @@ def test_a_long_loss_forgets_the_prompts_that_leave_the_bound(monkeypatch):
     assert len(lost._prompts) == 100 and set(lost._losses[("a", 1)][1]) == {(f"p{n}",) for n in range(900, 1000)}
 
 
+def test_a_loss_that_forgot_prompts_at_the_bound_singles_nobody_out(monkeypatch):
+    """I and K die together twice: neither is singled out.  Losses elsewhere then
+    push I out of the prompts known, and with it out of those two losses: what
+    was left of them named K alone, refused with no new evidence against it."""
+    import gateway.quarantine as quarantine
+
+    monkeypatch.setattr(quarantine, "_MAX_PROMPTS", 10)
+    lost, _ = _lost_prompts()
+    for replica in ("a", "b"):
+        for prompt in ("I", "K"):
+            lost.note((prompt,), (replica, 1), f"req-{prompt}")
+    assert lost.refusal(("K",), "req-new") is None
+    for n in range(9):
+        lost.note((f"other{n}",), ("c", 1), f"req-{n}")
+    assert ("I",) not in lost._prompts and lost.refusal(("K",), "req-new") is None
+
+
 def test_a_prompt_answered_in_full_after_a_loss_is_not_the_cause(caplog):
     lost, _ = _lost_prompts()
     # Replicas dying of something else, one after the other, while a canary's prompt runs.
