@@ -26,8 +26,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # first, whatever else has it: bench/gateway.py would shadow the gateway package
 
 WORDS = ("the quick brown fox jumps over a lazy dog while cache routing engine block prefix token model reply "
          "answer question capital France Paris weather summary document report").split()

@@ -50,8 +50,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # first, whatever else has it: bench/gateway.py would shadow the gateway package
 
 MODEL = "bench-model"
 REQUEST = {

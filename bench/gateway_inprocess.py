@@ -38,8 +38,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # first, whatever else has it: bench/gateway.py would shadow the gateway package
 
 from aiohttp import web  # noqa: E402
 

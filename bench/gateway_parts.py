@@ -26,8 +26,7 @@ import time
 import timeit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, ROOT)  # first, whatever else has it: bench/gateway.py would shadow the gateway package
 
 from multidict import CIMultiDict  # noqa: E402
 

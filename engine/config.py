@@ -7,6 +7,7 @@ into the full ``config.yaml`` schema.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -332,9 +333,9 @@ class WorkloadAwareConfig(Section):
         interval = self.fallback.check_interval_s
         longest = max(self.fallback.window_s, self.alarm.window_s)
         if longest / interval > MAX_CHECKS_PER_WINDOW:
+            least = math.ceil(longest / MAX_CHECKS_PER_WINDOW * 1000) / 1000  # rounded up: itself accepted
             raise ValueError(f"fallback.check_interval_s {interval:g} s cuts a {longest:g} s window into more than "
-                             f"{MAX_CHECKS_PER_WINDOW} checks; give at least {longest / MAX_CHECKS_PER_WINDOW:g} s "
-                             "(or shorter windows)")
+                             f"{MAX_CHECKS_PER_WINDOW} checks; give at least {least:g} s (or shorter windows)")
         return self
 
     def paper_variant(self) -> "WorkloadAwareConfig":

@@ -541,7 +541,7 @@ class Gateway:
             # An engine's limits are for clients calling it directly: a gateway's
             # requests were counted by that gateway (per gateway, as README says), and
             # here they all come under its one key, every tenant of every gateway.
-            limited = not (self.engine_mode and isinstance(body, dict) and "kvgate_context" in body)
+            limited = not (self.engine_mode and endpoint != RESPONSES and isinstance(body.get("kvgate_context"), dict))
             if self.max_inflight is not None and limited:
                 if self.admitted >= self.max_inflight:
                     raise errors.overloaded(self.max_inflight)

@@ -36,8 +36,8 @@ so that replay does what the engine did rather than approximately so:
   workload-aware policy keys its topic-switch detector and its shared class on
   it, and chat ids alone only rebuild conversations.
 
-Past ``max_bytes`` (or ``max_bytes / 64`` distinct blocks, whose id map would
-otherwise hold many times the file's size) the file rotates (FILE -> FILE.1 ->
+Past ``max_bytes`` (or ``max_bytes / 64`` distinct blocks, 65,536 at least,
+whose id map would otherwise hold many times the file's size) the file rotates (FILE -> FILE.1 ->
 ...; ``keep`` files) and the id maps start afresh, so each file is a
 self-contained trace and memory stays within ~2x ``max_bytes``: block, chat and session ids count from 1 in each file,
 timestamps from the file's opening, and a parent recorded in an earlier file
@@ -127,9 +127,10 @@ class TraceRecorder:
         self._file.write(line)
         self._file.flush()
         self._bytes += len(line)  # ASCII JSON: characters are bytes
-        # Or past max_bytes / 64 distinct blocks: each holds ~110 bytes in the id map
-        # and ~8 in the file, so a file of distinct blocks held 14x its size in memory.
-        if self._bytes >= self.max_bytes or len(self._ids) >= self.max_bytes // 64:
+        # Or past max_bytes / 64 distinct blocks (65,536 at least, so that a small
+        # max_bytes keeps conversations together): each holds ~110 bytes in the id
+        # map and ~8 in the file, so a file of distinct blocks held 14x its size in memory.
+        if self._bytes >= self.max_bytes or len(self._ids) >= max(self.max_bytes // 64, 65_536):
             self._rotate()
 
     def close(self) -> None:

@@ -414,9 +414,9 @@ async def test_an_engines_in_flight_limits_are_for_its_direct_clients_not_its_ga
     gw = await start_server(app)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
 
-    async def status(url: str) -> int:
+    async def status(url: str, sent: dict = body, path: str = "/v1/completions") -> int:
         async with aiohttp.ClientSession() as session:
-            async with session.post(url + "/v1/completions", json=body) as resp:
+            async with session.post(url + path, json=sent) as resp:
                 await resp.read()
                 return resp.status
 
@@ -424,6 +424,11 @@ async def test_an_engines_in_flight_limits_are_for_its_direct_clients_not_its_ga
         await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="in routing")
         assert await asyncio.gather(*(status(gw.url) for _ in range(4))) == [200] * 4
         assert 429 in await asyncio.gather(*(status(engine_server.url) for _ in range(4)))
+        # No gateway sends a null context, nor calls an engine's /v1/responses.
+        assert 429 in await asyncio.gather(*(status(engine_server.url, {**body, "kvgate_context": None})
+                                             for _ in range(4)))
+        responses = {"model": MODEL, "input": "Once upon a time", "max_output_tokens": 48, "kvgate_context": {}}
+        assert 429 in await asyncio.gather(*(status(engine_server.url, responses, "/v1/responses") for _ in range(4)))
     finally:
         await gw.stop()
         await engine_server.stop()

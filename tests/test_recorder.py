@@ -128,18 +128,28 @@ def test_replay_caches_recorded_output_blocks_and_skips_partial_ones(tmp_path):
 def test_a_recording_of_distinct_blocks_rotates_before_its_id_map_outgrows_the_bound(tmp_path):
     """A block's id takes ~8 bytes of the file and ~110 of memory: a file of distinct
     blocks held 14x record_max_bytes in its id map before rotating.  It rotates at
-    max_bytes / 64 distinct blocks too."""
+    max_bytes / 64 distinct blocks too (65,536 at least: at the smallest max_bytes,
+    4096, every long prompt rotated the file and split conversations)."""
     path = tmp_path / "trace.jsonl"
-    rec = TraceRecorder(path, max_bytes=64 * 1024, keep=5)
+    limit = 16 * 1024 * 1024
+    rec = TraceRecorder(path, max_bytes=limit, keep=5)
     most = 0
-    for i in range(100):
-        rec.record(RequestContext(chat_id=i), list(range(i * 20, i * 20 + 20)), 20 * 16, 1)
+    for i in range(150):
+        rec.record(RequestContext(chat_id=i), list(range(i * 2000, i * 2000 + 2000)), 2000 * 16, 1)
         most = max(most, len(rec._ids))
     rec.close()
-    assert most <= 1024 and (tmp_path / "trace.jsonl.1").exists()
-    assert os.path.getsize(tmp_path / "trace.jsonl.1") < 64 * 1024
+    assert most <= limit // 64 and (tmp_path / "trace.jsonl.1").exists()
+    assert os.path.getsize(tmp_path / "trace.jsonl.1") < limit / 4
     first = [json.loads(line) for line in (tmp_path / "trace.jsonl.1").read_text().splitlines()]
-    assert first[0]["hash_ids"][0] == 1 and len(first) * 20 >= 1000  # ~a 64th of the bytes in blocks
+    assert first[0]["hash_ids"][0] == 1 and len(first) * 2000 >= limit // 64 - 2000
+    # The smallest setting keeps a conversation of long prompts in one file.
+    small = TraceRecorder(tmp_path / "small.jsonl", max_bytes=4096)
+    for turn in range(4):
+        small.record(RequestContext(chat_id=turn, parent_chat_id=turn - 1, turn=turn + 1),
+                     list(range(70 + turn)), (70 + turn) * 16, 1)  # past a 64th of 4096 in blocks
+    small.close()
+    assert [json.loads(line)["parent_chat_id"] for line in (tmp_path / "small.jsonl").read_text().splitlines()] \
+        == [-1, 1, 2, 3]
 
 
 def test_rotation_by_size_starts_each_file_afresh(tmp_path):

@@ -771,6 +771,10 @@ def test_checks_per_window_are_bounded_and_an_idle_spell_costs_one_window(monkey
         WorkloadAwareConfig.model_validate({"fallback": {"check_interval_s": 1e-4}})
     with pytest.raises(ValidationError, match="cuts a 600 s window"):  # the alarm's window counts too
         WorkloadAwareConfig.model_validate({"fallback": {"check_interval_s": 1}, "alarm": {"window_s": 600}})
+    # The interval it says to give is itself accepted (rounded up, not to the nearest).
+    with pytest.raises(ValidationError, match=r"give at least 3\.334 s"):
+        WorkloadAwareConfig.model_validate({"fallback": {"window_s": 1000, "check_interval_s": 1}})
+    WorkloadAwareConfig.model_validate({"fallback": {"window_s": 1000, "check_interval_s": 3.334}})
     cfg = WorkloadAwareConfig.model_validate({"fallback": {"check_interval_s": 1.0}})  # 300 checks: the most
     policy = WorkloadAwarePolicy(100, cfg)
     checks = []
