@@ -11,6 +11,7 @@ stream) is checked against its own app.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -244,13 +245,9 @@ async def test_an_idle_engine_keeps_its_followers(tiny_model_dir, monkeypatch, c
     read deadline of a few heartbeats stays on one stream, in routing."""
     monkeypatch.setattr(engine_endpoints, "KV_EVENTS_HEARTBEAT_S", 0.1)
     monkeypatch.setattr(replicas, "_KV_EVENTS_SILENT_S", 0.5)
-    engine_server = await start_server(create_app(tiny_config(tiny_model_dir), engine_mode=True))
-    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine_server.url)],
-                                 router=RouterConfig(health_interval_s=0.1)))
-    gw = await start_server(app)
-    try:
+    async with _gateway_over_an_engine(tiny_model_dir, RouterConfig(health_interval_s=0.1)) as (
+            _, engine_server, app, gw):
         replica = app[GATEWAY].replicas[0]
-        await wait_for(lambda: replica.healthy, what="in routing")
         async with aiohttp.ClientSession() as session:
             async with session.get(engine_server.url + "/kv_events") as resp:
                 assert (await resp.content.readline()).startswith(b"event: snapshot")
@@ -264,9 +261,6 @@ async def test_an_idle_engine_keeps_its_followers(tiny_model_dir, monkeypatch, c
         assert not [r for r in caplog.records if "kv event stream lost" in r.getMessage()]
         out = await _chat(gw.url)
         assert out["usage"]["completion_tokens"] == 1
-    finally:
-        await gw.stop()
-        await engine_server.stop()
 
 
 async def test_an_answer_leaves_once_the_index_holds_its_prompt(tiny_model_dir, monkeypatch):
@@ -285,14 +279,9 @@ async def test_an_answer_leaves_once_the_index_holds_its_prompt(tiny_model_dir, 
             yield event, data
 
     monkeypatch.setattr(replicas, "sse_events", lagging)  # the follower's; answers are read apart
-    engine_app = create_app(tiny_config(tiny_model_dir), engine_mode=True)
-    engine_server = await start_server(engine_app)
-    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine_server.url)],
-                                 router=RouterConfig(health_interval_s=60)))
-    gw = await start_server(app)
-    try:
+    async with _gateway_over_an_engine(tiny_model_dir, RouterConfig(health_interval_s=60)) as (
+            engine_app, _, app, gw):
         replica = app[GATEWAY].replicas[0]
-        await wait_for(lambda: replica.healthy, what="in routing")
         engine = engine_app[GATEWAY].replicas[0]
         for turn in range(3):
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"turn {turn} " + "hi " * 60}],
@@ -303,6 +292,19 @@ async def test_an_answer_leaves_once_the_index_holds_its_prompt(tiny_model_dir, 
                     await resp.read()
             held = {key for keys in engine.held_keys().values() for key in keys}
             assert len(held) >= 4 * (turn + 1) and set(replica.index.tiers) == held, turn
+
+
+@contextlib.asynccontextmanager
+async def _gateway_over_an_engine(model_dir: str, router: RouterConfig):
+    """A `kvgate engine` and a gateway following it, on loopback, once the engine is
+    in routing: (engine app, engine server, gateway app, gateway server)."""
+    engine_app = create_app(tiny_config(model_dir), engine_mode=True)
+    engine_server = await start_server(engine_app)
+    app = create_app(tiny_config(model_dir, [ReplicaConfig(kind="engine", url=engine_server.url)], router=router))
+    gw = await start_server(app)
+    try:
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="in routing")
+        yield engine_app, engine_server, app, gw
     finally:
         await gw.stop()
         await engine_server.stop()

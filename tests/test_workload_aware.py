@@ -689,16 +689,21 @@ def test_file_signature_joins_the_category():
 # ---- shadow LRU fallback ----------------------------------------------------------------
 
 
+# A deliberately bad score (spatial only, head and tail classes: every tail goes
+# before any head), and a fallback that judges within a minute.
+_ADVERSARIAL = {
+    "weights": {"reuse": 0.0, "spatial": 1.0, "lifetime": 0.0}, "position_classes": 2,
+    "rhythm": {"enabled": False}, "topic_switch": {"enabled": False}, "shared_class": False,
+    "fallback": {"window_s": 60.0, "check_interval_s": 10.0, "min_accesses": 100, "margin": 0.05, "sustain_s": 30.0},
+    "alarm": {"window_s": 60.0, "min_accesses": 1},
+}
+
+
 def test_fallback_to_lru_on_an_adversarial_stream_and_back():
     # A deliberately bad score (spatial only, head and tail classes: every tail
     # goes before any head) loses to LRU on a small working set mixed with
     # one-off requests, then wins on a loop larger than the cache (LRU's worst case).
-    cfg = WorkloadAwareConfig.model_validate({
-        "weights": {"reuse": 0.0, "spatial": 1.0, "lifetime": 0.0}, "position_classes": 2,
-        "rhythm": {"enabled": False}, "topic_switch": {"enabled": False}, "shared_class": False,
-        "fallback": {"window_s": 60.0, "check_interval_s": 10.0, "min_accesses": 100, "margin": 0.05, "sustain_s": 30.0},
-        "alarm": {"window_s": 60.0, "min_accesses": 1},
-    })
+    cfg = WorkloadAwareConfig.model_validate(_ADVERSARIAL)
     capacity = 40
     pool = BlockPool(capacity, 0, "wa", CacheConfig(workload_aware=cfg))
     policy = pool.device_policy
@@ -730,12 +735,7 @@ def test_fallback_to_lru_in_the_engines_call_order():
     be seen ahead and the fallback never fired in a live engine (only in replay,
     which touches a request's blocks in one go).  The stream of the test above,
     through the real scheduler, two requests admitted per step."""
-    cfg = WorkloadAwareConfig.model_validate({
-        "weights": {"reuse": 0.0, "spatial": 1.0, "lifetime": 0.0}, "position_classes": 2,
-        "rhythm": {"enabled": False}, "topic_switch": {"enabled": False}, "shared_class": False,
-        "fallback": {"window_s": 60.0, "check_interval_s": 10.0, "min_accesses": 100, "margin": 0.05, "sustain_s": 30.0},
-        "alarm": {"window_s": 60.0, "min_accesses": 1},
-    })
+    cfg = WorkloadAwareConfig.model_validate(_ADVERSARIAL)
     bs = 4
     pool = BlockPool(40, 0, "wa", CacheConfig(workload_aware=cfg))
     clock = [0.0]
