@@ -234,7 +234,8 @@ class Scheduler:
                 # Each tenant's head, the fewest running first, up to the earliest of
                 # all: one that lacks blocks must not keep out the next tenant's that
                 # fits (tenant-fair would be first come, first served whenever one
-                # large request waits), nor later ones the earliest (which must not starve).
+                # large request waits), and none after the earliest goes before it
+                # (so that it cannot starve behind later ones).
                 candidates = waiting.by_fairness(running)
                 # Each try looks up a prompt's cached prefix: with hundreds of tenants
                 # waiting on a full pool, every step would look up all of theirs.
