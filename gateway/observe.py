@@ -153,7 +153,10 @@ class Observer:
             output_keys = generated_keys(prompt.token_ids, prompt.keys, done.generated, self._block_size,
                                          chain_salt(self._salt, done.cache_salt), prompt.mm_hashes) if done.generated else []
             try:
-                self.recorder.record(ctx, prompt.keys, done.prompt_tokens, done.completion_tokens, done.arrival,
+                # The prompt's length as its block ids count it (the gateway's own
+                # tokens): an external server's count, by another tokenizer or
+                # template, made lines whose ids replay found too many or too few.
+                self.recorder.record(ctx, prompt.keys, len(prompt.token_ids), done.completion_tokens, done.arrival,
                                      output_keys)
             except (OSError, ValueError) as exc:
                 # A full disk (or a file gone from under it) must not fail requests:

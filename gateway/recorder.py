@@ -5,7 +5,8 @@ its client left or it failed after the engine's prefill, which cached its
 prompt all the same):
 ``chat_id``, ``parent_chat_id``, ``turn`` and ``type`` from the gateway's
 classification, ``timestamp`` (arrival, seconds since the recording began),
-``input_length`` / ``output_length`` (engine-reported tokens) and
+``input_length`` (the prompt's tokens, as the gateway tokenised it: what
+``hash_ids`` count) / ``output_length`` (engine-reported tokens) and
 ``hash_ids``.  Lines are in completion order; readers order them by timestamp.
 
 No prompt text is written: each block key is replaced by a small id that is

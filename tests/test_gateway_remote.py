@@ -2214,6 +2214,25 @@ async def test_a_restart_that_ends_empty_leaves_one_record(tiny_model_dir, tmp_p
     assert len(path.read_text().splitlines()) == 1
 
 
+async def test_a_recording_counts_the_prompt_as_its_block_ids_do(tiny_model_dir, tmp_path):
+    """An external server counts the prompt with its own tokenizer and template:
+    its count as input_length, beside block ids from the gateway's tokens, made
+    lines replay warned about (14,023 of 51,293 in a soak).  The gateway's count
+    is what the ids count."""
+    async def chat(request):
+        await request.read()
+        answer = {"choices": [{"index": 0, "delta": {"content": "Fine"}, "finish_reason": "stop"}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+        return web.Response(body=_sse(answer, usage, b"[DONE]"), content_type="text/event-stream")
+
+    path = tmp_path / "served.jsonl"
+    async with _recording_over_two(tiny_model_dir, chat, path) as (_, _, client):
+        answer = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 40}])
+        assert answer.usage.prompt_tokens == 3  # the client is told the server's count
+    (line,) = [json.loads(text) for text in path.read_text().splitlines()]
+    assert line["input_length"] > 40 and len(line["hash_ids"]) == -(-line["input_length"] // 16)
+
+
 @contextlib.asynccontextmanager
 async def _recording_over_two(model_dir, chat, path):
     """A gateway recording to ``path`` over two scripted upstreams answering with
