@@ -330,13 +330,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(recording))
         existing = folder
         while not os.path.exists(existing):
+            made.append(existing)  # innermost first
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing):  # makedirs would say "File exists", which names no culprit
             raise CliError(f"{flag}: cannot write {recording}: {existing} is a file, not a folder")
-        parent = folder
-        while parent != existing:
-            made.append(parent)
-            parent = os.path.dirname(parent)
         if not os.path.exists(recording):
             made.insert(0, os.path.realpath(recording))  # a link's target (the file made), never the link
         try:

@@ -984,8 +984,7 @@ class RemoteReplica(Replica):
         started = time.monotonic()
         resp = await self._post(path, body, headers, started)
         self._live[resp] = 0.0
-        produced = False
-        answered = False  # a choice's output came (not only usage)
+        produced = False  # a choice's output came and was handed on (usage alone is no answer)
         held: list[GenerationOutput] = []  # usage that came before it
         finished: set[int] = set()  # choice indexes with a finish_reason
         try:
@@ -1024,21 +1023,19 @@ class RemoteReplica(Replica):
                     if "kvgate_kv_seq" in chunk:  # a `kvgate engine`'s, with usage: its last KV event then
                         kv_seq = chunk["kvgate_kv_seq"]
                     finished.update(o.index for o in batch if o.finish_reason is not None)
-                    if not answered:
+                    if not produced:
                         if all(o.index == USAGE_ALL for o in batch):
                             # Usage before any choice is no answer yet: held, so that a
                             # stream ending here is retried as one that sent nothing.
                             held += batch
                             continue
-                        answered = True
                         # A 200 alone is not success (an error event may follow), nor usage alone.
                         self._forgive(requests=True)
                         batch = held + batch
-                    if batch:
-                        if not produced:
-                            batch[0].queue_time_s = queue_time
-                            batch[0].cached_tokens = cached
+                        batch[0].queue_time_s = queue_time
+                        batch[0].cached_tokens = cached
                         produced = True
+                    if batch:
                         self._last_output = self._live[resp] = time.monotonic()
                         yield batch
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
@@ -1051,7 +1048,7 @@ class RemoteReplica(Replica):
                 # EOF without [DONE] before every choice finished: a silent
                 # truncation would look like a complete answer to the client.
                 raise _EndedEarly(f"replica {self.name} closed the stream before [DONE]")
-            if not answered:
+            if not produced:
                 # [DONE] with no choice at all (every server sends at least a
                 # finish_reason): an empty 200 would pass for the model's answer.
                 raise _EndedEarly(f"replica {self.name} ended the stream without an answer")
