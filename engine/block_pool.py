@@ -191,7 +191,7 @@ class BlockPool:
         if held is not None:
             if held < self.num_device:
                 return False
-            self._drop_host_copy(held, key)
+            self._drop_host_copy(held, key, emit=False)
             self.free_host.append(held)
         self.block_key[block] = key
         self.block_ctx[block] = ctx
@@ -199,6 +199,10 @@ class BlockPool:
         self.cached[key] = block
         self.device_policy.insert(key, ctx, offset, now)
         self._emit("stored", key, DEVICE)
+        if held is not None:
+            # Stored on the device before removed from the host: a follower applying
+            # the events one at a time never sees the key held nowhere.
+            self._emit("removed", key, HOST)
         return True
 
     def release(self, blocks: Sequence[int], ctx: RequestContext, now: float) -> None:
@@ -277,9 +281,11 @@ class BlockPool:
         block = self.cached.pop(key)
         self.block_key[block] = None
         self.stats.device_evictions += 1
-        self._emit("removed", key, DEVICE)
         if self.host_policy is not None:
             self._demote(block, key, now)
+        # After the host copy's "stored": between a demotion's two events the key is
+        # on both tiers, never on neither (a router would see the prompt cut there).
+        self._emit("removed", key, DEVICE)
         return block
 
     def _demote(self, block: int, key: int, now: float) -> None:
@@ -318,7 +324,7 @@ class BlockPool:
         # Leave the host tier first so the demotion this may cause cannot pick it,
         # and free the host block only after: a demotion into it now would be
         # copied before the promotion copies out of it.
-        self._drop_host_copy(host_block, key)
+        self._drop_host_copy(host_block, key, emit=False)
         block = self._take_device_block(now)
         if self.record_copies:
             self.copies.append((host_block, block))
@@ -326,14 +332,16 @@ class BlockPool:
         self.ref_count[block] = 1
         self.stats.promotions += 1
         self.cache_block(block, key, ctx, offset, now)
+        self._emit("removed", key, HOST)  # after the device copy's "stored" (see cache_block)
         self.device_policy.hit(key, ctx, offset, now)
         return block
 
-    def _drop_host_copy(self, host_block: int, key: int) -> None:
+    def _drop_host_copy(self, host_block: int, key: int, emit: bool = True) -> None:
         self.host_policy.remove(key)
         del self.cached[key]
         self.block_key[host_block] = None
-        self._emit("removed", key, HOST)
+        if emit:
+            self._emit("removed", key, HOST)
 
     def _emit(self, kind: str, key: int, tier: str) -> None:
         if self.on_event is not None:

@@ -120,7 +120,8 @@ def test_recomputed_block_replaces_its_host_copy():
     assert pool.cache_block(fresh[0], 7, CTX, 0, 5.0)
     assert pool.cache_block(fresh[1], 2, CTX, 1, 5.0)
     assert pool.cached[2] == fresh[1] and pool.match_prefix([7, 2]) == PrefixMatch(2, 0)
-    assert events[-2:] == [("removed", 2, "host"), ("stored", 2, "device")]
+    # Stored on the device before removed from the host: never held nowhere in between.
+    assert events[-2:] == [("stored", 2, "device"), ("removed", 2, "host")]
     assert pool.match_prefix([1]) == PrefixMatch(0, 1) and len(pool.free_host) == 1
     pool.release(list(reversed(fresh)), CTX, 6.0)
     assert pool.match_prefix([7, 2]) == PrefixMatch(2, 0)
@@ -272,3 +273,39 @@ def test_blocks_in_use_are_counted_in_constant_time_and_exactly(policy):
                 pool.cache_block(block, key, ctx, offset, now)
             held.append((blocks + fresh, ctx))
         assert pool.num_in_use() == sum(1 for count in pool.ref_count[: pool.num_device] if count)
+
+
+def test_a_key_moving_between_tiers_is_held_throughout_its_events():
+    """A gateway's index follows these events one at a time and routes between
+    them: a demotion (device -> host) or a promotion (host -> device) must say
+    "stored" on the new tier before "removed" on the old one, or the key (and
+    every block after it in a prompt) looks uncached in between."""
+    held: dict[int, set] = {}
+    gaps = []
+
+    def on_event(kind, keys, tier):
+        for key in keys:
+            tiers = held.setdefault(key, set())
+            if kind == "stored":
+                if key in emptied:
+                    gaps.append(key)  # went unheld, then came back: a gap a router could see
+                tiers.add(tier)
+            else:
+                tiers.discard(tier)
+                if not tiers:
+                    emptied.add(key)
+
+    emptied: set = set()
+    pool = BlockPool(2, 2, on_event=on_event)
+    a = fill(pool, [1, 2])
+    pool.release(list(reversed(a)), CTX, 1.0)
+    emptied.clear()
+    b = fill(pool, [3], now=2.0)  # demotes key 2
+    assert pool.match_prefix([1, 2]) == PrefixMatch(1, 1)
+    assert gaps == []
+    pool.release(b, CTX, 3.0)
+    emptied.clear()
+    got = pool.acquire_prefix([1, 2], CTX, 4.0)  # promotes key 2 (demoting key 3)
+    assert pool.match_prefix([1, 2]) == PrefixMatch(2, 0)
+    assert gaps == []
+    pool.release(list(reversed(got)), CTX, 5.0)
