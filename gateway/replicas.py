@@ -405,6 +405,7 @@ class RemoteReplica(Replica):
         self._probes_failing_since: float | None = None
         self._requests_failing_since: float | None = None
         self._probe_failure = "no probe yet"  # why the last health probe failed, for the log
+        self._probe_timed_out = False  # the last probe failed by running out of time
         self._key_refused = False  # /kv_events answered 401/403: said once, not at every retry
         self._no_events = False  # /kv_events answered 404 (no kvgate engine): said once too
         # When any request last got output from this replica: a request left silent
@@ -568,6 +569,7 @@ class RemoteReplica(Replica):
     async def _probe(self) -> bool:
         """Whether the replica answers its health path; why not in ``_probe_failure``."""
         path = "/health" if self.kind == "engine" else "/v1/models"
+        self._probe_timed_out = False
         try:
             timeout = aiohttp.ClientTimeout(total=self.router_cfg.health_timeout_s)
             async with self._session.get(self.base + path, headers=self.auth_headers(), timeout=timeout) as resp:
@@ -587,7 +589,15 @@ class RemoteReplica(Replica):
                 return True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             self._probe_failure = _plain_reason(exc)
+            self._probe_timed_out = isinstance(exc, asyncio.TimeoutError)
             return False
+
+    def _busy_since(self, asked: float) -> bool:
+        """The probe sent at ``asked`` ran out of time while answers from this replica
+        kept coming: too busy to answer it in time, not down.  Counted as a failure,
+        an overloaded fleet left routing all at once (every engine's probes late
+        together) and every new request was a 503 while the streams went on."""
+        return self._probe_timed_out and self._last_output >= asked
 
     def _check_model_listed(self, listed: list[str] | None) -> None:
         """replicas[].model names what the server is sent: one it does not list
@@ -619,13 +629,14 @@ class RemoteReplica(Replica):
         interval = self.router_cfg.health_interval_s
         while True:
             await asyncio.sleep(interval)
+            asked = time.monotonic()
             if await self._probe():
                 self._forgive(probes=True)
                 if self.kind == "openai" and not self.info_known:
                     # Down when the gateway started: its model name is still to learn.
                     await self._learn_model()
                 self._maybe_rejoin()
-            else:
+            elif not self._busy_since(asked):
                 self._note_failure(probe=True)
 
     def _maybe_rejoin(self) -> None:
@@ -708,7 +719,8 @@ class RemoteReplica(Replica):
                                                    name=f"loss-check:{self.name}")
 
     async def _probe_after_loss(self, reason: str, lost_at: float) -> None:
-        if not await self._probe() and not self.breaker_open:
+        asked = time.monotonic()
+        if not await self._probe() and not self._busy_since(asked) and not self.breaker_open:
             self._trip(f"failed mid-request: {reason}", failing_since=lost_at)
 
     def _cut_live(self, spare_since: float | None = None) -> None:

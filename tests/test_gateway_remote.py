@@ -2006,11 +2006,14 @@ async def test_a_request_every_replica_fails_leaves_the_fleet_in_routing(tiny_mo
         assert gateway.router.inflight_requests == [0, 0]
 
 
-async def test_a_replica_too_busy_for_its_probes_finishes_the_streams_it_is_serving(tiny_model_dir):
-    """Probes that time out take the replica out of routing, but a stream that
-    keeps producing tokens meanwhile is being served: it runs to its end.  (A
-    hung replica's streams, silent since its probes began failing, are still
-    cut: test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoins.)"""
+async def test_a_replica_too_busy_for_its_probes_stays_in_routing_while_its_answers_flow(tiny_model_dir):
+    """Probes that time out while the replica's streams keep producing tokens
+    are a busy replica's, not a dead one's: it stays in routing and new requests
+    are served.  It left routing, and with every replica of an overloaded fleet
+    late on its probes together, every new request was a 503.  Once its answers
+    stop, the same late probes take it out.  (A hung replica's streams, silent
+    since its probes began failing, are cut:
+    test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoins.)"""
     state = {"slow": False}
 
     async def models(request):
@@ -2036,14 +2039,23 @@ async def test_a_replica_too_busy_for_its_probes_finishes_the_streams_it_is_serv
     app = create_app(config)
     gw = await start_server(app)
     client = _client(gw.url)
+    messages = [{"role": "user", "content": "count"}]
     try:
         replica = app[GATEWAY].replicas[0]
         await wait_for(lambda: replica.healthy, what="healthy")
-        parts = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}],
-                                                     stream=True)
-        text = "".join([c.choices[0].delta.content or "" async for c in parts if c.choices])
-        assert text == "".join(f"{i} " for i in range(30))
-        assert replica.trips >= 1  # it did leave routing meanwhile
+
+        async def count() -> str:
+            parts = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in parts if c.choices])
+
+        first = asyncio.create_task(count())
+        await asyncio.sleep(1.5)  # ~5 probes late by now, the stream half done
+        second = await count()  # sent while the probes fail: served, not a 503
+        assert await first == second == "".join(f"{i} " for i in range(30))
+        assert replica.trips == 0 and replica.healthy
+        # Its answers over, the late probes are a failure again.
+        await wait_for(lambda: not replica.healthy, timeout=5, what="out of routing once silent")
+        assert replica.trips == 1
     finally:
         await client.close()
         await gw.stop()
