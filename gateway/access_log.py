@@ -1,13 +1,15 @@
 """`server.access_log`'s line: one a request, as an operator greps it::
 
-    127.0.0.1 "POST /v1/chat/completions HTTP/1.1" 200 5856 0.412s chatcmpl-3f9c0a... "OpenAI/Python 1.0"
+    127.0.0.1 "POST /v1/chat/completions HTTP/1.1" 200 5856 0.412s chatcmpl-3f9c0a... "OpenAI/Python 1.0" r1
 
 The client's address; the request line as sent; the status as
 kvgate_requests_total counts it (a stream that failed after its first byte
 shows its error event's, 502 or 503, though 200 went on the wire; 499: the
 client left); bytes sent, head included; seconds since the request arrived;
 its x-request-id (the completion id, which each hop's log names); the user
-agent.  The record's own time is when the request ended.  aiohttp's default
+agent; the replica that answered (as nginx's $upstream_addr; several, comma
+separated, for a request of several prompts; "-" where none did, as for a
+refusal, and on a `kvgate engine`).  The record's own time is when the request ended.  aiohttp's default
 line has neither the duration nor the id, and dates the request twice.
 
 Monitoring that succeeds is left out (nginx's ``access_log off`` on a
@@ -38,10 +40,11 @@ class AccessLine(AbstractAccessLogger):
             return  # a gateway in front probes /v1/models every health_interval_s
         status = getattr(response, "failed_status", None) or response.status
         major, minor = request.version
-        self.logger.info('%s "%s %s HTTP/%d.%d" %s %d %.3fs %s "%s"', request.remote or "-", request.method,
+        self.logger.info('%s "%s %s HTTP/%d.%d" %s %d %.3fs %s "%s" %s', request.remote or "-", request.method,
                          _printable(request.raw_path), major, minor, status, response.body_length, time,
                          _printable(response.headers.get("x-request-id", "-")),
-                         _printable(request.headers.get("User-Agent", "-")))
+                         _printable(request.headers.get("User-Agent", "-")),
+                         _printable(getattr(response, "replica", None) or "-"))
 
     @property
     def enabled(self) -> bool:

@@ -583,6 +583,9 @@ class Gateway:
                 resp = await self.responder.complete(gen, single, parsed, subs, start)
             # A stream that failed after its first byte counts under its error's status.
             status = str(getattr(resp, "failed_status", None) or resp.status)
+            if not self.engine_mode:
+                # For the access line, as nginx's $upstream_addr: which replica served it.
+                resp.replica = subs[0].replica if len(subs) == 1 else ",".join(dict.fromkeys(s.replica for s in subs))
             if self.draining:
                 # A keep-alive client would keep coming back here; on a new
                 # connection the load balancer sends it to an instance that stays.

@@ -74,12 +74,14 @@ def _refusal_counter(app: web.Application):
     return app[GATEWAY].metrics.refused if GATEWAY in app else None
 
 
-async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
-    """Start ``app`` on host:port (0: any free port) and return its base URL."""
+async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0,
+                       access_log: logging.Logger | None = None) -> RunningServer:
+    """Start ``app`` on host:port (0: any free port) and return its base URL;
+    ``access_log``: where server.access_log's lines go (none by default)."""
     limits = app[GATEWAY].limits if GATEWAY in app else LimitsConfig()
     runner = KvgateRunner(app, header_timeout_s=limits.header_timeout_s, send_timeout_s=limits.send_timeout_s,
-                          keepalive_timeout=limits.keepalive_timeout_s, handler_cancellation=True, access_log=None,
-                          on_refused=_refusal_counter(app))
+                          keepalive_timeout=limits.keepalive_timeout_s, handler_cancellation=True,
+                          access_log=access_log, access_log_class=AccessLine, on_refused=_refusal_counter(app))
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

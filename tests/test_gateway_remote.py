@@ -1117,6 +1117,46 @@ async def _gateway_over_pair(model_dir, first, second, names: tuple[str, str], r
             await server.stop()
 
 
+async def test_the_access_line_names_the_replica_that_answered(tiny_model_dir, caplog):
+    """server.access_log ends with the replica that served the request (nginx's
+    $upstream_addr): which engine a slow or uncached answer came from, without a
+    DEBUG log.  A retried request names the one that answered; a refusal, none."""
+    state = {"down": False}
+
+    async def flaky(request):
+        if state["down"]:
+            return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
+        return await _answer_fine(request)
+
+    healthy = _models_while({"healthy": True})
+    servers = [await _scripted_upstream(healthy, flaky), await _scripted_upstream(healthy, _answer_fine)]
+    replicas = [ReplicaConfig(kind="openai", url=s.url, name=name) for s, name in zip(servers, ("left", "right"))]
+    app = create_app(tiny_config(tiny_model_dir, replicas, router=RouterConfig(policy="round-robin")))
+    gw = await start_server(app, access_log=logging.getLogger("test.access.gateway"))
+    client = _client(gw.url)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+        with caplog.at_level(logging.INFO, logger="test.access.gateway"):
+            for stream in (False, True):  # round-robin: one to each
+                await client.chat.completions.create(model=MODEL, messages=messages, stream=stream)
+            state["down"] = True
+            for _ in range(2):  # whichever comes first, "right" answers
+                await client.chat.completions.create(model=MODEL, messages=messages)
+            with pytest.raises(openai.NotFoundError):
+                await client.chat.completions.create(model="nope", messages=messages)
+            lines = lambda: [r.getMessage() for r in caplog.records if r.name == "test.access.gateway"]  # noqa: E731
+            await wait_for(lambda: len(lines()) == 5, what="five access lines")
+        ends = [(line.split('HTTP/1.1" ')[1].split()[0], line.rsplit(" ", 1)[1]) for line in lines()]
+        assert sorted(ends[:2]) == [("200", "left"), ("200", "right")]
+        assert ends[2:] == [("200", "right"), ("200", "right"), ("404", "-")]
+    finally:
+        await client.close()
+        await gw.stop()
+        for server in servers:
+            await server.stop()
+
+
 async def test_a_replica_at_capacity_passes_the_request_on(tiny_model_dir):
     """A 429 before any output (a replica shedding load) sends the request to
     another replica, without counting against the first; when every replica

@@ -930,7 +930,7 @@ def test_the_access_line_says_a_failed_stream_its_id_and_its_time(caplog):
         line.log(request, FailedStream(), 0.4123)
     (record,) = caplog.records
     assert record.getMessage().split(" ", 1)[1] == \
-        '"POST /v1/chat/completions HTTP/1.1" 502 1234 0.412s chatcmpl-abc "evil\\"\\n2026-01-01 forged line"'
+        '"POST /v1/chat/completions HTTP/1.1" 502 1234 0.412s chatcmpl-abc "evil\\"\\n2026-01-01 forged line" -'
     # Monitoring that succeeds is no client traffic: probes and polls every few seconds buried it.
 
     class Answer:
