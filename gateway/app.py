@@ -740,7 +740,10 @@ class Gateway:
         hasher = self.hasher
         salt = parsed.cache_salt
         if parsed.endpoint == CHAT:
-            work = lambda: [hasher.chat(parsed.messages, parsed.images, salt)]  # noqa: E731
+            # tool_choice "none" on the kvgate engine: the template still sees the tools, as vLLM's
+            # (an external server renders its own; _uncounted_tokens estimates them).
+            tools = parsed.body.get("tools") or None if parsed.engine_unsupported is None else None
+            work = lambda: [hasher.chat(parsed.messages, parsed.images, salt, tools)]  # noqa: E731
             sources = [None]
             size = parsed.content_chars
         else:
@@ -793,6 +796,12 @@ class Gateway:
         if parsed.max_tokens is None:
             if room < 1:
                 raise errors.context_too_long(self.max_model_len, f"your {param} resulted in {prompt_len} tokens", param)
+            if parsed.endpoint != CHAT and default > room:
+                # Completions' default (16) counts against the context as a max_tokens sent does,
+                # as OpenAI's and vLLM's: a 400, not a shorter answer.
+                raise errors.context_too_long(
+                    self.max_model_len, f"you requested {prompt_len + default} tokens ({prompt_len} in the {param}, "
+                    f"{default} in the completion)", param, reduce=f"{param} or completion")
             # Past the context by the estimate: the server, which counts exactly, judges.
             return min(default, room - uncounted if room - uncounted >= 1 else room)
         if parsed.max_tokens > room:

@@ -59,8 +59,15 @@ class PrefixHasher:
         except TypeError:
             self.vocab_size = getattr(tokenizer, "vocab_size", 1 << 31)
 
-    def chat(self, messages: list[dict], images: Sequence[bytes] = (), cache_salt: str | None = None) -> Prompt:
-        ids = self._template(messages, cache_salt or "")
+    def chat(self, messages: list[dict], images: Sequence[bytes] = (), cache_salt: str | None = None,
+             tools: list[dict] | None = None) -> Prompt:
+        if tools:
+            # The template is given the tools, as vLLM gives them (tool_choice "none" too):
+            # rendered whole, the piece cache knows no tools.
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        else:
+            ids = self._template(messages, cache_salt or "")
         mm = self._image_offsets(messages, images, cache_salt or "") if images else []
         return Prompt(ids, mm, block_hashes(ids, self.block_size, chain_salt(self.salt, cache_salt), mm))
 

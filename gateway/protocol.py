@@ -370,6 +370,8 @@ def _parse_sampling(req: ParsedRequest, body: dict, limits: LimitsConfig, max_lo
         s.frequency_penalty = _float(body, "frequency_penalty", 0.0, -2.0, 2.0)
     if "seed" in body:
         s.seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
+        if s.seed == -1:  # vLLM's "no seed" (SamplingParams: -1 is None): a random one, not a fixed one
+            s.seed = None
     # vLLM's extensions, which clients of vLLM-style servers already send.
     if "top_k" in body:
         # -1 is vLLM's "off", as is 0.
@@ -482,8 +484,8 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
             # What chat templates name a tool's answer by (vLLM hands both on).
             if isinstance(msg.get("tool_call_id"), str):
                 entry["tool_call_id"] = msg["tool_call_id"]
-            if isinstance(msg.get("name"), str):
-                entry["name"] = msg["name"]
+        if isinstance(msg.get("name"), str):
+            entry["name"] = msg["name"]  # any message's, as vLLM hands it to the template
         out.append(entry)
         req.image_ends.append(len(req.images))
         lengths.append(len(text))

@@ -210,6 +210,11 @@ def test_images_in_one_request_are_bounded():
     assert parse_json(deep.replace(b'"\\udc00"', b"1"))["content"] == "\U0001f600"
 
 
+def test_seed_minus_one_is_no_seed_as_in_vllm():
+    assert chat(seed=-1).sampling.seed is None
+    assert chat(seed=-2).sampling.seed == -2 and chat(seed=0).sampling.seed == 0
+
+
 def test_the_models_sampling_defaults_fill_what_a_request_leaves_out():
     defaults = {"temperature": 0.7, "top_k": 20}
     parse = lambda **kw: parse_request(  # noqa: E731
@@ -249,6 +254,27 @@ def test_earlier_tool_calls_reach_the_chat_template_as_vllm_hands_them_on():
     with pytest.raises(ApiError) as info:
         chat(messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{}"}}]}])
     assert info.value.param == "messages[0].tool_calls[0].function.name"
+
+
+def test_names_and_tools_reach_the_chat_template_as_vllm_hands_them_on():
+    """vLLM gives the template every message's ``name`` and the request's ``tools``
+    (with tool_choice "none" too): both were dropped, so a template that writes
+    them (Qwen2.5's tools, a template's speaker names) got another prompt."""
+    from engine.chat_tokens import ChatTokenizer
+    from tests.tiny_model import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}\n{{ m.content }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    req = chat(messages=[{"role": "user", "content": "Weather?", "name": "alice"}], tools=tools, tool_choice="none")
+    assert req.engine_unsupported is None and req.messages[0]["name"] == "alice"
+    hasher = PrefixHasher(tokenizer, 4, "salt", ChatTokenizer(tokenizer).encode_chat)
+    ids = hasher.chat(req.messages, tools=tools).token_ids
+    want = tokenizer.apply_chat_template(req.messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    assert ids == want["input_ids"] and "get_weather" in tokenizer.decode(ids) and "alice" in tokenizer.decode(ids)
 
 
 def test_completions_prompt_forms():

@@ -649,23 +649,29 @@ async def test_fields_nothing_reads_are_logged_once_each(gw, caplog):
     assert logged == ["requests carry fields the kvgate engine does not read, ignored: 'store', 'temprature'"]
 
 
-async def test_several_prompts_each_get_the_default_max_tokens_their_own_length_leaves(gw):
-    """Completions without max_tokens: each prompt gets the default (16), or the
-    room its own length leaves in the context, as vLLM resolves them per prompt;
-    a long neighbour does not shorten a short prompt's answer."""
+async def test_the_completions_default_max_tokens_counts_against_the_context(gw):
+    """Completions without max_tokens get 16, OpenAI's and vLLM's default, and it
+    counts against the context as a max_tokens sent does: a prompt that leaves
+    less room is a 400 (as from OpenAI and vLLM), not a shorter answer.  Each
+    prompt is judged by its own length: a long neighbour that fits does not
+    shorten a short prompt's answer."""
     app, server, client, engines, seen = gw
     context = app[GATEWAY].max_model_len
-    long_prompt = [7] * (context - 5)  # room for 5
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model=MODEL, prompt=[[7, 8], [7] * (context - 5)], temperature=0, extra_body=FIXED)
+    assert info.value.code == "context_length_exceeded"
+    assert f"you requested {context + 11} tokens ({context - 5} in the prompt, 16 in the completion)" in info.value.message
+    long_prompt = [7] * (context - 16)  # room for the default exactly
     resp = await client.completions.create(model=MODEL, prompt=[[7, 8], long_prompt], temperature=0, extra_body=FIXED)
     by_index = {c.index: c for c in resp.choices}
-    assert resp.usage.completion_tokens == 16 + 5
+    assert resp.usage.completion_tokens == 16 + 16
     assert by_index[0].finish_reason == by_index[1].finish_reason == "length"
     alone = await client.completions.create(model=MODEL, prompt=[[7, 8]], temperature=0, extra_body=FIXED)
     assert by_index[0].text == alone.choices[0].text and alone.usage.completion_tokens == 16
     # min_tokens must fit every prompt's answer.
     with pytest.raises(openai.BadRequestError) as info:
-        await client.completions.create(model=MODEL, prompt=[[7, 8], long_prompt], extra_body={"min_tokens": 6})
-    assert info.value.param == "min_tokens" and "at most max_tokens (5)" in info.value.message
+        await client.completions.create(model=MODEL, prompt=[[7, 8], long_prompt], extra_body={"min_tokens": 17})
+    assert info.value.param == "min_tokens" and "at most max_tokens (16)" in info.value.message
     await _settled(app)
 
 
