@@ -557,6 +557,10 @@ class Gateway:
                 body, call = chat_request(body)
                 parsed = parse_request(CHAT, body, self.limits, self.engine_mode, self.sampling_defaults)
                 parsed.responses, parsed.id = call, new_id("resp_")
+                for name in ("temperature", "top_p"):
+                    if body.get(name) is None and name in self.sampling_defaults:
+                        # What it is sampled with: the model's generation_config default, not OpenAI's 1.0.
+                        call.echo[name] = self.sampling_defaults[name]
                 parsed.ignored = call.ignored_as_sent(parsed.ignored)
                 if call.ignored and self.has_external:
                     self.note_ignored(call.ignored)  # this API's own: no server gets them either

@@ -113,6 +113,7 @@ class ResponsesCall:
         text = re.sub(r"\bmessages\[(\d+)\](?:\.content)?" if self.input_is_text else r"\bmessages\[(\d+)\]", item, text)
         text = re.sub(r"\bmessages\b", "input", text)
         text = re.sub(r"\bmax_(?:completion_)?tokens\b", "max_output_tokens", text)
+        text = re.sub(r"(\bcontent\[\d+\]\.image_url)\.url\b", r"\1", text)  # a string here, not chat's object
         return re.sub(r"\bresponse_format\b", "text.format", text)
 
 
@@ -132,7 +133,7 @@ def chat_request(body: dict) -> tuple[dict, ResponsesCall]:
                           "many as it makes.", "max_tool_calls")
     include = _list(body, "include")
     for where, value in enumerate(include):
-        if value not in _INCLUDABLE:
+        if not isinstance(value, str) or value not in _INCLUDABLE:  # a list or object is no member, and unhashable
             raise bad_request(_one_of(f"include[{where}]", value, sorted(_INCLUDABLE)), f"include[{where}]")
     for name in ("prompt_cache_key", "safety_identifier"):
         _typed(body, name, str, "a string")
@@ -316,10 +317,15 @@ def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
                                   f"{message['tool_call_id'][:64]}.", "input")
         elif kind in (None, "message"):
             message = _message(item, where)
-            if message["role"] == "assistant" and last is not None and last.get("tool_calls") and last["content"] is None:
+            if message["role"] == "assistant" and last is not None and last.get("tool_calls"):
                 # Text a turn gave after its calls: in chat the tool messages must
-                # follow the one message holding the turn's text and calls.
-                last["content"] = message["content"]
+                # follow the one message holding the turn's text and calls (text
+                # before and after them joined, as the whole response lists it).
+                if last["content"] is None:
+                    last["content"] = message["content"]
+                    indexes[-1] = i  # its content, what chat's errors about it name, is this item's
+                else:
+                    last["content"] = _text_parts(last["content"]) + _text_parts(message["content"])
                 _give_reasoning(last, thought)
                 continue
         else:
@@ -346,6 +352,11 @@ def _input_messages(given: Any, call: ResponsesCall) -> list[dict]:
         # about chat's messages[k] name the item it came from.
         call.index_map = indexes
     return messages
+
+
+def _text_parts(content: str | list) -> list:
+    """A chat message's content as a list of parts."""
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
 
 
 def _function_tool(tool: dict, where: str) -> dict:

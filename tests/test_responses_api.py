@@ -150,6 +150,14 @@ async def test_a_streamed_response_sends_openais_events_in_order(gw):
      "Supported values are"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input[0].content[0].image_url",
      "no Files API"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "ftp://x/a.png"}]}]},
+     "input[0].content[0].image_url", "Invalid 'input[0].content[0].image_url': expected an http(s) URL"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": ""}]}]},
+     "input[0].content[0].image_url", "Missing required parameter: 'input[0].content[0].image_url'."),
+    # Text a turn gave after its call, folded into the call's message: its errors name its own item.
+    ({"input": [{"role": "user", "content": "a"}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"role": "assistant", "content": [{"type": "output_text", "text": 5}]}]},
+     "input[2].content[0].text", "'input[2].content[0].text': expected a string"),
     # Errors of the chat parsing, in this API's names: the instructions shift chat's message indexes.
     ({"instructions": "x", "input": [{"role": "user", "content": "a"},
                                      {"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
@@ -165,6 +173,9 @@ async def test_a_streamed_response_sends_openais_events_in_order(gw):
     ({"input": "hi", "reasoning": {"effort": "ultra"}}, "reasoning.effort", "Supported values are: 'none', 'minimal'"),
     ({"input": "hi", "text": {"verbosity": "loud"}}, "text.verbosity", "Supported values are: 'low', 'medium', 'high'"),
     ({"input": "hi", "include": ["bogus.thing"]}, "include[0]", "Invalid value for 'include[0]': \"bogus.thing\""),
+    # Not a string at all: a 400 naming it, not a 500 (the SDK retries a 500 twice).
+    ({"input": "hi", "include": [{"a": 1}]}, "include[0]", "Invalid value for 'include[0]': {\"a\": 1}"),
+    ({"input": "hi", "include": [["x"]]}, "include[0]", "Invalid value for 'include[0]': [\"x\"]"),
     ({"input": "hi", "prompt_cache_key": 5}, "prompt_cache_key", "expected a string"),
     ({"input": "hi", "safety_identifier": 5}, "safety_identifier", "expected a string"),
     ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata.k", "values at most 512"),
@@ -250,6 +261,28 @@ async def test_fields_sent_as_null_read_as_unset(gw):
                       "tools": [], "store": False}
 
 
+async def test_a_response_states_the_sampling_the_models_generation_config_gave_it(tiny_model_dir, tmp_path):
+    """A request that leaves temperature and top_p out is sampled with the model's
+    generation_config defaults (as vLLM's): the response states those, as OpenAI's
+    states what it sampled with, not 1.0; a value the request gave is stated as given."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    given = model_dir / "generation_config.json"
+    config = json.loads(given.read_text()) if given.exists() else {}
+    given.write_text(json.dumps({**config, "temperature": 0.2, "top_p": 0.5}))
+    async with serving(create_app(_config(str(model_dir), replicas=1))) as (_, _, client):
+        resp = await client.responses.create(model=MODEL, input="hi", max_output_tokens=1)
+        assert (resp.temperature, resp.top_p) == (0.2, 0.5)
+        events = [e async for e in await client.responses.create(model=MODEL, input="hi", max_output_tokens=1,
+                                                                 stream=True)]
+        assert (events[0].response.temperature, events[-1].response.top_p) == (0.2, 0.5)
+        resp = await client.responses.create(model=MODEL, input="hi", max_output_tokens=1, temperature=0.7)
+        assert (resp.temperature, resp.top_p) == (0.7, 0.5)
+
+
 @pytest.mark.parametrize("choice", ["auto", "none"])
 async def test_a_tool_choice_that_asks_nothing_needs_no_tools(gw, choice):
     """The Agents SDK sends tools: [] with its tool_choice setting; chat would refuse
@@ -292,3 +325,22 @@ async def test_reasoning_between_folded_calls_joins_in_order_on_its_turns_messag
     assert [c["id"] for c in turn["tool_calls"]] == ["c0", "c1", "c2"]
     assert turn["reasoning"] == turn["reasoning_content"] == "first\n\nsecond"
     assert all(key.startswith(("role", "content", "tool", "reasoning")) for m in chat["messages"] for key in m)
+
+
+async def test_text_before_and_after_a_call_stays_with_the_call_so_its_output_follows_it():
+    """A streamed answer of text, a call, more text is three items (as OpenAI streams
+    them); handed back with the call's output (the SDK's documented round trip), the
+    tool message must follow the one assistant message holding the turn's calls,
+    not a second assistant message that chat templates and servers take as a new turn."""
+    from gateway.responses_api import chat_request
+
+    items = [{"role": "user", "content": "Weather?"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check. "}]},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]},
+             {"type": "function_call_output", "call_id": "c1", "output": "18 C"}]
+    chat, _ = chat_request({"model": "m", "input": items})
+    assert [m["role"] for m in chat["messages"]] == ["user", "assistant", "tool"]
+    turn = chat["messages"][1]
+    assert [c["id"] for c in turn["tool_calls"]] == ["c1"]
+    assert turn["content"] == [{"type": "text", "text": "Let me check. "}, {"type": "text", "text": "Done."}]
