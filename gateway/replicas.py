@@ -411,6 +411,9 @@ class RemoteReplica(Replica):
         # When any request last got output from this replica: a request left silent
         # for read_timeout_s while nothing else came either is a hung replica's.
         self._last_output = time.monotonic()
+        # Requests sent and without output yet -> when each was sent: one waiting past the
+        # breaker's own time to notice a hung replica says it takes no new work (_busy_since).
+        self._awaiting: dict[object, float] = {}
         self._open_until = 0.0
         self._wait_said = False  # said that it answers again but waits out its breaker
         self._instance: object = _UNSEEN  # a `kvgate engine`'s process, as /kvgate/info names it
@@ -573,6 +576,9 @@ class RemoteReplica(Replica):
         try:
             timeout = aiohttp.ClientTimeout(total=self.router_cfg.health_timeout_s)
             async with self._session.get(self.base + path, headers=self.auth_headers(), timeout=timeout) as resp:
+                # Said again at each answer: the health loop's probe and a loss check's may
+                # overlap, and each caller reads the flag as its own probe left it.
+                self._probe_timed_out = False
                 if resp.status != 200:
                     self._probe_failure = f"{path} answered {resp.status}"
                     return False
@@ -596,8 +602,16 @@ class RemoteReplica(Replica):
         """The probe sent at ``asked`` ran out of time while answers from this replica
         kept coming: too busy to answer it in time, not down.  Counted as a failure,
         an overloaded fleet left routing all at once (every engine's probes late
-        together) and every new request was a 503 while the streams went on."""
-        return self._probe_timed_out and self._last_output >= asked
+        together) and every new request was a 503 while the streams went on.  A busy
+        replica still takes new work, late: one that leaves a request without output
+        longer than the breaker takes to notice a hung replica (breaker_failures x
+        (interval + timeout)) only finishes old streams, and its late probes count."""
+        if not (self._probe_timed_out and self._last_output >= asked):
+            return False
+        cfg = self.router_cfg
+        oldest = min(self._awaiting.values(), default=None)
+        return oldest is None or time.monotonic() - oldest < cfg.breaker_failures * (
+            cfg.health_interval_s + cfg.health_timeout_s)
 
     def _check_model_listed(self, listed: list[str] | None) -> None:
         """replicas[].model names what the server is sent: one it does not list
@@ -994,7 +1008,13 @@ class RemoteReplica(Replica):
             headers["X-Request-Id"] = job.forwarded_id
         rid = job.request.request_id
         started = time.monotonic()
-        resp = await self._post(path, body, headers, started)
+        waiting = object()
+        self._awaiting[waiting] = started
+        try:
+            resp = await self._post(path, body, headers, started)
+        except BaseException:
+            del self._awaiting[waiting]
+            raise
         self._live[resp] = 0.0
         produced = False  # a choice's output came and was handed on (usage alone is no answer)
         held: list[GenerationOutput] = []  # usage that came before it
@@ -1043,6 +1063,7 @@ class RemoteReplica(Replica):
                             continue
                         # A 200 alone is not success (an error event may follow), nor usage alone.
                         self._forgive(requests=True)
+                        self._awaiting.pop(waiting, None)
                         batch = held + batch
                         batch[0].queue_time_s = queue_time
                         batch[0].cached_tokens = cached
@@ -1107,6 +1128,7 @@ class RemoteReplica(Replica):
             raise ReplicaUnavailable(f"replica {self.name} failed mid-request: {reason}") from exc
         finally:
             self._live.pop(resp, None)
+            self._awaiting.pop(waiting, None)
             # Closing the connection is what aborts the request upstream.
             resp.close()
 

@@ -2102,6 +2102,104 @@ async def test_a_replica_too_busy_for_its_probes_stays_in_routing_while_its_answ
         await upstream.stop()
 
 
+async def test_a_replica_that_takes_no_new_work_leaves_routing_though_one_stream_flows(tiny_model_dir):
+    """Late probes are excused while the replica's answers flow (a busy replica's), but
+    not while a request sent there waits without output past the breaker's own time
+    to notice a hung replica: a server taking no new work, with one old stream still
+    flowing, stayed in routing and every request sent there waited read_timeout_s
+    for nothing (uncounted: others' output flowed).  Its flowing stream is spared."""
+    state = {"wedged": False}
+
+    async def models(request):
+        if state["wedged"]:
+            await asyncio.sleep(3600)  # its server takes nothing new
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def chat(request):
+        await request.read()
+        if state["wedged"]:
+            await asyncio.sleep(3600)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        state["wedged"] = True  # from now on only this stream goes on
+        for i in range(120):  # 12 s of output
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"{i} "},
+                                  "finish_reason": None if i < 119 else "length"}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await asyncio.sleep(0.1)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    stub = web.Application()
+    stub.router.add_get("/v1/models", models)
+    stub.router.add_post("/v1/chat/completions", chat)
+    upstream = await start_server(stub)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, read_timeout_s=1.5)],
+                         router=RouterConfig(health_interval_s=0.2, health_timeout_s=0.3, breaker_failures=2))
+    app = create_app(config)
+    gw = await start_server(app)
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "count"}]
+    try:
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy, what="healthy")
+
+        async def count() -> str:
+            parts = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in parts if c.choices])
+
+        flowing = asyncio.create_task(count())
+        await wait_for(lambda: state["wedged"], what="wedged")
+        began = time.monotonic()
+        # New requests meanwhile: each waits out read_timeout_s on a replica that takes none.
+        for _ in range(2):
+            with pytest.raises(openai.APIStatusError):
+                await count()
+        # A replica that has started no request for read_timeout_s while its probes
+        # time out takes no new work: it leaves routing (its flowing stream is spared).
+        await wait_for(lambda: not replica.healthy, timeout=8 - (time.monotonic() - began),
+                       what="out of routing though one stream flows")
+        assert await flowing == "".join(f"{i} " for i in range(120))
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
+
+
+class _TwoProbesSession:
+    """The replica's HTTP session, for its probes: the first GET waits for
+    ``release`` and answers 500; the next one times out."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.calls = 0
+
+    @contextlib.asynccontextmanager
+    async def get(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls > 1:
+            raise asyncio.TimeoutError()
+        await self.release.wait()
+        yield web.Response(status=500)
+
+
+async def test_a_probe_answered_500_is_not_excused_by_another_probes_timeout():
+    """The health loop's probe and a loss check's can overlap: a probe answered 500
+    read the timeout the other one set meanwhile, and with output flowing was
+    excused as a busy replica's late probe."""
+    replica = RemoteReplica(ReplicaConfig(kind="openai", url="http://127.0.0.1:9"), RouterConfig(),
+                            ReplicaInfo("m", 16, "m", 2048))
+    replica._session = _TwoProbesSession()
+    asked = time.monotonic()
+    health = asyncio.create_task(replica._probe())  # the health loop's, waiting for its answer
+    await asyncio.sleep(0)
+    assert not await replica._probe()  # a loss check's, timed out
+    replica._last_output = time.monotonic()  # a stream's output meanwhile
+    replica._session.release.set()
+    assert not await health  # answered 500
+    assert not replica._busy_since(asked), "a 500 from the probe was excused as a busy replica's late probe"
+
+
 async def test_a_non_streaming_answer_cut_by_a_stopping_engine_starts_over_on_another(tiny_model_dir):
     """A `kvgate engine` past its drain time ends its streams with a 503
     server_shutting_down event: a non-streaming answer (nothing sent yet) starts
