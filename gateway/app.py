@@ -589,7 +589,7 @@ class Gateway:
             status = str(getattr(resp, "failed_status", None) or resp.status)
             if not self.engine_mode:
                 # For the access line, as nginx's $upstream_addr: which replica served it.
-                resp.replica = subs[0].replica if len(subs) == 1 else ",".join(dict.fromkeys(s.replica for s in subs))
+                resp.replica = _replicas_of(subs)
             if self.draining:
                 # A keep-alive client would keep coming back here; on a new
                 # connection the load balancer sends it to an instance that stays.
@@ -609,7 +609,8 @@ class Gateway:
                 status = "503"
                 raise errors.shutting_down() from None
             status = CLIENT_GONE
-            _log_client_gone(request, start, exc, parsed.id if parsed is not None else None)
+            _log_client_gone(request, start, exc, parsed.id if parsed is not None else None,
+                             None if self.engine_mode else _replicas_of(subs))
             raise
         finally:
             self.live.discard(task)
@@ -727,7 +728,7 @@ class Gateway:
         limit = self.max_model_len
         param = parsed.prompt_param
         if parsed.endpoint == CHAT:
-            sizes = [(False, parsed.content_chars)]
+            sizes = [(False, parsed.content_chars + _tools_chars(_template_tools(parsed)))]
         else:
             sizes = [(isinstance(p, list), len(p)) for p in parsed.prompts]
         for ids, size in sizes:
@@ -746,10 +747,10 @@ class Gateway:
         if parsed.endpoint == CHAT:
             # tool_choice "none" on the kvgate engine: the template still sees the tools, as vLLM's
             # (an external server renders its own; _uncounted_tokens estimates them).
-            tools = parsed.body.get("tools") or None if parsed.engine_unsupported is None else None
+            tools = _template_tools(parsed)
             work = lambda: [hasher.chat(parsed.messages, parsed.images, salt, tools)]  # noqa: E731
             sources = [None]
-            size = parsed.content_chars
+            size = parsed.content_chars + _tools_chars(tools)  # the tools are prompt text too
         else:
             specials = parsed.add_special_tokens
             work = lambda: [hasher.text(p, salt, specials) for p in parsed.prompts]  # noqa: E731
@@ -800,9 +801,11 @@ class Gateway:
         if parsed.max_tokens is None:
             if room < 1:
                 raise errors.context_too_long(self.max_model_len, f"your {param} resulted in {prompt_len} tokens", param)
-            if parsed.endpoint != CHAT and default > room:
+            if parsed.endpoint != CHAT and default > room and not self.passthrough:
                 # Completions' default (16) counts against the context as a max_tokens sent does,
-                # as OpenAI's and vLLM's: a 400, not a shorter answer.
+                # as OpenAI's and vLLM's: a 400, not a shorter answer.  (External servers count
+                # the prompt themselves, where the gateway's count may be an estimate: sent
+                # without max_tokens below, the server's own 16 and count judge it.)
                 raise errors.context_too_long(
                     self.max_model_len, f"you requested {prompt_len + default} tokens ({prompt_len} in the {param}, "
                     f"{default} in the completion)", param, reduce=f"{param} or completion")
@@ -858,6 +861,16 @@ class Gateway:
 _MAX_SESSION_CHARS = 256
 
 
+def _template_tools(parsed: ParsedRequest) -> list | None:
+    """The request's tools where its chat template renders them (tool_choice "none")."""
+    return parsed.body.get("tools") or None if parsed.endpoint == CHAT and parsed.engine_unsupported is None else None
+
+
+def _tools_chars(tools: list | None) -> int:
+    """Characters the tools add to a prompt, about (their JSON, as templates write them)."""
+    return len(json.dumps(tools)) if tools else 0
+
+
 def forwarded_endpoint(body: dict, endpoint: str) -> str:
     """`kvgate engine`: the endpoint its gateway's client called (kvgate_context.endpoint),
     for the engine's request counts; anything else leaves the engine's own."""
@@ -872,12 +885,19 @@ class _ClientLeft:
 
     status = int(CLIENT_GONE)
 
-    def __init__(self, sent: int, request_id: str | None) -> None:
+    def __init__(self, sent: int, request_id: str | None, replica: str | None = None) -> None:
         self.body_length = sent
         self.headers = {"x-request-id": request_id} if request_id else {}
+        self.replica = replica  # the replica serving it when its client left
 
 
-def _log_client_gone(request: web.Request, start: float, exc: BaseException, request_id: str | None) -> None:
+def _replicas_of(subs: list[Sub]) -> str | None:
+    """The access line's replica field: each sub-request's replica, once each (none dispatched: None)."""
+    return ",".join(dict.fromkeys(s.replica for s in subs if s.replica)) or None
+
+
+def _log_client_gone(request: web.Request, start: float, exc: BaseException, request_id: str | None,
+                     replica: str | None = None) -> None:
     """server.access_log writes one line a request, but aiohttp writes none for a
     handler cancelled by its client leaving (a stream closed, a request given up),
     nor for a write that failed part way.  (A write failing before any byte went
@@ -889,7 +909,7 @@ def _log_client_gone(request: web.Request, start: float, exc: BaseException, req
     if isinstance(exc, ConnectionResetError) and not sent:
         return
     began = asyncio.get_running_loop().time() - (time.perf_counter() - start)
-    protocol.log_access(request, _ClientLeft(sent, request_id), began)
+    protocol.log_access(request, _ClientLeft(sent, request_id, replica), began)
 
 
 def _mm_hashes(raw) -> list[tuple[int, bytes]]:

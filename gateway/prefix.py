@@ -68,7 +68,7 @@ class PrefixHasher:
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         else:
             ids = self._template(messages, cache_salt or "")
-        mm = self._image_offsets(messages, images, cache_salt or "") if images else []
+        mm = self._image_offsets(messages, images, cache_salt or "", tools) if images else []
         return Prompt(ids, mm, block_hashes(ids, self.block_size, chain_salt(self.salt, cache_salt), mm))
 
     def text(self, prompt: str | list[int], cache_salt: str | None = None, add_special_tokens: bool = True) -> Prompt:
@@ -88,7 +88,8 @@ class PrefixHasher:
             return self._encoder(text, namespace)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _image_offsets(self, messages: list[dict], images: Sequence[bytes], namespace: str) -> list[tuple[int, bytes]]:
+    def _image_offsets(self, messages: list[dict], images: Sequence[bytes], namespace: str,
+                       tools: list[dict] | None = None) -> list[tuple[int, bytes]]:
         """Token offset of each image placeholder, paired with the image's content hash.
         ``namespace``: the request's, as for its prompt (its text is no other tenant's to time).
 
@@ -100,7 +101,9 @@ class PrefixHasher:
         of thousands of tiny images cost seconds to minutes of the event loop).
         """
         try:
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            # With the tools the prompt's ids were rendered with: an image comes after them.
+            kwargs = {"tools": tools} if tools else {}
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
         except Exception:
             rendered = "".join(m["content"] for m in messages)
         places = []

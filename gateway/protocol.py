@@ -459,6 +459,7 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
         )
     out = []
     lengths = []
+    names = 0  # characters of the names the template is given too
     for where, msg in each_object(messages, "messages"):
         role = msg.get("role")
         if role is None:
@@ -486,12 +487,13 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
                 entry["tool_call_id"] = msg["tool_call_id"]
         if isinstance(msg.get("name"), str):
             entry["name"] = msg["name"]  # any message's, as vLLM hands it to the template
+            names += len(msg["name"])
         out.append(entry)
         req.image_ends.append(len(req.images))
         lengths.append(len(text))
     req.messages = out
     total = sum(lengths)
-    req.content_chars = total
+    req.content_chars = total + names  # what the prompt's size checks count (app.py)
     user = [i for i, msg in enumerate(out) if msg["role"] == "user" and lengths[i]]
     if user:
         longest = max(user, key=lengths.__getitem__)

@@ -469,11 +469,20 @@ def _message(item: dict, where: str) -> dict:
 def _part(part: dict, where: str, role: str) -> dict:
     """A Responses content part as chat's: text, or an image by URL."""
     kind = part.get("type")
+    # Checked here, named by this item: an assistant message's parts may be joined
+    # to an earlier item's message (_input_messages), whose index chat's errors would name.
     # output_text and refusal are an earlier answer's, as the SDK hands the history back.
     if kind in ("input_text", "output_text"):
-        return {"type": "text", "text": part.get("text")}
+        if not isinstance(part.get("text"), str):
+            raise bad_request(_type_msg(f"{where}.text", "a string", part.get("text")), f"{where}.text")
+        return {"type": "text", "text": part["text"]}
     if kind == "refusal" and role == "assistant":
-        return {"type": "refusal", "refusal": part.get("refusal")}
+        if not isinstance(part.get("refusal"), str):
+            raise bad_request(_type_msg(f"{where}.refusal", "a string", part.get("refusal")), f"{where}.refusal")
+        return {"type": "refusal", "refusal": part["refusal"]}
+    if kind == "input_image" and role != "user":
+        raise bad_request(f"Images are only allowed in messages with role 'user' ({where.rsplit('.content', 1)[0]} "
+                          "is not one).", where)
     if kind == "input_image":
         url = part.get("image_url")
         if url is None:

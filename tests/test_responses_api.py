@@ -17,6 +17,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gateway.app import create_app
+from gateway.config import LimitsConfig
+from gateway.errors import ApiError
+from gateway.protocol import CHAT, parse_request
+from gateway.responses_api import chat_request
 from tests.gateway_helpers import serving
 from tests.test_gateway_engine import _config
 
@@ -310,7 +314,6 @@ async def test_reasoning_between_folded_calls_joins_in_order_on_its_turns_messag
     """Each reasoning item before a function call folded into the turn's message
     adds to that message's reasoning, in order, joined once the input is read (it
     was re-joined at each call: 27,000 such pairs took 146 s of one core)."""
-    from gateway.responses_api import chat_request
 
     def thought(text):
         return {"type": "reasoning", "content": [{"type": "reasoning_text", "text": text}]}
@@ -332,7 +335,6 @@ async def test_text_before_and_after_a_call_stays_with_the_call_so_its_output_fo
     them); handed back with the call's output (the SDK's documented round trip), the
     tool message must follow the one assistant message holding the turn's calls,
     not a second assistant message that chat templates and servers take as a new turn."""
-    from gateway.responses_api import chat_request
 
     items = [{"role": "user", "content": "Weather?"},
              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check. "}]},
@@ -344,3 +346,20 @@ async def test_text_before_and_after_a_call_stays_with_the_call_so_its_output_fo
     turn = chat["messages"][1]
     assert [c["id"] for c in turn["tool_calls"]] == ["c1"]
     assert turn["content"] == [{"type": "text", "text": "Let me check. "}, {"type": "text", "text": "Done."}]
+
+
+def test_an_error_in_text_joined_after_a_call_names_its_own_item():
+    """Text a turn gave before and after its calls joins one message: an error in
+    the later text names that item (input[3]), not the earlier one's part 1."""
+    items = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": "Let me check."},
+             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+             {"role": "assistant", "content": [{"type": "output_text", "text": 5}]}]
+    with pytest.raises(ApiError) as info:  # refused by the translation or by chat's parsing, renamed
+        chat, call = chat_request({"model": "m", "input": items})
+        try:
+            parse_request(CHAT, chat, LimitsConfig())
+        except ApiError as exc:
+            raise call.rename(exc)
+    assert info.value.param == "input[3].content[0].text", info.value.param
+    assert "'input[3].content[0].text': expected a string" in info.value.message
