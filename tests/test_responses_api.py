@@ -348,7 +348,7 @@ async def test_text_before_and_after_a_call_stays_with_the_call_so_its_output_fo
     assert turn["content"] == [{"type": "text", "text": "Let me check. "}, {"type": "text", "text": "Done."}]
 
 
-def test_an_error_in_text_joined_after_a_call_names_its_own_item():
+async def test_an_error_in_text_joined_after_a_call_names_its_own_item():
     """Text a turn gave before and after its calls joins one message: an error in
     the later text names that item (input[3]), not the earlier one's part 1."""
     items = [{"role": "user", "content": "Weather?"},
