@@ -459,7 +459,7 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
         )
     out = []
     lengths = []
-    names = 0  # characters of the names the template is given too
+    names = 0  # characters of the names (and earlier tool calls) the template is given too
     for where, msg in each_object(messages, "messages"):
         role = msg.get("role")
         if role is None:
@@ -481,6 +481,7 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
         elif mapped == "assistant":
             if msg.get("tool_calls"):
                 entry["tool_calls"] = _template_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+                names += len(json.dumps(entry["tool_calls"]))  # rendered by the template too
         elif mapped == "tool":
             # What chat templates name a tool's answer by (vLLM hands both on).
             if isinstance(msg.get("tool_call_id"), str):

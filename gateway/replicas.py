@@ -414,6 +414,9 @@ class RemoteReplica(Replica):
         # Requests sent and without output yet -> when each was sent: one waiting past the
         # breaker's own time to notice a hung replica says it takes no new work (_busy_since).
         self._awaiting: dict[object, float] = {}
+        # When a request sent here last got its first output: a busy replica whose queue
+        # outlasts the breaker's time still starts requests; a wedged one starts none.
+        self._last_start = time.monotonic()
         self._open_until = 0.0
         self._wait_said = False  # said that it answers again but waits out its breaker
         self._instance: object = _UNSEEN  # a `kvgate engine`'s process, as /kvgate/info names it
@@ -605,12 +608,14 @@ class RemoteReplica(Replica):
         together) and every new request was a 503 while the streams went on.  A busy
         replica still takes new work, late: one that leaves a request without output
         longer than the breaker takes to notice a hung replica (breaker_failures x
-        (interval + timeout)) only finishes old streams, and its late probes count."""
+        (interval + timeout)), and has started none of its requests for as long, only
+        finishes old streams, and its late probes count."""
         if not (self._probe_timed_out and self._last_output >= asked):
             return False
         cfg = self.router_cfg
         oldest = min(self._awaiting.values(), default=None)
-        return oldest is None or time.monotonic() - oldest < cfg.breaker_failures * (
+        # Waiting that long is a deep queue's while the replica still starts requests.
+        return oldest is None or time.monotonic() - max(oldest, self._last_start) < cfg.breaker_failures * (
             cfg.health_interval_s + cfg.health_timeout_s)
 
     def _check_model_listed(self, listed: list[str] | None) -> None:
@@ -1064,6 +1069,7 @@ class RemoteReplica(Replica):
                         # A 200 alone is not success (an error event may follow), nor usage alone.
                         self._forgive(requests=True)
                         self._awaiting.pop(waiting, None)
+                        self._last_start = time.monotonic()
                         batch = held + batch
                         batch[0].queue_time_s = queue_time
                         batch[0].cached_tokens = cached

@@ -2166,6 +2166,57 @@ async def test_a_replica_that_takes_no_new_work_leaves_routing_though_one_stream
         await upstream.stop()
 
 
+async def test_a_busy_replica_whose_queue_outlasts_the_breaker_time_but_keeps_starting_requests_stays(tiny_model_dir):
+    """A deep queue (each request waiting longer than the breaker takes to notice a
+    hung replica) while the replica keeps starting requests is a busy replica's:
+    its late probes are excused and nothing is cut or retried."""
+    slot = asyncio.Semaphore(1)  # one request served at a time: the rest queue, FIFO
+    state = {"busy": False}
+
+    async def models(request):
+        if state["busy"]:
+            await asyncio.sleep(2)  # too busy to answer probes in time
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def chat(request):
+        await request.read()
+        async with slot:
+            state["busy"] = True
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(6):  # 0.6 s of output each
+                chunk = {"choices": [{"index": 0, "delta": {"content": f"{i} "},
+                                      "finish_reason": None if i < 5 else "length"}]}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                await asyncio.sleep(0.1)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+    upstream = await _scripted_upstream(models, chat)
+    # Threshold: 2 x (0.1 + 0.3) = 0.8 s; the 5th request queues ~2.4 s while output flows all along.
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                         router=RouterConfig(health_interval_s=0.1, health_timeout_s=0.3, breaker_failures=2))
+    app = create_app(config)
+    gw = await start_server(app)
+    client = _client(gw.url)
+    messages = [{"role": "user", "content": "count"}]
+    try:
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy, what="healthy")
+
+        async def count() -> str:
+            parts = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in parts if c.choices])
+
+        got = await asyncio.gather(*(count() for _ in range(5)), return_exceptions=True)
+        assert got == ["0 1 2 3 4 5 "] * 5, got
+        assert replica.trips == 0, "a busy replica that keeps starting its queued requests left routing"
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
+
+
 class _TwoProbesSession:
     """The replica's HTTP session, for its probes: the first GET waits for
     ``release`` and answers 500; the next one times out."""

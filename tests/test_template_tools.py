@@ -108,3 +108,34 @@ def test_image_offsets_count_the_tools_the_template_writes():
     # The blocks before the image's are the same for any image: shared.
     common = next(i for i, (x, y) in enumerate(zip(a.keys, b.keys)) if x != y)
     assert common >= (real - 1) // 4
+
+
+# Writes earlier answers' tool calls, as Qwen2.5's and Llama 3.1's templates do.
+CALLS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                  "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}"
+                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+async def test_tool_call_arguments_count_toward_the_prompt_size_checks(tiny_model_dir, monkeypatch):
+    """An earlier answer's tool calls reach the template too: arguments of megabytes
+    are refused before rendering, not tokenised."""
+    config = tiny_config(tiny_model_dir)
+    async with serving(create_app(config, [InProcessReplica("r0", config)])) as (app, server, client):
+        gateway = app[GATEWAY]
+        hasher = gateway.hasher
+        hasher.tokenizer.chat_template = CALLS_TEMPLATE
+
+        def never(*args, **kwargs):
+            raise AssertionError("tokenised")
+
+        monkeypatch.setattr(hasher, "chat", never)
+        longest = max(len(piece) for piece in hasher.tokenizer.get_vocab())
+        bound = gateway.max_model_len * 2 * longest
+        messages = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None,
+                     "tool_calls": [{"id": "c1", "type": "function",
+                                     "function": {"name": "f", "arguments": "a" * (bound + 1)}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, max_tokens=1, messages=messages)
+        assert info.value.code == "context_length_exceeded", info.value
