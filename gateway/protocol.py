@@ -459,7 +459,7 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
         )
     out = []
     lengths = []
-    names = 0  # characters of the names (and earlier tool calls) the template is given too
+    beside = 0  # characters beside the contents the template writes too: names, earlier tool calls
     for where, msg in each_object(messages, "messages"):
         role = msg.get("role")
         if role is None:
@@ -481,20 +481,20 @@ def _parse_messages(req: ParsedRequest, body: dict, limits: LimitsConfig) -> Non
         elif mapped == "assistant":
             if msg.get("tool_calls"):
                 entry["tool_calls"] = _template_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
-                names += len(json.dumps(entry["tool_calls"]))  # rendered by the template too
+                beside += len(json.dumps(entry["tool_calls"]))
         elif mapped == "tool":
             # What chat templates name a tool's answer by (vLLM hands both on).
             if isinstance(msg.get("tool_call_id"), str):
                 entry["tool_call_id"] = msg["tool_call_id"]
         if isinstance(msg.get("name"), str):
             entry["name"] = msg["name"]  # any message's, as vLLM hands it to the template
-            names += len(msg["name"])
+            beside += len(msg["name"])
         out.append(entry)
         req.image_ends.append(len(req.images))
         lengths.append(len(text))
     req.messages = out
     total = sum(lengths)
-    req.content_chars = total + names  # what the prompt's size checks count (app.py)
+    req.content_chars = total + beside  # what the prompt's size checks count (app.py)
     user = [i for i, msg in enumerate(out) if msg["role"] == "user" and lengths[i]]
     if user:
         longest = max(user, key=lengths.__getitem__)
