@@ -63,6 +63,14 @@ async def _scripted_upstream(models, chat, port: int = 0):
     return await start_server(stub, port=port)
 
 
+async def _completions_upstream(models, completions):
+    """A scripted server of /v1/models and /v1/completions (as _scripted_upstream is of chat)."""
+    stub = web.Application()
+    stub.router.add_get("/v1/models", models)
+    stub.router.add_post("/v1/completions", completions)
+    return await start_server(stub)
+
+
 async def _answer_fine(request):
     """A scripted upstream's chat handler: one streamed "Fine" and [DONE]."""
     await request.read()
@@ -2046,6 +2054,56 @@ async def test_a_request_every_replica_fails_leaves_the_fleet_in_routing(tiny_mo
         assert gateway.router.inflight_requests == [0, 0]
 
 
+def _late_models(state: dict, key: str, seconds: float):
+    """A /v1/models handler that answers ``seconds`` late while ``state[key]``."""
+    async def models(request):
+        if state[key]:
+            await asyncio.sleep(seconds)
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    return models
+
+
+async def _count_to(request, tokens: int) -> web.StreamResponse:
+    """A chat stream of "0 1 2 ...", one token every 0.1 s."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(tokens):
+        chunk = {"choices": [{"index": 0, "delta": {"content": f"{i} "},
+                              "finish_reason": None if i < tokens - 1 else "length"}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await asyncio.sleep(0.1)
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+@contextlib.asynccontextmanager
+async def _probed_quickly(model_dir, models, chat, interval: float, read_timeout_s: float = 300.0):
+    """A gateway over one scripted upstream, probing it every ``interval`` with 0.3 s
+    timeouts, two failures opening the breaker: its replica and a function that
+    streams "count" through the SDK and returns the text."""
+    upstream = await _scripted_upstream(models, chat)
+    config = tiny_config(model_dir, [ReplicaConfig(kind="openai", url=upstream.url, read_timeout_s=read_timeout_s)],
+                         router=RouterConfig(health_interval_s=interval, health_timeout_s=0.3, breaker_failures=2))
+    app = create_app(config)
+    gw = await start_server(app)
+    client = _client(gw.url)
+
+    async def count() -> str:
+        parts = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}],
+                                                     stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in parts if c.choices])
+
+    try:
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy, what="healthy")
+        yield replica, count
+    finally:
+        await client.close()
+        await gw.stop()
+        await upstream.stop()
+
+
 async def test_a_replica_too_busy_for_its_probes_stays_in_routing_while_its_answers_flow(tiny_model_dir):
     """Probes that time out while the replica's streams keep producing tokens
     are a busy replica's, not a dead one's: it stays in routing and new requests
@@ -2056,38 +2114,12 @@ async def test_a_replica_too_busy_for_its_probes_stays_in_routing_while_its_answ
     test_upstream_cut_or_hung_mid_stream_ends_with_error_event_then_rejoins.)"""
     state = {"slow": False}
 
-    async def models(request):
-        if state["slow"]:
-            await asyncio.sleep(2)
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
     async def chat(request):
         await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         state["slow"] = True
-        for i in range(30):
-            chunk = {"choices": [{"index": 0, "delta": {"content": f"{i} "}, "finish_reason": None if i < 29 else "length"}]}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            await asyncio.sleep(0.1)
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        return await _count_to(request, 30)
 
-    upstream = await _scripted_upstream(models, chat)
-    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
-                         router=RouterConfig(health_interval_s=0.1, health_timeout_s=0.3, breaker_failures=2))
-    app = create_app(config)
-    gw = await start_server(app)
-    client = _client(gw.url)
-    messages = [{"role": "user", "content": "count"}]
-    try:
-        replica = app[GATEWAY].replicas[0]
-        await wait_for(lambda: replica.healthy, what="healthy")
-
-        async def count() -> str:
-            parts = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
-            return "".join([c.choices[0].delta.content or "" async for c in parts if c.choices])
-
+    async with _probed_quickly(tiny_model_dir, _late_models(state, "slow", 2), chat, 0.1) as (replica, count):
         first = asyncio.create_task(count())
         await asyncio.sleep(1.5)  # ~5 probes late by now, the stream half done
         second = await count()  # sent while the probes fail: served, not a 503
@@ -2096,10 +2128,6 @@ async def test_a_replica_too_busy_for_its_probes_stays_in_routing_while_its_answ
         # Its answers over, the late probes are a failure again.
         await wait_for(lambda: not replica.healthy, timeout=5, what="out of routing once silent")
         assert replica.trips == 1
-    finally:
-        await client.close()
-        await gw.stop()
-        await upstream.stop()
 
 
 async def test_a_replica_that_takes_no_new_work_leaves_routing_though_one_stream_flows(tiny_model_dir):
@@ -2110,44 +2138,15 @@ async def test_a_replica_that_takes_no_new_work_leaves_routing_though_one_stream
     for nothing (uncounted: others' output flowed).  Its flowing stream is spared."""
     state = {"wedged": False}
 
-    async def models(request):
-        if state["wedged"]:
-            await asyncio.sleep(3600)  # its server takes nothing new
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
     async def chat(request):
         await request.read()
         if state["wedged"]:
-            await asyncio.sleep(3600)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+            await asyncio.sleep(3600)  # its server takes nothing new
         state["wedged"] = True  # from now on only this stream goes on
-        for i in range(120):  # 12 s of output
-            chunk = {"choices": [{"index": 0, "delta": {"content": f"{i} "},
-                                  "finish_reason": None if i < 119 else "length"}]}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            await asyncio.sleep(0.1)
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        return await _count_to(request, 120)  # 12 s of output
 
-    stub = web.Application()
-    stub.router.add_get("/v1/models", models)
-    stub.router.add_post("/v1/chat/completions", chat)
-    upstream = await start_server(stub)
-    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, read_timeout_s=1.5)],
-                         router=RouterConfig(health_interval_s=0.2, health_timeout_s=0.3, breaker_failures=2))
-    app = create_app(config)
-    gw = await start_server(app)
-    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0, timeout=60)
-    messages = [{"role": "user", "content": "count"}]
-    try:
-        replica = app[GATEWAY].replicas[0]
-        await wait_for(lambda: replica.healthy, what="healthy")
-
-        async def count() -> str:
-            parts = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
-            return "".join([c.choices[0].delta.content or "" async for c in parts if c.choices])
-
+    async with _probed_quickly(tiny_model_dir, _late_models(state, "wedged", 3600), chat, 0.2,
+                               read_timeout_s=1.5) as (replica, count):
         flowing = asyncio.create_task(count())
         await wait_for(lambda: state["wedged"], what="wedged")
         began = time.monotonic()
@@ -2155,15 +2154,10 @@ async def test_a_replica_that_takes_no_new_work_leaves_routing_though_one_stream
         for _ in range(2):
             with pytest.raises(openai.APIStatusError):
                 await count()
-        # A replica that has started no request for read_timeout_s while its probes
-        # time out takes no new work: it leaves routing (its flowing stream is spared).
+        # It leaves routing (its flowing stream is spared).
         await wait_for(lambda: not replica.healthy, timeout=8 - (time.monotonic() - began),
                        what="out of routing though one stream flows")
         assert await flowing == "".join(f"{i} " for i in range(120))
-    finally:
-        await client.close()
-        await gw.stop()
-        await upstream.stop()
 
 
 async def test_a_busy_replica_whose_queue_outlasts_the_breaker_time_but_keeps_starting_requests_stays(tiny_model_dir):
@@ -2173,48 +2167,17 @@ async def test_a_busy_replica_whose_queue_outlasts_the_breaker_time_but_keeps_st
     slot = asyncio.Semaphore(1)  # one request served at a time: the rest queue, FIFO
     state = {"busy": False}
 
-    async def models(request):
-        if state["busy"]:
-            await asyncio.sleep(2)  # too busy to answer probes in time
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
     async def chat(request):
         await request.read()
         async with slot:
             state["busy"] = True
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            for i in range(6):  # 0.6 s of output each
-                chunk = {"choices": [{"index": 0, "delta": {"content": f"{i} "},
-                                      "finish_reason": None if i < 5 else "length"}]}
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                await asyncio.sleep(0.1)
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
+            return await _count_to(request, 6)  # 0.6 s of output each
 
-    upstream = await _scripted_upstream(models, chat)
     # Threshold: 2 x (0.1 + 0.3) = 0.8 s; the 5th request queues ~2.4 s while output flows all along.
-    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
-                         router=RouterConfig(health_interval_s=0.1, health_timeout_s=0.3, breaker_failures=2))
-    app = create_app(config)
-    gw = await start_server(app)
-    client = _client(gw.url)
-    messages = [{"role": "user", "content": "count"}]
-    try:
-        replica = app[GATEWAY].replicas[0]
-        await wait_for(lambda: replica.healthy, what="healthy")
-
-        async def count() -> str:
-            parts = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
-            return "".join([c.choices[0].delta.content or "" async for c in parts if c.choices])
-
+    async with _probed_quickly(tiny_model_dir, _late_models(state, "busy", 2), chat, 0.1) as (replica, count):
         got = await asyncio.gather(*(count() for _ in range(5)), return_exceptions=True)
         assert got == ["0 1 2 3 4 5 "] * 5, got
         assert replica.trips == 0, "a busy replica that keeps starting its queued requests left routing"
-    finally:
-        await client.close()
-        await gw.stop()
-        await upstream.stop()
 
 
 class _TwoProbesSession:
@@ -2712,10 +2675,7 @@ async def test_an_echoed_prompts_first_token_keeps_its_null_logprob(tiny_model_d
         chunk = {"choices": [{"index": 0, "text": "hello there", "logprobs": logprobs, "finish_reason": "length"}]}
         return web.Response(body=_sse(chunk, b"[DONE]"), content_type="text/event-stream")
 
-    stub = web.Application()
-    stub.router.add_get("/v1/models", _models_while({"healthy": True}))
-    stub.router.add_post("/v1/completions", completions)
-    upstream = await start_server(stub)
+    upstream = await _completions_upstream(_models_while({"healthy": True}), completions)
     app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
                                  router=RouterConfig(health_interval_s=0.1)))
     try:
@@ -2750,6 +2710,14 @@ async def test_a_plain_text_500_is_a_failed_answer_not_a_missing_replica(tiny_mo
         assert all(r.healthy for r in gateway.replicas) and not any(r.trips for r in gateway.replicas)
 
 
+def _models_of_length(length: int):
+    """A /v1/models handler listing MODEL with vLLM's max_model_len."""
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": length}]})
+
+    return models
+
+
 async def test_a_default_max_tokens_leaves_room_for_the_tools(tiny_model_dir):
     """Tools are rendered into the server's prompt, but the gateway counts the
     messages only: a default max_tokens that filled the rest of the context by
@@ -2758,14 +2726,11 @@ async def test_a_default_max_tokens_leaves_room_for_the_tools(tiny_model_dir):
     for the tools' tokens too; past that the server fills the room itself."""
     received = []
 
-    async def models(request):
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 2048}]})
-
     async def chat(request):
         received.append(await request.json())
         return await _answer_fine(request)
 
-    upstream = await _scripted_upstream(models, chat)
+    upstream = await _scripted_upstream(_models_of_length(2048), chat)
     config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
                          router=RouterConfig(health_interval_s=0.1))
     config.server.limits.max_tokens = 1500
@@ -2783,6 +2748,39 @@ async def test_a_default_max_tokens_leaves_room_for_the_tools(tiny_model_dir):
             assert "max_tokens" not in received[0]  # the limit would overflow: the server's own default
             await client.chat.completions.create(model=MODEL, messages=messages)  # no tools: the limit fits
             assert received[1]["max_tokens"] == 1500
+    finally:
+        await upstream.stop()
+
+
+async def test_a_default_past_the_estimated_room_is_the_external_servers_to_judge(tiny_model_dir):
+    """A completions request without max_tokens in front of external servers: the
+    gateway's count of a text prompt may be an estimate (a file-less gateway counts
+    with SmolLM2's tokenizer, deploy/vllm.md), so a default past the room it counts is
+    sent without max_tokens, for the server's own default and exact count to judge,
+    rather than refused by the estimate."""
+    received = []
+
+    async def completions(request):
+        received.append(await request.json())
+        chunk = {"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}
+        return web.Response(body=b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n",
+                            content_type="text/event-stream")
+
+    upstream = await _completions_upstream(_models_of_length(64), completions)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                                 router=RouterConfig(health_interval_s=0.1)))
+    try:
+        async with serving(app) as (app, _, client):
+            gateway = app[GATEWAY]
+            await wait_for(lambda: gateway.replicas[0].healthy and gateway.max_model_len == 64, what="healthy")
+            prompt = "word " * 10
+            while len(gateway.hasher.text(prompt).token_ids) < 56:
+                prompt += "word "
+            counted = len(gateway.hasher.text(prompt).token_ids)
+            assert 48 < counted < 64  # by the gateway's count: room for fewer than 16
+            out = await client.completions.create(model=MODEL, prompt=prompt)
+            assert out.choices[0].text == "ok"
+            assert "max_tokens" not in received[0]  # the server's own default, judged by its own count
     finally:
         await upstream.stop()
 
@@ -3809,10 +3807,7 @@ async def test_completions_logprobs_in_chats_shape_are_read(tiny_model_dir):
             for text, value, finish in (("Hello", -0.1, None), (" world", -0.3, "length"))]
         return _event_stream(_sse(*chunks, b"[DONE]"))
 
-    stub = web.Application()
-    stub.router.add_get("/v1/models", _models_while({"healthy": True}))
-    stub.router.add_post("/v1/completions", completions)
-    upstream = await start_server(stub)
+    upstream = await _completions_upstream(_models_while({"healthy": True}), completions)
     app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)]))
     gw = await start_server(app)
     client = _client(gw.url)

@@ -18,9 +18,11 @@ from tests.gateway_helpers import serving
 from tests.tiny_model import make_tiny_tokenizer
 
 
-# A template that writes the tools and the names, as Qwen2.5's and Llama 3.1's write tools.
+# A template that writes the tools, the names and earlier answers' tool calls, as
+# Qwen2.5's and Llama 3.1's write tools and calls.
 TEMPLATE = ("{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
             "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}\n{{ m.content }}"
+            "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}"
             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
@@ -66,9 +68,23 @@ async def test_tools_count_toward_the_prompt_size_checks(tiny_model_dir, monkeyp
         assert calls == [False], "a big tools array was tokenised on the event loop"
 
 
-async def test_names_count_toward_the_prompt_size_checks(tiny_model_dir, monkeypatch):
-    """Every message's name reaches the template too: a name of megabytes
-    must be refused before it is rendered and tokenised, as a content of megabytes is."""
+def _a_long_name(chars: int) -> list[dict]:
+    return [{"role": "user", "content": "hi", "name": "a" * chars}]
+
+
+def _a_long_call(chars: int) -> list[dict]:
+    return [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "a" * chars}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+
+
+@pytest.mark.parametrize("messages", [_a_long_name, _a_long_call], ids=["name", "earlier tool call"])
+async def test_what_the_template_writes_beside_the_contents_counts_toward_the_prompt_size_checks(
+        tiny_model_dir, monkeypatch, messages):
+    """Every message's name and an earlier answer's tool calls reach the template
+    too: megabytes of them are refused before rendering and tokenising, as megabytes
+    of content are."""
     config = tiny_config(tiny_model_dir)
     async with serving(create_app(config, [InProcessReplica("r0", config)])) as (app, server, client):
         gateway = app[GATEWAY]
@@ -82,9 +98,8 @@ async def test_names_count_toward_the_prompt_size_checks(tiny_model_dir, monkeyp
         longest = max(len(piece) for piece in hasher.tokenizer.get_vocab())
         bound = gateway.max_model_len * 2 * longest
         with pytest.raises(openai.BadRequestError) as info:
-            await client.chat.completions.create(
-                model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "hi", "name": "a" * (bound + 1)}])
-        assert info.value.code == "context_length_exceeded"
+            await client.chat.completions.create(model=MODEL, max_tokens=1, messages=messages(bound + 1))
+        assert info.value.code == "context_length_exceeded", info.value
 
 
 def test_image_offsets_count_the_tools_the_template_writes():
@@ -108,34 +123,3 @@ def test_image_offsets_count_the_tools_the_template_writes():
     # The blocks before the image's are the same for any image: shared.
     common = next(i for i, (x, y) in enumerate(zip(a.keys, b.keys)) if x != y)
     assert common >= (real - 1) // 4
-
-
-# Writes earlier answers' tool calls, as Qwen2.5's and Llama 3.1's templates do.
-CALLS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-                  "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}"
-                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-async def test_tool_call_arguments_count_toward_the_prompt_size_checks(tiny_model_dir, monkeypatch):
-    """An earlier answer's tool calls reach the template too: arguments of megabytes
-    are refused before rendering, not tokenised."""
-    config = tiny_config(tiny_model_dir)
-    async with serving(create_app(config, [InProcessReplica("r0", config)])) as (app, server, client):
-        gateway = app[GATEWAY]
-        hasher = gateway.hasher
-        hasher.tokenizer.chat_template = CALLS_TEMPLATE
-
-        def never(*args, **kwargs):
-            raise AssertionError("tokenised")
-
-        monkeypatch.setattr(hasher, "chat", never)
-        longest = max(len(piece) for piece in hasher.tokenizer.get_vocab())
-        bound = gateway.max_model_len * 2 * longest
-        messages = [{"role": "user", "content": "hi"},
-                    {"role": "assistant", "content": None,
-                     "tool_calls": [{"id": "c1", "type": "function",
-                                     "function": {"name": "f", "arguments": "a" * (bound + 1)}}]},
-                    {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
-        with pytest.raises(openai.BadRequestError) as info:
-            await client.chat.completions.create(model=MODEL, max_tokens=1, messages=messages)
-        assert info.value.code == "context_length_exceeded", info.value
