@@ -9,8 +9,9 @@ client left); bytes sent, head included; seconds since the request arrived;
 its x-request-id (the completion id, which each hop's log names); the user
 agent; the replica that answered (as nginx's $upstream_addr; several, comma
 separated, for a request of several prompts; "-" where none did, as for a
-refusal, and on a `kvgate engine`).  The record's own time is when the request ended.  aiohttp's default
-line has neither the duration nor the id, and dates the request twice.
+refusal, and on a `kvgate engine`).  The record's own time is when the request
+ended.  aiohttp's default line has neither the duration nor the id, and dates
+the request twice.
 
 Monitoring that succeeds is left out (nginx's ``access_log off`` on a
 location): health probes, scrapes, the dashboard's polls and a gateway's polls
