@@ -728,7 +728,7 @@ class Gateway:
         limit = self.max_model_len
         param = parsed.prompt_param
         if parsed.endpoint == CHAT:
-            sizes = [(False, parsed.content_chars + _tools_chars(_template_tools(parsed)))]
+            sizes = [(False, parsed.content_chars)]
         else:
             sizes = [(isinstance(p, list), len(p)) for p in parsed.prompts]
         for ids, size in sizes:
@@ -745,12 +745,10 @@ class Gateway:
         hasher = self.hasher
         salt = parsed.cache_salt
         if parsed.endpoint == CHAT:
-            # tool_choice "none" on the kvgate engine: the template still sees the tools, as vLLM's
-            # (an external server renders its own; _uncounted_tokens estimates them).
-            tools = _template_tools(parsed)
-            work = lambda: [hasher.chat(parsed.messages, parsed.images, salt, tools)]  # noqa: E731
+            # An external server renders the tools of tool calling itself (_uncounted_tokens estimates them).
+            work = lambda: [hasher.chat(parsed.messages, parsed.images, salt, parsed.template_tools)]  # noqa: E731
             sources = [None]
-            size = parsed.content_chars + _tools_chars(tools)  # the tools are prompt text too
+            size = parsed.content_chars
         else:
             specials = parsed.add_special_tokens
             work = lambda: [hasher.text(p, salt, specials) for p in parsed.prompts]  # noqa: E731
@@ -859,16 +857,6 @@ class Gateway:
         return ctx
 
 _MAX_SESSION_CHARS = 256
-
-
-def _template_tools(parsed: ParsedRequest) -> list | None:
-    """The request's tools where its chat template renders them (tool_choice "none")."""
-    return parsed.body.get("tools") or None if parsed.endpoint == CHAT and parsed.engine_unsupported is None else None
-
-
-def _tools_chars(tools: list | None) -> int:
-    """Characters the tools add to a prompt, about (their JSON, as templates write them)."""
-    return len(json.dumps(tools)) if tools else 0
 
 
 def forwarded_endpoint(body: dict, endpoint: str) -> str:

@@ -62,7 +62,9 @@ class ParsedRequest:
     # re-tokenising; a long system prompt or answer is no uploaded document).
     longest_message: int = -1
     longest_share: float = 0.0
-    content_chars: int = 0
+    content_chars: int = 0  # chat: what the template writes beside its markup (contents, names, calls, tools)
+    # chat: the tools its template is given (tool_choice "none" on the kvgate engine, as vLLM gives them)
+    template_tools: list | None = None
     # Fields of the body that nothing here reads (a typo, another API's option).
     ignored: set | None = None
     # completions: one entry per prompt, text or token ids.
@@ -200,6 +202,9 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
     unsupported = _ENGINE_UNSUPPORTED_CHAT if endpoint == CHAT else _ENGINE_UNSUPPORTED_COMPLETIONS
     if not unsupported.keys().isdisjoint(body) and req.engine_unsupported is None:
         _check_engine_unsupported(req, body, unsupported)
+    if endpoint == CHAT and req.engine_unsupported is None and body.get("tools"):
+        req.template_tools = body["tools"]
+        req.content_chars += len(json.dumps(req.template_tools))  # prompt text like the messages
     req.ignored = body.keys() - _READ_FIELDS[endpoint] - unsupported.keys() or None
     if options and options.keys() - _READ_STREAM_OPTIONS:
         # vLLM's continuous_usage_stats (usage in every chunk) among them: the final usage chunk only, here.

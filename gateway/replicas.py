@@ -575,12 +575,11 @@ class RemoteReplica(Replica):
     async def _probe(self) -> bool:
         """Whether the replica answers its health path; why not in ``_probe_failure``."""
         path = "/health" if self.kind == "engine" else "/v1/models"
-        self._probe_timed_out = False
         try:
             timeout = aiohttp.ClientTimeout(total=self.router_cfg.health_timeout_s)
             async with self._session.get(self.base + path, headers=self.auth_headers(), timeout=timeout) as resp:
-                # Said again at each answer: the health loop's probe and a loss check's may
-                # overlap, and each caller reads the flag as its own probe left it.
+                # Said at each answer, as a failure says it below: the health loop's probe
+                # and a loss check's may overlap, and each caller reads the flag as its own left it.
                 self._probe_timed_out = False
                 if resp.status != 200:
                     self._probe_failure = f"{path} answered {resp.status}"
