@@ -318,10 +318,12 @@ def _collect(choices: list[ChoiceState], usage: UsageSum, sub: int, shift: int, 
     if out.index == USAGE_ALL:
         return
     choice = choices[shift + out.index]
-    if out.extra:
+    if out.extra or (out.text and choice.began and choice.began[-1][0] != "t"):  # text after another item: a run
         if choice.extra is None:
             choice.extra = {}
-        choice.began = began_order(choice.began, bool(choice.text), out, len(choice.extra.get("tool_calls") or ()))
+        choice.began = began_order(choice.began, out, choice.text, reasoning_of(choice.extra),
+                                   len(choice.extra.get("tool_calls") or ()))
+    if out.extra:
         merge_delta_extra(choice.extra, out.extra)
     if out.text:
         choice.text.append(out.text)

@@ -59,23 +59,25 @@ def reasoning_of(extra: dict) -> str:
     return ""
 
 
-def began_order(began: tuple, had_text: bool, out, calls: int) -> tuple:
-    """``began`` (see ChoiceState) with what ``out`` begins, ``calls`` tool calls
-    having begun before it: within one output, reasoning, then text, then each
-    call, the order a stream shows them in.  A call's position is its index, or,
+def began_order(began: tuple, out, text: list[str], thought: str, calls: int) -> tuple:
+    """``began`` (see ChoiceState) with what ``out`` begins, after ``text`` (the
+    choice's pieces so far), ``thought`` (its reasoning so far) and ``calls`` tool
+    calls: within one output, reasoning, then text, then each call, the order a
+    stream shows them in.  Reasoning or text that follows another item is a run
+    of its own (a new item, as streamed).  A call's position is its index, or,
     without one, the next (a call of its own, as shapes.merge_delta_extra reads it)."""
-    if had_text and "t" not in began:
-        began += ("t",)
-    if "r" not in began and reasoning_of(out.extra):
-        began += ("r",)
-    if out.text and "t" not in began:
-        began += ("t",)
-    for fragment in out.extra.get("tool_calls") or ():
+    if text and not began:
+        began = (("t", 0),)  # text that came before anything noted
+    if reasoning_of(out.extra or {}) and (not began or began[-1][0] != "r"):
+        began += (("r", len(thought)),)
+    if out.text and (not began or began[-1][0] != "t"):
+        began += (("t", sum(map(len, text))),)
+    for fragment in (out.extra or {}).get("tool_calls") or ():
         if isinstance(fragment, dict):
             position = fragment.get("index", calls)
             if isinstance(position, int) and not isinstance(position, bool):
-                if position not in began:
-                    began += (position,)
+                if ("c", position) not in began:
+                    began += (("c", position),)
                 calls = max(calls, position + 1)
     return began
 
@@ -150,22 +152,29 @@ class ResponseShaper:
               began: tuple = ()) -> dict:
         """The response to a completion gathered whole (its message's extra fields:
         reasoning, tool calls), its items in the order they began (``began``, as
-        ChoiceState notes it), as streamed."""
+        ChoiceState notes it), each run of text or reasoning an item, as streamed."""
         extra = extra or {}
         calls, thought = extra.get("tool_calls") or [], reasoning_of(extra)
-        # Text not noted began after everything else; calls not noted (none should be) come last.
-        order = [*began, *(("t",) if "t" not in began else ()), *(p for p in range(len(calls)) if p not in began)]
-        for token in order:
-            if token == "r":
-                if thought:
-                    self._reasoning_item().parts.append(thought)
-            elif token == "t":
-                if text:
-                    self._text_item().parts.append(text)
-            elif 0 <= token < len(calls):
-                function = calls[token].get("function") or {}
-                self._call_item(calls[token].get("id"), function.get("name") or "").parts.append(
-                    function.get("arguments") or "")
+        # Text never noted is one run.  Every call a server began is noted; the others
+        # are the blanks chat's gathering puts in an index a server skipped (its first
+        # call at index 1): no call, and not in the stream.
+        order = began or (("t", 0),)
+        # Each run of text or reasoning ends where the next of its kind starts.
+        ends = {}
+        for kind, joined in (("t", text), ("r", thought)):
+            starts = [start for k, start in order if k == kind]
+            ends.update({(kind, start): end for start, end in zip(starts, [*starts[1:], len(joined)])})
+        for kind, where in order:
+            if kind == "c":
+                if 0 <= where < len(calls):
+                    function = calls[where].get("function") or {}
+                    self._call_item(calls[where].get("id"), function.get("name") or "").parts.append(
+                        function.get("arguments") or "")
+                continue
+            run = (text if kind == "t" else thought)[where:ends[kind, where]]
+            if run:
+                prefix, item_kind = ("msg_", "message") if kind == "t" else ("rs_", "reasoning")
+                self._new_item(new_id(prefix), item_kind).parts.append(run)
         if not self.items:  # no output at all: an empty message
             self._text_item()
         for item in self.items[:-1]:  # as streamed: done as the next began

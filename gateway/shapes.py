@@ -118,9 +118,11 @@ class ChoiceState:
     started: bool = False
     # An external server's other message fields (tool_calls, reasoning).
     extra: dict | None = None
-    # The order a Responses answer lists its items in: "r" (reasoning), "t" (text)
-    # and each tool call's position, as each began, noted from the first extra
-    # field on (text that began after them all is not noted: it comes last).
+    # The order a Responses answer lists its items in, as each began, noted from the
+    # first extra field on: ("r", start) a run of reasoning, ("t", start) a run of
+    # text (its first character's offset: a run after another item is an item of
+    # its own, as streamed), ("c", position) a tool call.  Text before anything
+    # was noted is a run from 0; text alone is never noted.
     began: tuple = ()
 
 

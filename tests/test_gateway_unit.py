@@ -1074,5 +1074,6 @@ def test_a_streamed_response_has_one_item_in_progress_at_a_time(caplog):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
     whole = ResponseShaper("resp_2", 1, "m", call).whole(
-        "Done", {"reasoning": "Thinking."}, "length", {"prompt_tokens": 3, "completion_tokens": 2}, 2, ("r", "t"))
+        "Done", {"reasoning": "Thinking."}, "length", {"prompt_tokens": 3, "completion_tokens": 2}, 2,
+        (("r", 0), ("t", 0)))
     assert [(i["type"], i["status"]) for i in whole["output"]] == [("reasoning", "completed"), ("message", "incomplete")]

@@ -6,21 +6,25 @@ instructions as its system message), shaped as OpenAI's Responses API shapes it.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from aiohttp import web
 
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway.app import create_app
-from gateway.config import LimitsConfig
+from gateway.app import GATEWAY, create_app
+from gateway.config import LimitsConfig, ReplicaConfig, RouterConfig
 from gateway.errors import ApiError
 from gateway.protocol import CHAT, parse_request
 from gateway.responses_api import chat_request
+from gateway.server import start_server
+from tests.engine_procs import tiny_config, wait_for
 from tests.gateway_helpers import serving
 from tests.test_gateway_engine import _config
 
@@ -363,3 +367,117 @@ async def test_an_error_in_text_joined_after_a_call_names_its_own_item():
             raise call.rename(exc)
     assert info.value.param == "input[3].content[0].text", info.value.param
     assert "'input[3].content[0].text': expected a string" in info.value.message
+
+
+def _delta(**fields):
+    return {"choices": [{"index": 0, "delta": fields, "finish_reason": None}]}
+
+
+def _call(index, name, arguments="{}"):
+    return _delta(tool_calls=[{"index": index, "id": f"call_{name}", "type": "function",
+                               "function": {"name": name, "arguments": arguments}}])
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def external(tiny_model_dir):
+    """A gateway in front of one scripted OpenAI-compatible server (a vLLM that
+    parses tool calls and reasoning): it streams the chunks of the list yielded
+    with the client, then the finish and usage."""
+    script = []
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def chat(request):
+        await request.read()
+        chunks = [*script, {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                  {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}}]
+        body = b"".join(b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
+        return web.Response(body=body, content_type="text/event-stream")
+
+    stub = web.Application()
+    stub.router.add_get("/v1/models", models)
+    stub.router.add_post("/v1/chat/completions", chat)
+    upstream = await start_server(stub)
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url, name="ext")],
+                                 router=RouterConfig(health_interval_s=60)))
+    try:
+        async with serving(app) as (_, _, client):
+            await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="healthy")
+            yield client, script
+    finally:
+        await upstream.stop()
+
+
+def _as_compared(response) -> dict:
+    """A response as the whole and the streamed one must agree on: all but ids and
+    times (each request has its own), and the SDK's parse of a stream's text and calls."""
+    shown = response.to_dict()
+    for key in ("id", "created_at", "completed_at"):
+        shown.pop(key, None)
+    for item in shown["output"]:
+        item.pop("id")
+        item.pop("parsed_arguments", None)
+        for part in item.get("content") or ():
+            part.pop("parsed", None)
+    return shown
+
+
+@pytest.mark.parametrize("script, items", [
+    ([_delta(content="Hi "), _delta(content="there.")], [("message", "Hi there.")]),
+    ([_call(0, "get_weather", '{"city": "Paris"}')], [("function_call", "get_weather")]),
+    ([_delta(content="Let me check. "), _call(0, "get_weather")], [("message", "Let me check. "),
+                                                                  ("function_call", "get_weather")]),
+    ([_call(0, "get_weather"), _delta(content="Done.")], [("function_call", "get_weather"), ("message", "Done.")]),
+    ([_delta(content="Let me check. "), _call(0, "get_weather"), _delta(content="Done.")],
+     [("message", "Let me check. "), ("function_call", "get_weather"), ("message", "Done.")]),
+    ([_call(0, "get_weather"), _delta(content="And "), _call(1, "get_time")],
+     [("function_call", "get_weather"), ("message", "And "), ("function_call", "get_time")]),
+    ([_delta(reasoning="Weather: "), _delta(reasoning="a tool."), _delta(content="Checking. "), _call(0, "get_weather")],
+     [("reasoning", "Weather: a tool."), ("message", "Checking. "), ("function_call", "get_weather")]),
+    # Interleaved thinking: each run of reasoning is an item of its own, as streamed.
+    ([_delta(reasoning="First the weather."), _call(0, "get_weather"), _delta(reasoning="Now the time."),
+      _call(1, "get_time")],
+     [("reasoning", "First the weather."), ("function_call", "get_weather"), ("reasoning", "Now the time."),
+      ("function_call", "get_time")]),
+    # A server that skipped an index (its one call at 1): no nameless call at 0, whole.
+    ([_call(1, "get_weather")], [("function_call", "get_weather")]),
+], ids=["text", "call", "text, call", "call, text", "text, call, text", "call, text, call", "reasoning, text, call",
+        "reasoning, call, reasoning, call", "a call at index 1"])
+async def test_a_whole_response_is_what_the_sdk_gathers_from_its_stream(external, script, items):
+    """However a server interleaves reasoning, text and calls in one choice, the
+    whole response's output is the stream's, item for item, in the order the model
+    produced them: a run of text or reasoning after another item is an item of its
+    own (text, a call, more text was one message then the call, whole)."""
+    client, scripted = external
+    scripted[:] = script
+    tools = [{"type": "function", "name": "get_weather"}, {"type": "function", "name": "get_time"}]
+    whole = await client.responses.create(model=MODEL, input="Weather?", tools=tools)
+    async with client.responses.stream(model=MODEL, input="Weather?", tools=tools) as stream:
+        gathered = await stream.get_final_response()  # the SDK's own accumulator of the events
+    assert _as_compared(whole) == _as_compared(gathered)
+    assert [(item.type, getattr(item, "name", None) or item.content[0].text) for item in whole.output] == items
+    assert [item.status for item in whole.output] == ["completed"] * len(items)
+    assert whole.output_text == gathered.output_text == "".join(
+        text for kind, text in items if kind == "message")
+
+
+@pytest.mark.parametrize("max_output_tokens", [1, 8])
+async def test_the_engines_whole_response_is_what_the_sdk_gathers_from_its_stream(gw, max_output_tokens):
+    """The kvgate engine's answer (text only), whole and streamed: one output, its
+    status (incomplete at max_output_tokens), usage and text alike."""
+    _, _, client = gw
+    asked = dict(model=MODEL, instructions=INSTRUCTIONS, input=HISTORY, max_output_tokens=max_output_tokens,
+                 temperature=0)
+    whole = await client.responses.create(**asked)
+    events = [e async for e in await client.responses.create(**asked, stream=True)]
+    final = events[-1].response  # the SDK gathers a stream only up to response.completed
+    if final.status == "completed":
+        async with client.responses.stream(**asked) as stream:
+            final = await stream.get_final_response()
+    compared = [_as_compared(whole), _as_compared(final)]
+    for shown in compared:
+        shown["usage"]["input_tokens_details"].pop("cached_tokens")  # the first request leaves its blocks
+    assert compared[0] == compared[1]
+    if max_output_tokens == 1:
+        assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
