@@ -151,13 +151,16 @@ class Responder:
                         if resp is None:
                             resp = await self._open(request, rid, out)
                             self.observer.first_token(workload, subs[sub].replica, time.perf_counter() - start)
+                            if chat:
+                                # Every choice's role chunk first, in index order, as vLLM sends them:
+                                # the SDK's accumulator files a choice it has not seen yet in the next
+                                # place of its list, so a choice 1 that spoke before choice 0 took its place.
+                                frames += [fmt.role(i) for i in range(len(states))]
                         index = shift + out.index
                         state = states[index]
                         text = out.text
                         if not state.started:
-                            if chat:
-                                frames.append(fmt.role(index))
-                            elif echo is not None:
+                            if echo is not None:
                                 text = echo[sub] + text  # the prompt leads the choice's first chunk
                             state.started = True
                         if out.finish_reason is not None:

@@ -184,6 +184,12 @@ def _message(choice: ChoiceState) -> dict:
     message = {"role": "assistant", "content": "".join(choice.text), "refusal": None}
     if choice.extra:
         message.update(choice.extra)
+        calls = message.get("tool_calls")
+        if calls:
+            # Places no fragment filled are no calls: vLLM's named tool_choice streams
+            # choice i's one call with index i, and choice 1 had an empty call 0.
+            message["tool_calls"] = [call for call in calls if not isinstance(call, dict) or call.get("id")
+                                     or call["function"]["name"] or call["function"]["arguments"]]
         if (message.get("tool_calls") or message.get("refusal")) and not message["content"]:
             message["content"] = None  # OpenAI's shape for a turn that only calls tools, or refuses
     return message

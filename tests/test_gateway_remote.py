@@ -1085,6 +1085,58 @@ async def test_external_server_features_pass_through(tiny_model_dir):
         await upstream.stop()
 
 
+async def test_a_tool_call_numbered_by_its_choice_is_that_choices_one_call(tiny_model_dir):
+    """vLLM streams a named tool_choice's call with the choice's index for the
+    call's (choice 1's one call is index 1).  Gathered into a whole answer, choice 1
+    had an empty call (no id, no name) before its own, where vLLM's whole answer,
+    and the stream the gateway relays, have one call."""
+    def call(index, fragment, finish=None):
+        return {"choices": [{"index": index, "delta": {"tool_calls": [fragment]}, "logprobs": None,
+                             "finish_reason": finish}]}
+
+    async def chat(request):
+        await request.read()
+        first = {"type": "function", "function": {"name": "pick", "arguments": '{"n": '}}
+        return _event_stream(_sse(call(0, {"id": "chatcmpl-tool-a", "index": 0, **first}),
+                                  call(1, {"id": "chatcmpl-tool-b", "index": 1, **first}),
+                                  call(0, {"index": 0, "function": {"arguments": "1}"}}, "stop"),
+                                  call(1, {"index": 1, "function": {"arguments": "2}"}}, "stop"), b"[DONE]"))
+
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": {"type": "object"}}}]
+    async with _gateway_over_one(tiny_model_dir, chat, RouterConfig(health_interval_s=60)) as (gateway, _, client, _):
+        whole = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "pick"}], n=2,
+                                                     tools=tools, tool_choice={"type": "function",
+                                                                               "function": {"name": "pick"}})
+        assert [[(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+                for choice in whole.choices] == [[("chatcmpl-tool-a", "pick", '{"n": 1}')],
+                                                 [("chatcmpl-tool-b", "pick", '{"n": 2}')]]
+        assert gateway.router.inflight_requests == [0]
+
+
+async def test_a_tool_call_index_past_any_answer_is_a_broken_answer(tiny_model_dir):
+    """A whole answer keeps a place for every tool call index below the highest: a
+    server's index of 3,000,000 held the gateway's event loop for 7 s while it
+    made a gigabyte of empty calls.  Such an index is now a malformed answer,
+    refused at once, and the gateway serves on."""
+    async def chat(request):
+        body = await request.json()
+        index = 3_000_000 if body["messages"][0]["content"] == "far" else 0
+        fragment = {"index": index, "id": "call-1", "type": "function", "function": {"name": "pick", "arguments": "{}"}}
+        return _event_stream(_sse({"choices": [{"index": 0, "delta": {"tool_calls": [fragment]}, "logprobs": None,
+                                                "finish_reason": "tool_calls"}]}, b"[DONE]"))
+
+    async with _gateway_over_one(tiny_model_dir, chat, RouterConfig(health_interval_s=60)) as (gateway, _, client, _):
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.with_options(max_retries=0).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "far"}])
+        assert time.monotonic() - started < 2
+        assert refused.value.status_code == 503  # a malformed answer, as any other
+        whole = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "near"}])
+        assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["pick"]
+        assert gateway.router.inflight_requests == [0]
+
+
 @contextlib.asynccontextmanager
 async def _gateway_over_one(model_dir, chat, router: RouterConfig, name: str | None = None):
     """A real gateway in front of one scripted upstream, always healthy, that answers
@@ -3824,3 +3876,32 @@ async def test_completions_logprobs_in_chats_shape_are_read(tiny_model_dir):
         await client.close()
         await gw.stop()
         await upstream.stop()
+
+
+async def test_a_choice_that_speaks_first_keeps_its_place_in_the_sdks_accumulation(tiny_model_dir):
+    """vLLM sends every choice's role chunk first, in index order; the gateway sent
+    each with its choice's first output, so a choice 1 that spoke before choice 0
+    (whose first tokens a tool or reasoning parser held back) came first, and the
+    SDK's stream accumulator, which files a choice it has not seen in the next place
+    of its list, gave choice 0's text to choice 1 and then raised an IndexError."""
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
+
+    def chunk(index, delta, finish=None):
+        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+    async def chat(request):
+        await request.read()
+        usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+        return _event_stream(_sse(*(chunk(i, {"role": "assistant", "content": ""}) for i in range(2)),
+                                  chunk(1, {"content": "B1"}), chunk(0, {"content": "A1"}),
+                                  chunk(1, {"content": "B2"}, "stop"), chunk(0, {"content": "A2"}, "stop"),
+                                  {**head, "choices": [], "usage": usage}, b"[DONE]"))
+
+    async with _gateway_over_one(tiny_model_dir, chat, RouterConfig(health_interval_s=60)) as (gateway, _, client, _):
+        async with client.chat.completions.stream(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                                  stream_options={"include_usage": True}) as stream:
+            whole = await stream.get_final_completion()
+        assert [(c.index, c.message.content, c.finish_reason) for c in whole.choices] == [
+            (0, "A1A2", "stop"), (1, "B1B2", "stop")]
+        assert whole.usage.completion_tokens == 4
+        assert gateway.router.inflight_requests == [0]
