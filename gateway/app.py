@@ -477,7 +477,7 @@ class Gateway:
                 return parse_json(raw)
             if request.content_length is not None and request.content_length > limit:
                 raise errors.too_large(limit)
-            raw = await asyncio.wait_for(self._read_pending_body(content, request.content_length, limit),
+            raw = await asyncio.wait_for(self._read_pending_body(content, limit),
                                          self.limits.body_timeout_s)
         except asyncio.TimeoutError:
             raise errors.body_timeout(self.limits.body_timeout_s) from None
@@ -487,29 +487,25 @@ class Gateway:
                               "says, or its framing is broken.") from None
         return parse_json(raw)
 
-    async def _read_pending_body(self, content, content_length: int | None, limit: int) -> bytes:
+    async def _read_pending_body(self, content, limit: int) -> bytes:
         """A body still arriving, within limits.max_pending_body_bytes of all such
-        bodies together: a declared length is reserved before any of it is read,
-        a chunked body's bytes as they come.  Beyond the budget a 429 (OpenAI's
-        SDKs retry it), and the body is never buffered."""
+        bodies together, counted as its bytes come (a declared length, reserved
+        before any of it came, let 32 connections that sent only their headers
+        hold the default budget for body_timeout_s: every other body that did not
+        come with its headers got a 429 meanwhile).  Beyond the budget a 429
+        (OpenAI's SDKs retry it), and the body is not buffered further."""
         budget = self.limits.max_pending_body_bytes
         reserved = 0
         try:
-            if content_length is not None and budget is not None:
-                if self.pending_body_bytes + content_length > budget:
-                    raise errors.bodies_overloaded(budget)
-                self.pending_body_bytes += content_length
-                reserved = content_length
             chunks, size = [], 0
             while chunk := await content.readany():
                 size += len(chunk)
                 if size > limit:
                     raise errors.too_large(limit)  # aiohttp decodes a compressed body as it comes
-                if size > reserved and budget is not None:
-                    grow = size - reserved
-                    if self.pending_body_bytes + grow > budget:
+                if budget is not None:
+                    if self.pending_body_bytes + len(chunk) > budget:
                         raise errors.bodies_overloaded(budget)
-                    self.pending_body_bytes += grow
+                    self.pending_body_bytes += len(chunk)
                     reserved = size
                 chunks.append(chunk)
             return b"".join(chunks)

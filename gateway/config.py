@@ -97,10 +97,10 @@ class LimitsConfig(Section):
     # engines' queues ahead of everyone else.  null: no per-tenant limit.
     max_inflight_per_tenant: int | None = Field(None, ge=1)
     # Request bodies still arriving may hold at most this many bytes together
-    # (a body's Content-Length is reserved when its reading starts; a chunked one
-    # counts as it arrives).  More get 429 with Retry-After before their bytes
-    # are read, so slow or stalled uploads cannot fill memory with bodies of up
-    # to max_body_bytes each until body_timeout_s.  A body that arrived with its
+    # (counted as they arrive, not by the Content-Length they declare, which
+    # costs a client nothing to send).  More get 429 with Retry-After, so slow or
+    # stalled uploads cannot fill memory with bodies of up to max_body_bytes each
+    # until body_timeout_s.  A body that arrived with its
     # headers (any small request) is not counted.  null: no limit.
     max_pending_body_bytes: int | None = Field(256 * 1024 * 1024, ge=1024)
 

@@ -85,6 +85,7 @@ class Observer:
         self._remote: dict[str, tuple[float, dict | None]] = {}
         self._remote_ok: dict[str, float] = {}  # when each replica's stats last came
         self._session: aiohttp.ClientSession | None = None
+        self._refreshing: asyncio.Task | None = None  # the fetch every scrape meanwhile waits for
         # Minute boundaries of the reuse ratio are wall-clock minutes (tests move this clock).
         self.wall_clock = time.time
         metrics.watch_state(self.replica_stats, self._reuse_now, self._shares_now)
@@ -112,6 +113,10 @@ class Observer:
         return self.recorder is not None
 
     async def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refreshing
         if self._status_task is not None:
             self._status_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -223,7 +228,22 @@ class Observer:
         return cached[1] if cached else None
 
     async def refresh(self) -> None:
-        """Fetch fresh stats from `kvgate engine` replicas (no-op for the rest)."""
+        """Fetch fresh stats from `kvgate engine` replicas (no-op for the rest).
+
+        One fetch at a time: scrapes that come while it runs (/metrics and /stats
+        are open, and a fetch takes up to _REMOTE_TIMEOUT_S) wait for its figures;
+        each sent its own, every engine asked once per concurrent scrape."""
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._refresh())
+            self._refreshing.add_done_callback(self._refreshed)
+        # A scrape whose client leaves does not cancel the fetch the others wait for.
+        await asyncio.shield(self._refreshing)
+
+    def _refreshed(self, task: asyncio.Task) -> None:
+        if self._refreshing is task:
+            self._refreshing = None
+
+    async def _refresh(self) -> None:
         now = time.monotonic()
         # Not those out of routing, whose figures are not shown: a hung one's took
         # every other scrape its full timeout.

@@ -421,10 +421,9 @@ async def test_slow_uploads_hold_no_slot_and_time_out(tiny_model_dir):
 
 
 async def test_bodies_still_arriving_are_bounded_in_bytes(tiny_model_dir):
-    """limits.max_pending_body_bytes: stalled uploads reserve their declared
-    length (chunked ones what has come); past the budget a body gets 429 before
-    any of it is buffered, small requests are still served, and the budget
-    frees when the uploads end."""
+    """limits.max_pending_body_bytes: stalled uploads count the bytes they have
+    sent; past the budget a body gets 429 and is not buffered further, small
+    requests are still served, and the budget frees when the uploads end."""
     mib = 1024 * 1024
     limits = {"max_body_bytes": mib, "max_pending_body_bytes": 2 * mib, "body_timeout_s": 30.0}
     config = _config(tiny_model_dir, replicas=1, limits=limits)
@@ -442,10 +441,11 @@ async def test_bodies_still_arriving_are_bounded_in_bytes(tiny_model_dir):
             await writer.drain()
             return reader, writer
 
-        stalled = [await connect(head.format(mib).encode() + b"{") for _ in range(2)]
-        await wait_for(lambda: gateway.pending_body_bytes == 2 * mib, what="two reservations")
-        refused = [await connect(head.format(1000).encode() + b"{"),
-                   await connect(chunked + b"1\r\n{\r\n")]
+        # Each a byte short of its declared length: all but 2 bytes of the budget held.
+        stalled = [await connect(head.format(mib).encode() + b"{" * (mib - 1)) for _ in range(2)]
+        await wait_for(lambda: gateway.pending_body_bytes == 2 * mib - 2, what="two uploads held")
+        refused = [await connect(head.format(1000).encode() + b"{" * 3),
+                   await connect(chunked + b"3\r\n{{{\r\n")]
         for reader, writer in refused:
             answer = await asyncio.wait_for(reader.read(4096), 10)
             assert answer.startswith(b"HTTP/1.1 429") and b"Retry-After: 1" in answer
@@ -464,6 +464,39 @@ async def test_bodies_still_arriving_are_bounded_in_bytes(tiny_model_dir):
         assert answer.startswith(b"HTTP/1.1 200") and b'"completion_tokens"' in answer
         writer.close()
         assert gateway.pending_body_bytes == 0
+
+
+async def test_declared_lengths_alone_do_not_hold_the_body_budget(tiny_model_dir):
+    """Connections that send only headers declaring max_body_bytes (32 of them
+    fill the default 256 MiB budget, a few bytes each) reserved it all for
+    body_timeout_s: every other body not in its first read got a 429 meanwhile."""
+    mib = 1024 * 1024
+    limits = {"max_body_bytes": mib, "max_pending_body_bytes": 2 * mib, "body_timeout_s": 30.0}
+    config = _config(tiny_model_dir, replicas=1, limits=limits)
+    head = ("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: {}\r\n\r\n")
+    async with serving(create_app(config)) as (app, server, client):
+        host, port = server.url.split("//")[1].split(":")
+        stalled = []
+        for _ in range(4):  # twice the budget, declared
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(head.format(mib).encode() + b"{")
+            await writer.drain()
+            stalled.append(writer)
+        await asyncio.sleep(0.3)  # their handlers are waiting for the rest
+        # A body sent in two parts, so that its handler finds it still arriving.
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode() + b" " * 100_000
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head.format(len(body)).encode() + body[:1000])
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(body[1000:])
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(65536), 30)
+        writer.close()
+        for w in stalled:
+            w.close()
+        assert answer.startswith(b"HTTP/1.1 200") and b'"completion_tokens"' in answer, answer[:400]
 
 
 async def _requests_by_labels(url: str, status: str) -> dict[tuple[str, str], float]:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import time
+import types
 
 import aiohttp
 import openai
@@ -24,8 +25,10 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+import gateway.observe as observe
 from gateway.app import GATEWAY, create_app
-from gateway.config import ApiKeyConfig, ReplicaConfig, RouterConfig
+from gateway.config import ApiKeyConfig, KvgateConfig, ReplicaConfig, RouterConfig
+from gateway.metrics import GatewayMetrics
 from gateway.replicas import RemoteReplica, ReplicaInfo, ReplicaUnavailable
 from gateway.upstream import parse_backend_metrics
 from gateway.server import start_server
@@ -870,15 +873,26 @@ async def _engine_series(url: str) -> set[str]:
     return set(await metric_by_replica(url, "kvgate_engine_requests"))
 
 
+@contextlib.asynccontextmanager
+async def _observer_of_one_engine(stats):
+    """A gateway's Observer following one `kvgate engine` whose /kvgate/stats is
+    ``stats`` (an aiohttp handler); yields the observer and the replica it reads."""
+    stub = web.Application()
+    stub.router.add_get("/kvgate/stats", stats)
+    server = await start_server(stub)
+    observer = observe.Observer(KvgateConfig(), GatewayMetrics())
+    replica = types.SimpleNamespace(name="e0", kind="engine", base=server.url, healthy=True, auth_headers=dict)
+    observer.start([replica], lambda i: 0, 16)
+    try:
+        yield observer, replica
+    finally:
+        await observer.close()
+        await server.stop()
+
+
 async def test_engine_figures_outlive_one_failed_fetch_but_not_an_outage(monkeypatch):
     """A `kvgate engine`'s /kvgate/stats answering 500 once (a busy moment) keeps its
     last figures a little; failing for longer, or leaving routing, drops them."""
-    import types
-
-    import gateway.observe as observe
-    from gateway.config import KvgateConfig
-    from gateway.metrics import GatewayMetrics
-
     state = {"ok": True, "fetches": 0}
 
     async def stats(request):
@@ -887,14 +901,8 @@ async def test_engine_figures_outlive_one_failed_fetch_but_not_an_outage(monkeyp
             return web.json_response({"error": "busy"}, status=500)
         return web.json_response({"running": 3, "waiting": 1})
 
-    stub = web.Application()
-    stub.router.add_get("/kvgate/stats", stats)
-    server = await start_server(stub)
-    observer = observe.Observer(KvgateConfig(), GatewayMetrics())
-    replica = types.SimpleNamespace(name="e0", kind="engine", base=server.url, healthy=True, auth_headers=dict)
-    observer.start([replica], lambda i: 0, 16)
     monkeypatch.setattr(observe, "_REMOTE_MIN_AGE_S", 0.0)  # every refresh fetches
-    try:
+    async with _observer_of_one_engine(stats) as (observer, replica):
         await observer.refresh()
         assert dict(observer.replica_stats()) == {"e0": {"running": 3, "waiting": 1}}
         state["ok"] = False
@@ -914,9 +922,27 @@ async def test_engine_figures_outlive_one_failed_fetch_but_not_an_outage(monkeyp
         replica.healthy = True
         await observer.refresh()
         assert state["fetches"] == fetches + 1 and dict(observer.replica_stats())["e0"] == {"running": 3, "waiting": 1}
-    finally:
-        await observer.close()
-        await server.stop()
+
+
+async def test_concurrent_scrapes_share_one_fetch_of_engine_stats():
+    """/metrics and /stats are open: each scrape that came while an engine's
+    /kvgate/stats fetch was running sent one of its own (300 concurrent scrapes
+    asked a single engine 232 times).  They wait for the one fetch, and a scrape
+    whose client leaves does not cancel it for the others."""
+    fetches = []
+
+    async def stats(request):
+        fetches.append(request)
+        await asyncio.sleep(0.3)  # a busy engine
+        return web.json_response({"running": 2, "waiting": 0})
+
+    async with _observer_of_one_engine(stats) as (observer, _):
+        left = asyncio.ensure_future(observer.refresh())  # the first scrape, whose client then leaves
+        await asyncio.sleep(0.05)
+        left.cancel()
+        await asyncio.wait_for(asyncio.gather(*(observer.refresh() for _ in range(20))), 10)
+        assert len(fetches) == 1, len(fetches)
+        assert dict(observer.replica_stats()) == {"e0": {"running": 2, "waiting": 0}}
 
 
 def _requests_by_status(metrics_text: str) -> dict[str, float]:
