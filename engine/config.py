@@ -23,6 +23,8 @@ MAX_WEIGHT = 1e6
 MAX_CATEGORIES = 1024
 # Checks of the LRU fallback and the reuse alarm in one window (window_s / check_interval_s).
 MAX_CHECKS_PER_WINDOW = 300
+# Turns of a topic-switch run (no conversation comes near it).
+MAX_TOPIC_TURNS = 10_000
 _BOUND_NOTES = {WEEK_S: "a week", HOUR_S: "an hour", MAX_WEIGHT: "a million"}
 
 
@@ -211,7 +213,10 @@ class WATopicSwitchConfig(Section):
     # A to-C session whose last `turns` turns came less than `max_gap_s` apart is
     # predicted to switch topic: its blocks go to a separate, lower class.
     enabled: bool = True
-    turns: int = Field(3, ge=2)
+    # Bounded: each session keeps its last `turns` arrival times in a deque, whose
+    # length past 2**63 is an OverflowError at the session's first request (every
+    # engine step failing), not at start.
+    turns: int = Field(3, ge=2, le=MAX_TOPIC_TURNS)
     max_gap_s: float = Field(15.0, gt=0)
     # Score multiplier of the topic-switch class (1 = the learned class only).
     penalty: float = Field(0.5, ge=0, le=1)

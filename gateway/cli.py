@@ -68,20 +68,26 @@ def console() -> None:
     short by a signal goes on in its daemon thread, maybe inside torch: then the
     process ends at once (logs and output flushed), without Python's shutdown,
     which would abort on that thread or hang on a lock it holds."""
-    from gateway.startup_thread import abandoned
-
     try:
         code = main()
     except SystemExit as exc:  # SIGTERM during start-up: 143
-        if not abandoned():
+        if not _abandoned():
             raise
         code = exc.code if isinstance(exc.code, int) else 1
-    if abandoned():
+    if _abandoned():
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _abandoned() -> bool:
+    """gateway.startup_thread.abandoned(), where a server's start-up imported it (no
+    thread of its was started otherwise).  Not imported here: that import (asyncio,
+    ~30 ms) ran before main() could catch a Ctrl-C, which then printed a traceback."""
+    startup = sys.modules.get("gateway.startup_thread")
+    return startup is not None and startup.abandoned()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

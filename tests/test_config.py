@@ -433,6 +433,8 @@ def test_inf_and_nan_are_no_setting(tmp_path, key, value):
     ("cache.workload_aware.long_prompt_boost", "1.0e+308", "1000000 (got 1e+308)"),
     ("router.health_timeout_s", "86400", "3600 (got 86400); an hour is far beyond"),
     ("server.shutdown_delay_s", "1.0e+300", "3600 (got 1e+300); an hour"),
+    # A deque's maxlen: past 2**63, every request's engine step failed with an OverflowError.
+    ("cache.workload_aware.topic_switch.turns", "100000000000000000000", "10000 (got 100000000000000000000)"),
 ])
 def test_huge_finite_values_are_bounded_and_the_message_says_why(tmp_path, key, value, bound):
     *sections, name = key.split(".")

@@ -165,6 +165,9 @@ def test_cli_table_json_and_plot(tmp_path, capsys):
         ('{"timestamp": 0, "input_length": 3}\n', ":1: missing field 'hash_ids'"),
         ("\n\n", "holds no requests"),
         ('{"timestamp": 1' + "0" * 400 + ', "input_length": 3, "hash_ids": [1]}\n', ":1: timestamp out of range"),
+        # Each finite, but inf apart: the workload-aware policy's windows came out NaN (a traceback).
+        ('{"timestamp": -1.7e308, "input_length": 3, "hash_ids": [1]}\n'
+         '{"timestamp": 1.7e308, "input_length": 3, "hash_ids": [1]}\n', ":1: timestamp out of range"),
         ("[" * 100_000 + "\n", ":1: not valid JSON"),
     ],
 )
