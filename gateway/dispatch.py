@@ -166,6 +166,7 @@ class Dispatcher:
                     self._failed(exc, attempt, parsed)  # raises when the client has had output
                     restart = attempt.produced
                     tries.tried.append(decision.replica)
+                    tries.last_failure = _in_words(exc, replica)
                     if isinstance(exc, ReplicaAnswerFailed):
                         tries.answer_failed.append((replica, exc))
                     if isinstance(exc, ReplicaLost):
@@ -222,6 +223,11 @@ class Dispatcher:
             failed = tries.answer_failed[-1][1]
             raise errors.relayed(failed.status, failed.body, "The model server failed the request.",
                                  "api_error") from None
+        if tries.last_failure is not None:
+            # Replicas that failed it (a malformed answer, a dropped connection) may
+            # still be healthy: the client is told what went wrong, not only "none".
+            raise errors.no_replica(f"No healthy replica is available to serve this request (the last one "
+                                    f"tried: {tries.last_failure}).")
         raise errors.no_replica()
 
     def _prompt_id(self, sub: Sub, parsed: ParsedRequest) -> tuple:
@@ -247,9 +253,7 @@ class Dispatcher:
             if stopping:  # its code tells the client that a retry will be served
                 raise errors.shutting_down("The model server is shutting down; the output is "
                                            "incomplete.") from None
-            # What went wrong, in words, but not where: a replica's name is by
-            # default its address, which is the operator's business.
-            reason = str(exc).replace(f"replica {replica.name}", "the model server")
+            reason = _in_words(exc, replica)
             raise errors.upstream_error(f"{reason[:1].upper()}{reason[1:]}; the output is incomplete.") from None
         # Before its first output, or mid-answer for a non-streaming request (its
         # client has had nothing yet): another replica.
@@ -328,10 +332,16 @@ class Dispatcher:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _in_words(exc: Exception, replica: Replica) -> str:
+    """What a replica's failure did, for its client: in words, but not where (a
+    replica's name is by default its address, which is the operator's business)."""
+    return str(exc).replace(f"replica {replica.name}", "the model server")
+
+
 class _Tries:
     """A sub-request's attempts so far, on one replica after another."""
 
-    __slots__ = ("arrival", "tried", "busy", "retry_after", "answer_failed", "unrecorded", "lost")
+    __slots__ = ("arrival", "tried", "busy", "retry_after", "answer_failed", "unrecorded", "lost", "last_failure")
 
     def __init__(self, arrival: float) -> None:
         self.arrival = arrival  # time.monotonic() when it was first routed
@@ -344,6 +354,7 @@ class _Tries:
         # An attempt cut for a restart, until a later one that produced (or ended) records itself.
         self.unrecorded: Finished | None = None
         self.lost = 0  # attempts whose replica's connection broke while it ran them (ReplicaLost)
+        self.last_failure: str | None = None  # what the last replica to fail it did, in words
 
 
 class _Attempt:

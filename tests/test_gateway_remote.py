@@ -1157,7 +1157,9 @@ async def test_a_tool_call_index_past_any_answer_is_a_broken_answer(tiny_model_d
             await client.with_options(max_retries=0).chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "far"}])
         assert time.monotonic() - started < 2
-        assert refused.value.status_code == 503  # a malformed answer, as any other
+        assert refused.value.status_code == 503  # a malformed answer, as any other, said so
+        assert "(the last one tried: the model server failed mid-request: it sent a malformed response)" \
+            in refused.value.message and "127.0.0.1" not in refused.value.message
         whole = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "near"}])
         assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["pick"]
         assert gateway.router.inflight_requests == [0]
