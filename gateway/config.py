@@ -103,6 +103,11 @@ class LimitsConfig(Section):
     # until body_timeout_s.  A body that arrived with its
     # headers (any small request) is not counted.  null: no limit.
     max_pending_body_bytes: int | None = Field(256 * 1024 * 1024, ge=1024)
+    # On a `kvgate engine`: /kv_events streams at once.  Each holds a snapshot of
+    # the engine's cache and the events it has not read yet (100 readers that
+    # never read held 50-130 MB for send_timeout_s); more get 503 with
+    # Retry-After, which a gateway's follower retries.
+    max_kv_event_followers: int = Field(64, ge=1)
 
     @model_validator(mode="after")
     def _one_body_fits(self) -> "LimitsConfig":

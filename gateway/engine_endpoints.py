@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from gateway.errors import too_many_followers
 from gateway.kv_wire import PACKED_KEYS, PACKED_QUERY, pack_keys
 from gateway.replicas import KV_EVENTS_HEARTBEAT_S
 from gateway.respond import SSE_HEADERS
@@ -82,6 +83,8 @@ class EngineEndpoints:
         """
         gw = self.gateway
         gw.authenticate(request)
+        if len(self._streams) >= gw.limits.max_kv_event_followers:
+            raise too_many_followers(gw.limits.max_kv_event_followers)
         replica = gw.replicas[0]
         queue: asyncio.Queue = asyncio.Queue()
         lagging = False

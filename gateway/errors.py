@@ -127,6 +127,11 @@ def no_replica(reason: str = "No healthy replica is available to serve this requ
     return ApiError(503, reason, "service_unavailable", None, "no_healthy_replica")
 
 
+def too_many_followers(limit: int) -> ApiError:
+    return ApiError(503, f"This engine has {limit} /kv_events followers, its limits.max_kv_event_followers; "
+                    "retry shortly.", "service_unavailable", None, "too_many_followers")
+
+
 def overloaded(limit: int) -> ApiError:
     return ApiError(429, f"The server is at capacity ({limit} requests in flight); retry shortly.",
                     "rate_limit_error", None, "server_overloaded")

@@ -27,7 +27,7 @@ import gateway.replicas as replicas
 import gateway.router as router
 import gateway.upstream as upstream
 from gateway.app import GATEWAY, create_app
-from gateway.config import ReplicaConfig, RouterConfig
+from gateway.config import LimitsConfig, ReplicaConfig, RouterConfig
 from gateway.replicas import RemoteReplica, ReplicaInfo
 from gateway.router import ExactIndex
 from gateway.server import start_server
@@ -263,6 +263,33 @@ async def test_an_idle_engine_keeps_its_followers(tiny_model_dir, monkeypatch, c
         assert out["usage"]["completion_tokens"] == 1
 
 
+async def test_kv_event_followers_past_the_limit_are_told_to_retry(tiny_model_dir, monkeypatch):
+    """Each /kv_events stream holds a snapshot of the engine's cache while it is
+    read (100 readers that never read held 50-130 MB): past
+    limits.max_kv_event_followers a follower gets a 503 with Retry-After, and a
+    place freed is taken again; the gateway already following stays in routing."""
+    monkeypatch.setattr(engine_endpoints, "KV_EVENTS_HEARTBEAT_S", 0.1)  # a closed stream is seen at a heartbeat
+    limits = LimitsConfig(max_kv_event_followers=2)
+    async with _gateway_over_an_engine(tiny_model_dir, RouterConfig(health_interval_s=0.1), limits=limits) as (
+            _, engine_server, app, gw):
+        async with aiohttp.ClientSession() as session:
+            second = await session.get(engine_server.url + "/kv_events")  # the gateway's is the first
+            assert second.status == 200
+            async with session.get(engine_server.url + "/kv_events") as third:
+                assert third.status == 503 and third.headers["Retry-After"] == "1"
+                assert (await third.json())["error"]["code"] == "too_many_followers"
+            second.close()  # its place frees once the engine sees the connection gone
+            for _ in range(100):
+                async with session.get(engine_server.url + "/kv_events") as again:
+                    if again.status == 200:
+                        break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the freed place was never taken")
+        assert app[GATEWAY].replicas[0].healthy and app[GATEWAY].replicas[0]._following
+        assert (await _chat(gw.url))["usage"]["completion_tokens"] == 1
+
+
 async def test_an_answer_leaves_once_the_index_holds_its_prompt(tiny_model_dir, monkeypatch):
     """The KV events of the step that ends a request travel on their own stream:
     a busy gateway answered first, and the client's next request with the same
@@ -295,10 +322,11 @@ async def test_an_answer_leaves_once_the_index_holds_its_prompt(tiny_model_dir, 
 
 
 @contextlib.asynccontextmanager
-async def _gateway_over_an_engine(model_dir: str, router: RouterConfig):
-    """A `kvgate engine` and a gateway following it, on loopback, once the engine is
-    in routing: (engine app, engine server, gateway app, gateway server)."""
-    engine_app = create_app(tiny_config(model_dir), engine_mode=True)
+async def _gateway_over_an_engine(model_dir: str, router: RouterConfig, **engine_server):
+    """A `kvgate engine` (``engine_server``: its server settings) and a gateway
+    following it, on loopback, once the engine is in routing: (engine app, engine
+    server, gateway app, gateway server)."""
+    engine_app = create_app(tiny_config(model_dir, **engine_server), engine_mode=True)
     engine_server = await start_server(engine_app)
     app = create_app(tiny_config(model_dir, [ReplicaConfig(kind="engine", url=engine_server.url)], router=router))
     gw = await start_server(app)
