@@ -458,7 +458,11 @@ class RemoteReplica(Replica):
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(keepalive_timeout=_KEEPALIVE_S),
+            # No cap on connections (aiohttp's is 100 a session): each request in flight
+            # holds one, and past the cap requests waited here, unseen by the replica's
+            # scheduler, with the health probes and the /kv_events resync behind them (a
+            # busy replica's late probes took it out of routing).
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s),
             # Named, so that a server's logs tell a gateway's polls from clients (a
             # kvgate gateway behind leaves its probes of /v1/models out of its access log).

@@ -2260,6 +2260,50 @@ async def test_a_busy_replica_whose_queue_outlasts_the_breaker_time_but_keeps_st
         assert replica.trips == 0, "a busy replica that keeps starting its queued requests left routing"
 
 
+async def test_more_than_a_hundred_streams_on_one_replica_all_reach_it_and_its_probes_stay_on_time(tiny_model_dir):
+    """Every request in flight holds a connection to its replica, and the gateway's
+    connections to a replica were capped at aiohttp's default 100 a session: the
+    101st request on one replica (a vLLM server batches 256 and more) waited in the
+    gateway, unseen by the server's scheduler, and so did the health probes behind
+    it: a replica busy with long streams, flowing all along, timed out its probes,
+    left routing, and the requests waiting in the gateway were cut (503s)."""
+    state = {"open": 0, "most": 0}
+
+    async def chat(request):
+        await request.read()
+        state["open"] += 1
+        state["most"] = max(state["most"], state["open"])
+        try:
+            return await _count_to(request, 20)  # 2 s of output
+        finally:
+            state["open"] -= 1
+
+    upstream = await _scripted_upstream(_late_models({"late": False}, "late", 0), chat)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url)],
+                         router=RouterConfig(health_interval_s=0.1, health_timeout_s=0.3, breaker_failures=2))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "stream": True}
+    try:
+        async with serving(create_app(config)) as (app, gw, _):
+            replica = app[GATEWAY].replicas[0]
+            await wait_for(lambda: replica.healthy, what="healthy")
+
+            async def count(session):
+                async with session.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                    if resp.status != 200:
+                        return resp.status
+                    events = await sse_events(resp)
+                    return "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                                   if isinstance(e, dict) and e.get("choices"))
+
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+                got = await asyncio.wait_for(asyncio.gather(*(count(session) for _ in range(120))), 30)
+            assert got == ["".join(f"{i} " for i in range(20))] * 120, sorted(set(map(str, got)))
+            assert state["most"] == 120, f"the replica saw at most {state['most']} of 120 requests at once"
+            assert replica.trips == 0, "a replica whose answers flowed left routing"
+    finally:
+        await upstream.stop()
+
+
 class _TwoProbesSession:
     """The replica's HTTP session, for its probes: the first GET waits for
     ``release`` and answers 500; the next one times out."""
