@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.traces import Trace
+from engine.traces import MAX_TIMESTAMP, Trace
 from engine.whole_file import written_whole
 
 PROFILES = ("to-c", "to-b", "mixed")
@@ -468,6 +468,9 @@ def synthesize(profile: str, duration_s: float, rate: float, seed: int) -> list[
         raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
     if not _positive(duration_s):
         raise ValueError(f"duration must be a positive number of seconds, got {duration_s!r}")
+    if duration_s > MAX_TIMESTAMP:
+        # Its timestamps would be past what a trace may give: replay and --stats would refuse the file.
+        raise ValueError(f"duration {duration_s:g} s is past the {MAX_TIMESTAMP:g} s a trace's timestamps may reach")
     if not _positive(rate):
         raise ValueError(f"rate must be a positive number of requests per second, got {rate!r}")
     if rate > MAX_RATE:

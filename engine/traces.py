@@ -300,16 +300,16 @@ def _timestamp(record: dict, where: str) -> float:
         raise TraceError(f"{where}: timestamp out of range") from None
     if not math.isfinite(value):
         raise TraceError(f"{where}: timestamp must be finite")
-    if abs(value) > _MAX_TIMESTAMP:
+    if abs(value) > MAX_TIMESTAMP:
         # Finite, but replay subtracts timestamps: -1.7e308 and 1.7e308 are inf apart,
         # and the policies' windows then compute NaN (a traceback, not a FILE:LINE).
-        raise TraceError(f"{where}: timestamp out of range (at most {_MAX_TIMESTAMP:g} either side of 0), got {value:g}")
+        raise TraceError(f"{where}: timestamp out of range (at most {MAX_TIMESTAMP:g} either side of 0), got {value:g}")
     return value
 
 
 # Far past any clock: 1e15 seconds is 31 million years, and as Mooncake's milliseconds
 # 31,000 years; epoch times (1.7e9 s, 1.7e12 ms) are well inside.
-_MAX_TIMESTAMP = 1e15
+MAX_TIMESTAMP = 1e15
 
 
 def _check_block_count(request: TraceRequest, block_tokens: int, fmt: str, where: str, notes: _Notes) -> None:

@@ -113,14 +113,15 @@ class Observer:
         return self.recorder is not None
 
     async def close(self) -> None:
-        if self._refreshing is not None:
-            self._refreshing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refreshing
+        # The status line first: it refreshes too, and could start a fetch that outlived this.
         if self._status_task is not None:
             self._status_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._status_task
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refreshing
         if self.recorder is not None:
             with contextlib.suppress(OSError, ValueError):
                 self.recorder.close()

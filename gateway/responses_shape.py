@@ -129,6 +129,7 @@ class ResponseShaper:
         self._message: _Item | None = None
         self._reasoning: _Item | None = None
         self._calls: dict[int, _Item] = {}  # by chat's tool call index
+        self._next_call = 0  # one past the highest index so far: where a call without one goes
         self._current: _Item | None = None  # streamed: the item in progress
 
     def response(self, status: str, output: list, usage: dict | None = None, finish: str | None = None,
@@ -242,8 +243,12 @@ class ResponseShaper:
             if not isinstance(fragment, dict):
                 continue
             function = fragment.get("function") or {}
-            # No index: a call of its own, as chat's accumulation (shapes.merge_delta_extra) reads it.
-            position = fragment.get("index", len(self._calls))
+            # No index: a call of its own, as chat's accumulation (shapes.merge_delta_extra) reads it:
+            # one past the highest index so far (not the count of calls, which a skipped index makes
+            # smaller: the fragment then joined the call at that index).
+            position = fragment.get("index", self._next_call)
+            if isinstance(position, int):
+                self._next_call = max(self._next_call, position + 1)
             item = self._calls.get(position)
             if item is None:
                 item = self._calls[position] = self._call_item(fragment.get("id"), function.get("name") or "")

@@ -442,8 +442,13 @@ def _as_compared(response) -> dict:
       ("function_call", "get_time")]),
     # A server that skipped an index (its one call at 1): no nameless call at 0, whole.
     ([_call(1, "get_weather")], [("function_call", "get_weather")]),
+    # Then a call without an index: the next after the highest (as chat gathers it), not the
+    # count of calls so far (1, the index of get_weather: the stream joined the two into one).
+    ([_call(1, "get_weather"), _delta(tool_calls=[{"id": "call_get_time", "type": "function",
+                                                   "function": {"name": "get_time", "arguments": "{}"}}])],
+     [("function_call", "get_weather"), ("function_call", "get_time")]),
 ], ids=["text", "call", "text, call", "call, text", "text, call, text", "call, text, call", "reasoning, text, call",
-        "reasoning, call, reasoning, call", "a call at index 1"])
+        "reasoning, call, reasoning, call", "a call at index 1", "a call at index 1, then one without an index"])
 async def test_a_whole_response_is_what_the_sdk_gathers_from_its_stream(external, script, items):
     """However a server interleaves reasoning, text and calls in one choice, the
     whole response's output is the stream's, item for item, in the order the model
