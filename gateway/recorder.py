@@ -48,6 +48,7 @@ reason: appending new ids to an old recording would alias unrelated blocks.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -83,6 +84,10 @@ class TraceRecorder:
         tokens and cached (see ``generated_keys``); a later turn that resends
         the answer hits them, so replay must know they were cached.
         """
+        if os.fstat(self._file.fileno()).st_nlink == 0:
+            # Deleted (its folder, say) while recording: the lines would go to a file no
+            # one can read, unsaid until the next rotation failed (64 MiB later by default).
+            raise FileNotFoundError(errno.ENOENT, "the recording was deleted while the gateway wrote it", str(self.path))
         ids = self._ids_of(block_keys)
         full = len(ids)
         blocks = -(-prompt_tokens // self.block_tokens)
@@ -123,11 +128,20 @@ class TraceRecorder:
         if self.block_tokens != 16:
             # Replay chains the output ids after the prompt's last full block.
             fields["block_tokens"] = self.block_tokens
-        line = json.dumps(fields, separators=(",", ":")) + "\n"
-        # Flushed per line: a crash loses at most the line being written.
-        self._file.write(line)
-        self._file.flush()
-        self._bytes += len(line)  # ASCII JSON: characters are bytes
+        data = (json.dumps(fields, separators=(",", ":")) + "\n").encode("ascii")
+        # Unbuffered, a line a write: a crash loses at most the line being written.
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[self._file.write(view):]
+        except OSError:
+            # A full disk (or a file size limit) took part of the line: cut it off, so
+            # that the file left ends with a whole line and replay reads it (a torn
+            # last line made `kvgate replay` refuse the whole recording).
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._file.fileno(), self._bytes)
+            raise
+        self._bytes += len(data)
         # Or past max_bytes / 64 distinct blocks (65,536 at least, so that a small
         # max_bytes keeps conversations together): each holds ~110 bytes in the id
         # map and ~8 in the file, so a file of distinct blocks held 14x its size in memory.
@@ -167,7 +181,7 @@ class TraceRecorder:
         self._sessions: dict[str, int] = {}
         self._start = self._clock()  # timestamps count from the file's opening
         self._bytes = 0
-        self._file = open(self.path, "w", encoding="ascii")
+        self._file = open(self.path, "wb", buffering=0)
 
     def _shift_old_files(self) -> None:
         """FILE -> FILE.1 -> FILE.2 ...; the oldest past ``keep`` is dropped."""

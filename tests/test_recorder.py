@@ -27,6 +27,10 @@ import asyncio
 import json
 import os
 import random
+import resource
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import openai
@@ -406,3 +410,52 @@ async def test_the_readme_walkthrough_traffic_records_chats_and_completions(tiny
     assert len(lines) == 24 and later and all(by_id[line["parent_chat_id"]]["turn"] == line["turn"] - 1 for line in later)
     calls = [line for line in lines if line["type"] != "text"]  # the completions calls (to-B api)
     assert len(calls) >= 2 and len({tuple(line["hash_ids"][:4]) for line in calls}) == 1  # one shared template
+
+
+def test_a_write_that_fills_the_disk_leaves_a_recording_replay_reads(tmp_path):
+    """A full disk (here a file size limit, in a child process) took part of a
+    line: the file left ends with the last whole line, not a torn one that made
+    `kvgate replay` refuse the whole recording (FILE:LINE: not valid JSON)."""
+    path = tmp_path / "served.jsonl"
+    script = (
+        "import sys\n"
+        "from engine.context import RequestContext\n"
+        "from gateway.recorder import TraceRecorder\n"
+        f"rec = TraceRecorder({str(path)!r}, clock=lambda: 0.0)\n"
+        "written = 0\n"
+        "try:\n"
+        "    for i in range(1000):\n"
+        "        rec.record(RequestContext(chat_id=i), list(range(i, i + 20)), 20 * 16 + 3, 4, arrival=float(i))\n"
+        "        written += 1\n"
+        "except OSError as exc:\n"
+        "    print(written, exc.errno)\n"
+        "try:\n"
+        "    rec.close()\n"
+        "except OSError:\n"
+        "    pass  # as the gateway's observer: flushing the line that failed may fail again\n"
+    )
+
+    def limit() -> None:  # Python ignores SIGXFSZ: the write past it fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    out = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, preexec_fn=limit,
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent)))
+    assert out.returncode == 0, out.stderr
+    written, err = map(int, out.stdout.split())
+    assert 0 < written < 1000 and err == 27  # EFBIG
+    data = path.read_bytes()
+    assert data.endswith(b"\n") and data.count(b"\n") == written
+    assert len(load_trace(path).requests) == written
+
+
+def test_a_recording_deleted_while_written_stops_with_an_error(tmp_path):
+    """Its folder removed while serving: the lines went to a deleted file without a
+    word until a rotation failed (64 MiB later by default).  The next line raises,
+    which the gateway logs once and stops recording on (requests go on)."""
+    folder = tmp_path / "traces"
+    rec = TraceRecorder(folder / "served.jsonl", clock=lambda: 0.0)
+    rec.record(RequestContext(chat_id=1), [11], 20, 2, arrival=0.0)
+    shutil.rmtree(folder)
+    with pytest.raises(FileNotFoundError, match="deleted"):
+        rec.record(RequestContext(chat_id=2), [21], 20, 2, arrival=1.0)
+    rec.close()
