@@ -25,7 +25,7 @@ import pytest_asyncio
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig
 from gateway.config import KvgateConfig, ReplicaConfig
-from gateway.app import create_app
+from gateway.app import GATEWAY, create_app
 from gateway.server import start_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -173,6 +173,27 @@ async def test_an_idle_stretch_breaks_the_lines_and_the_axis_runs_to_now(tmp_pat
     assert canvas("hit", "xlabels") == canvas("ttft", "xlabels") == canvas("load", "xlabels") == "3 min ago|98 s ago|now"
 
 
+async def test_a_cache_chart_with_no_bars_has_a_readable_axis_and_says_why(tiny_model_dir, tmp_path):
+    """No replica with block figures (every one down, or external servers: kvgate in
+    front of vLLM): the empty chart's axis read 0|0|1|1|1 (quarter steps rounded to
+    whole blocks), with no word of why nothing was drawn."""
+    from tests.engine_procs import free_port
+
+    config = KvgateConfig(
+        model=ModelConfig(path=tiny_model_dir, served_name=MODEL, device="cpu", max_model_len=1024),
+        replicas=[ReplicaConfig(kind="engine", name="down", url=f"http://127.0.0.1:{free_port()}", connect_timeout_s=1)],
+    )
+    server = await start_server(create_app(config))
+    try:
+        dom = await run_chromium(tmp_path, server.url + "/dashboard", "--dump-dom")
+    finally:
+        await server.stop()
+    assert "0/1 replicas healthy" in dom
+    ticks = re.search(r'<canvas id="cache"[^>]*data-ticks="([^"]*)"', dom).group(1).split("|")
+    assert len(set(ticks)) == 5, ticks  # 0|1|2|3|4
+    assert re.search(r'<canvas id="cache"[^>]*data-note="no replica reports its blocks', dom), dom[-3000:]
+
+
 async def test_a_workload_absent_for_a_while_breaks_its_line(tmp_path):
     """Periods with only another workload's traffic break a workload's hit-ratio
     line: it joined its figures either side, as if measured in between."""
@@ -187,6 +208,55 @@ async def test_a_workload_absent_for_a_while_breaks_its_line(tmp_path):
                         "hit_ratio": 0.5}}
     dom = await _dashboard_over(tmp_path, lambda request: aiohttp.web.json_response(stats))
     assert re.search(r'<canvas id="hit"[^>]*data-runs="([^"]*)"', dom).group(1) == "3"  # to-c in two, to-b in one
+
+
+# Where a canvas shows a series of colour [r, g, b] (its line or its dots): the
+# pixel columns holding that colour, in clusters more than a dot's width apart.
+_SERIES_CLUSTERS = """((id, rgb) => {
+  const c = document.getElementById(id), d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+  const xs = [];
+  for (let x = 0; x < c.width; x++) for (let y = 0; y < c.height; y++) {
+    const i = (y * c.width + x) * 4;
+    if (d[i + 3] > 200 && rgb.every((v, j) => Math.abs(d[i + j] - v) < 40)) { xs.push(x); break; }
+  }
+  return xs.filter((x, k) => k === 0 || x - xs[k - 1] > 8).length;
+})"""
+
+
+async def test_a_burst_between_idle_stretches_shows_on_the_hit_ratio_and_ttft_charts(tiny_model_dir, tmp_path):
+    """A burst with idle periods either side (a batch job's every minute) is a line
+    of one point: stroked, it drew nothing, so the hit-ratio and TTFT charts showed
+    the latest burst alone and the earlier ones not at all.  Each is a dot now."""
+    config = KvgateConfig(
+        model=ModelConfig(path=tiny_model_dir, served_name=MODEL, device="cpu", max_model_len=1024),
+        engine=EngineConfig(block_size=16, device_blocks=96, host_blocks_multiplier=1.0, max_num_seqs=4, threads=1),
+        replicas=[ReplicaConfig(kind="inprocess", name="solo")],
+    )
+    app = create_app(config)
+    server = await start_server(app)
+    # 1 s periods, not 5 s: a period opens at the first event after an idle stretch,
+    # so each burst below (one short request) falls in one period, idle ones either side.
+    app[GATEWAY].observer.history.sample_s = 1.0
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        for i in range(3):
+            if i:
+                await asyncio.sleep(2.5)
+            await client.completions.create(model=MODEL, prompt=f"The capital of France is {i}", max_tokens=2)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(server.url + "/stats") as resp:
+                history = (await resp.json())["history"]
+        lone = [k for k, p in enumerate(history) if not p["idle"] and p["hit_ratio"]
+                and (k == 0 or history[k - 1]["idle"]) and (k + 1 == len(history) or history[k + 1]["idle"])]
+        assert len(lone) >= 2, history  # the earlier bursts: a point each, idle marks around it
+        shown = await dom_in_real_time(tmp_path, server.url + "/dashboard", 3.0,
+                                       # to-b's line (blue) and p99's (orange, over p50's when one request makes both)
+                                       f'JSON.stringify([{_SERIES_CLUSTERS}("hit", [0, 114, 178]), '
+                                       f'{_SERIES_CLUSTERS}("ttft", [213, 94, 0])])')
+    finally:
+        await client.close()
+        await server.stop()
+    assert json.loads(shown) == [3, 3], shown  # every burst, on both charts
 
 
 async def test_a_restarted_gateway_is_said_to_have_restarted(tmp_path):
@@ -232,12 +302,61 @@ async def test_every_replica_line_and_its_legend_swatch_look_unlike_the_others(t
     assert len({dash for _, dash in swatches[:7]}) == 7  # the first seven differ by dash too
 
 
+async def test_the_cache_bars_of_many_replicas_say_whose_they_are(tiny_model_dir, tmp_path):
+    """Six replicas named alike but for their ends: each bar's "name tier" was cut
+    to its end, and every bar read "…evice" or "… host", whose was anyone's guess.
+    A label that does not fit keeps the part of the name the others do not share."""
+    prefix = "inference-engine-replica-in-the-eu-west-zone-number-"
+    config = KvgateConfig(
+        model=ModelConfig(path=tiny_model_dir, served_name=MODEL, device="cpu", max_model_len=1024),
+        engine=EngineConfig(block_size=16, device_blocks=32, host_blocks_multiplier=1.0, max_num_seqs=4, threads=1),
+        replicas=[ReplicaConfig(kind="inprocess", name=f"{prefix}{i}") for i in range(6)],
+    )
+    server = await start_server(create_app(config))
+    try:
+        dom = await run_chromium(tmp_path, server.url + "/dashboard", "--dump-dom", "--window-size=1280,1000")
+    finally:
+        await server.stop()
+    labels = re.search(r'<canvas[^>]*id="cache"[^>]*data-labels="([^"]*)"', dom).group(1).split("|")
+    assert len(labels) == 12 and len(set(labels)) == 12, labels  # a device and a host bar each, told apart
+    for i, label in enumerate(labels):
+        assert re.search(rf"(^|…|\D){i // 2} [dh]", label), labels  # replica i // 2's, device or host
+
+
 async def _dashboard_over(tmp_path, stats_handler) -> str:
     """The page's DOM in Chromium, its /stats answered by ``stats_handler``, which
     the page read without an error."""
     dom = await _page_dom(tmp_path, stats_handler)
     assert 'id="error"></span>' in dom, dom[-2000:]
     return dom
+
+
+async def test_a_greyed_page_greys_its_summary_too(tmp_path):
+    """Lost contact greyed the charts and the table, but the summary beside the
+    "figures frozen" banner (requests, hit ratio, replicas healthy) stayed as bright
+    as live figures."""
+    stats = {"now": 30.0, "sample_s": 5.0, "history": [], "replicas": [],
+             "totals": {"requests": 3, "engine_requests": 3, "prompt_tokens": 30, "cached_tokens": 15, "hit_ratio": 0.5}}
+    answers = []
+
+    async def stats_once(request):
+        answers.append(request)
+        if len(answers) > 1:
+            return aiohttp.web.json_response({"error": {"message": "gone"}}, status=503)
+        return aiohttp.web.json_response(stats)
+
+    page = aiohttp.web.Application()
+    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
+    page.router.add_get("/stats", stats_once)
+    server = await start_server(page)
+    try:
+        shown = await dom_in_real_time(tmp_path, server.url + "/dashboard", 5.0, (
+            'JSON.stringify([document.body.dataset.stale || null, '
+            'Number(getComputedStyle(document.getElementById("summary")).opacity)])'))
+    finally:
+        await server.stop()
+    stale, opacity = json.loads(shown)
+    assert stale == "1" and opacity < 0.5, shown  # live, the header's spans are at .8
 
 
 async def _page_dom(tmp_path, stats_handler) -> str:
@@ -251,10 +370,11 @@ async def _page_dom(tmp_path, stats_handler) -> str:
         await server.stop()
 
 
-async def dom_in_real_time(tmp_path, url: str, seconds: float) -> str:
-    """The page's DOM after ``seconds`` of wall time in headless Chromium, read over
-    its DevTools socket.  Virtual time (run_chromium) stands still while a fetch is
-    pending, so a page waiting on a silent server needs this."""
+async def dom_in_real_time(tmp_path, url: str, seconds: float,
+                           expression: str = "document.documentElement.outerHTML"):
+    """The page's DOM (or ``expression``'s value) after ``seconds`` of wall time in
+    headless Chromium, read over its DevTools socket.  Virtual time (run_chromium)
+    stands still while a fetch is pending, so a page waiting on a silent server needs this."""
     args = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync",
             "--disable-background-networking", "--disable-component-update", "--disable-dev-shm-usage",
             f"--user-data-dir={tmp_path / 'profile-realtime'}", "--remote-debugging-port=0", url]
@@ -272,7 +392,7 @@ async def dom_in_real_time(tmp_path, url: str, seconds: float) -> str:
                 page = next(t for t in await resp.json() if t["type"] == "page")
             async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
                 await ws.send_json({"id": 1, "method": "Runtime.evaluate",
-                                    "params": {"expression": "document.documentElement.outerHTML", "returnByValue": True}})
+                                    "params": {"expression": expression, "returnByValue": True}})
                 async for msg in ws:
                     answer = json.loads(msg.data)
                     if answer.get("id") == 1:
@@ -347,3 +467,36 @@ async def test_a_gateway_that_stops_answering_leaves_the_page_greyed_and_saying_
     assert rows[1].count('<span class="unknown">-</span>') == 5 and "off" not in rows[1] and "<td>0</td>" not in rows[1]
     labels = re.search(r'<canvas[^>]*id="cache"[^>]*data-labels="([^"]*)"', dom).group(1).split("|")
     assert len(labels) == 2 and all(label.startswith("…") and label.endswith(" device") for label in labels), labels
+
+
+async def test_on_a_phone_the_policy_table_shows_each_replicas_health(tmp_path):
+    """Replica names of 50 characters, unwrapped, took a 400 px window's whole width:
+    the healthy column (a replica down in red) was out of view, and the rows read
+    alike, each name cut at the same place.  The names wrap now."""
+    long_names = [f"inference-engine-replica-in-the-eu-west-zone-number-{i}" for i in range(3)]
+    replicas = [{"name": n, "healthy": i != 1, "inflight": 0, "cache": {}, "policy": {}} for i, n in enumerate(long_names)]
+
+    async def stats(request):
+        return aiohttp.web.json_response({
+            "now": 30.0, "sample_s": 5.0, "started": 1.7e9, "history": [], "replicas": replicas,
+            "totals": {"requests": 0, "engine_requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "hit_ratio": 0.0}})
+
+    page = aiohttp.web.Application()
+    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
+    page.router.add_get("/stats", stats)
+    # A phone's width: the page in a 400 px frame (headless Chromium keeps its window wider).
+    page.router.add_get("/phone", lambda request: aiohttp.web.Response(
+        text='<iframe src="dashboard" width="400" height="900" style="border:0"></iframe>', content_type="text/html"))
+    server = await start_server(page)
+    try:
+        # Each row: the right edge of its healthy cell and of its name cell's text, against the window's width.
+        shown = await dom_in_real_time(tmp_path, server.url + "/phone", 4.0, """(doc => JSON.stringify({
+            width: doc.documentElement.clientWidth,
+            rows: [...doc.querySelectorAll("#policy tbody tr")].map(row => ({
+                healthy: row.cells[1].getBoundingClientRect().right, text: row.cells[1].textContent,
+                name: row.cells[0].scrollWidth <= row.cells[0].clientWidth}))}))(frames[0].document)""")
+    finally:
+        await server.stop()
+    shown = json.loads(shown)
+    assert shown["width"] <= 400 and [row["text"] for row in shown["rows"]] == ["yes", "no", "yes"], shown
+    assert all(row["healthy"] <= shown["width"] and row["name"] for row in shown["rows"]), shown
