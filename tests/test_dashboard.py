@@ -334,7 +334,7 @@ async def _dashboard_over(tmp_path, stats_handler) -> str:
 async def test_a_greyed_page_greys_its_summary_too(tmp_path):
     """Lost contact greyed the charts and the table, but the summary beside the
     "figures frozen" banner (requests, hit ratio, replicas healthy) stayed as bright
-    as live figures."""
+    as live figures.  And the page asks for nothing but itself and /stats."""
     stats = {"now": 30.0, "sample_s": 5.0, "history": [], "replicas": [],
              "totals": {"requests": 3, "engine_requests": 3, "prompt_tokens": 30, "cached_tokens": 15, "hit_ratio": 0.5}}
     answers = []
@@ -348,6 +348,8 @@ async def test_a_greyed_page_greys_its_summary_too(tmp_path):
     page = aiohttp.web.Application()
     page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
     page.router.add_get("/stats", stats_once)
+    asked = []
+    page.router.add_get("/{other:.*}", lambda request: asked.append(request.path) or aiohttp.web.Response(status=404))
     server = await start_server(page)
     try:
         shown = await dom_in_real_time(tmp_path, server.url + "/dashboard", 5.0, (
@@ -357,6 +359,7 @@ async def test_a_greyed_page_greys_its_summary_too(tmp_path):
         await server.stop()
     stale, opacity = json.loads(shown)
     assert stale == "1" and opacity < 0.5, shown  # live, the header's spans are at .8
+    assert asked == []  # no /favicon.ico either: its 404 was an error in the console at every load
 
 
 async def _page_dom(tmp_path, stats_handler) -> str:
