@@ -30,6 +30,7 @@ from typing import Any, AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
+import aiohttp.http_exceptions
 
 from engine.config import ConfigError
 from engine.request import EngineFailed, GenerationOutput, GenerationRequest
@@ -408,6 +409,9 @@ class RemoteReplica(Replica):
         self._probe_timed_out = False  # the last probe failed by running out of time
         self._key_refused = False  # /kv_events answered 401/403: said once, not at every retry
         self._no_events = False  # /kv_events answered 404 (no kvgate engine): said once too
+        # /kv_events answered 503 too_many_followers (the engine's limits.max_kv_event_followers
+        # taken by other gateways): said once too, and retried no sooner than its Retry-After.
+        self._followers_full = False
         # When any request last got output from this replica: a request left silent
         # for read_timeout_s while nothing else came either is a hung replica's.
         self._last_output = time.monotonic()
@@ -816,9 +820,18 @@ class RemoteReplica(Replica):
                                         "--replica openai+%s. It stays out of routing", self.name,
                                         without_userinfo(self.base))
                         self._no_events = True
+                    if resp.status == 503 and await _error_code(resp) == "too_many_followers":
+                        # Nothing else shows it: the replica just never joins routing.
+                        if not self._followers_full:
+                            log.warning("replica %s takes no more /kv_events followers (its "
+                                        "limits.max_kv_event_followers, taken by other gateways): it stays out "
+                                        "of routing until one leaves; raise that limit on the engine", self.name)
+                        self._followers_full = True
+                        retry_after = header_count(resp.headers.get("Retry-After")) or 0
+                        backoff = min(max(backoff, retry_after), _KV_EVENTS_MAX_BACKOFF_S * 5)
                     if resp.status != 200:
                         raise ReplicaUnavailable(f"/kv_events answered {resp.status}")
-                    self._key_refused = self._no_events = False
+                    self._key_refused = self._no_events = self._followers_full = False
                     self._events_resp = resp
                     last = None
                     async for event, data in sse_events(resp.content):
@@ -885,7 +898,8 @@ class RemoteReplica(Replica):
                     log.info("replica %s has stopped (%s)", self.name, _plain_reason(exc))
                     self.draining = False
             except Exception as exc:  # noqa: BLE001 - any other failure means: resync
-                if not (self.draining or self._key_refused or self._no_events):  # each said already, or on purpose
+                if not (self.draining or self._key_refused or self._no_events or self._followers_full):
+                    # Each said already, or on purpose.
                     # Once an outage (a hung engine's stream fails every 20 s): then at DEBUG.
                     log.log(logging.DEBUG if self._stream_lost_said else logging.INFO,
                             "replica %s: kv event stream lost (%s); resyncing", self.name,
@@ -1216,6 +1230,15 @@ class RemoteReplica(Replica):
         return f"sent nothing for {self.cfg.read_timeout_s:g} s (read_timeout_s)"
 
 
+async def _error_code(resp: aiohttp.ClientResponse) -> str | None:
+    """An OpenAI-shaped error answer's code (None: no such answer)."""
+    try:
+        body = await resp.json(content_type=None)
+        return body["error"]["code"]
+    except Exception:  # noqa: BLE001 - any other answer has no code
+        return None
+
+
 def _plain_reason(exc: BaseException) -> str:
     """What went wrong with a replica, in words for an operator's log and a
     client's error message: aiohttp's own texts quote internal states (e.g.
@@ -1234,6 +1257,14 @@ def _plain_reason(exc: BaseException) -> str:
         return "the connection closed before the end of the response"
     if isinstance(exc, (aiohttp.ClientConnectionError, ConnectionError)):
         return f"the connection failed ({exc.__class__.__name__})"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        # Not aiohttp's text either, which ends with the request's URL (the replica's
+        # address) and gives a malformed head as "400", the client's fault to read.
+        if isinstance(exc, aiohttp.TooManyRedirects):
+            return "it redirected the request too many times"
+        if isinstance(exc.__cause__, aiohttp.http_exceptions.HttpProcessingError):
+            return "it sent a malformed response"
+        return f"it answered {exc.status}"
     if isinstance(exc, ValueError):
         return "it sent a malformed response"
     return str(exc) or exc.__class__.__name__

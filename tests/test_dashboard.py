@@ -323,6 +323,41 @@ async def test_the_cache_bars_of_many_replicas_say_whose_they_are(tiny_model_dir
         assert re.search(rf"(^|…|\D){i // 2} [dh]", label), labels  # replica i // 2's, device or host
 
 
+@pytest.mark.parametrize("names, own", [
+    # Emoji share the first half of their surrogate pair: the cut fell inside it, and
+    # every bar read "…\ufffd d" (a lone half, drawn as a box), whose was anyone's guess.
+    ([f"inference-engine-replica-number-{chr(0x1F171 + i)}" for i in range(6)],
+     [chr(0x1F171 + i) for i in range(6)]),
+    # A name that is the start of the others' read "…", and an accent alone over "…".
+    (["inference-engine-replica-in-the-eu-west", "inference-engine-replica-in-the-eu-west-2",
+      "inference-engine-replica-in-the-eu-west-3"], ["west", "west-2", "west-3"]),
+    ([f"replica-e{accent}-inference-engine-in-the-eu-west-zone" for accent in ("\u0301", "\u0300")],
+     ["e\u0301", "e\u0300"]),
+], ids=["emoji", "a name the others start with", "accents"])
+async def test_cut_bar_labels_keep_whole_characters_and_something_of_each_name(tmp_path, names, own):
+    replicas = [{"name": n, "healthy": True, "inflight": 0, "policy": {},
+                 "cache": {"device": {"free": 10, "cached": 5, "in_use": 1}, "host": {"free": 10, "cached": 5, "in_use": 0}}}
+                for n in names]
+
+    async def stats(request):
+        return aiohttp.web.json_response({
+            "now": 30.0, "sample_s": 5.0, "started": 1.7e9, "history": [], "replicas": replicas,
+            "totals": {"requests": 0, "engine_requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "hit_ratio": 0.0}})
+
+    page = aiohttp.web.Application()
+    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
+    page.router.add_get("/stats", stats)
+    server = await start_server(page)
+    try:
+        labels = json.loads(await dom_in_real_time(tmp_path, server.url + "/dashboard", 3.0, (
+            'JSON.stringify((document.getElementById("cache").dataset.labels || "").split("|")'
+            '.map(label => label.isWellFormed() ? label : null))')))
+    finally:
+        await server.stop()
+    assert None not in labels and len(set(labels)) == len(labels) == 2 * len(names), labels
+    assert all(label.rsplit(" ", 1)[0].strip("…") == own[i // 2] for i, label in enumerate(labels)), labels
+
+
 async def _dashboard_over(tmp_path, stats_handler) -> str:
     """The page's DOM in Chromium, its /stats answered by ``stats_handler``, which
     the page read without an error."""
@@ -362,6 +397,18 @@ async def test_a_greyed_page_greys_its_summary_too(tmp_path):
     assert asked == []  # no /favicon.ico either: its 404 was an error in the console at every load
 
 
+async def test_the_page_under_the_gateways_own_policy_logs_no_error(served, tmp_path):
+    """The page's empty icon (data:, so that no /favicon.ico 404 is logged) is an
+    image: under the gateway's Content-Security-Policy (default-src 'none', no
+    img-src) the browser blocked it with a CSP error in the console at every load,
+    which the tests did not see as they served the page without that policy."""
+    console = []
+    await dom_in_real_time(tmp_path, served.url + "/dashboard", 3.0, "document.body.dataset.chartsWithData || ''",
+                           console=console)
+    errors = [f"{entry.get('source')}: {entry.get('text')}" for entry in console if entry.get("level") == "error"]
+    assert errors == [], errors
+
+
 async def _page_dom(tmp_path, stats_handler) -> str:
     page = aiohttp.web.Application()
     page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
@@ -374,10 +421,11 @@ async def _page_dom(tmp_path, stats_handler) -> str:
 
 
 async def dom_in_real_time(tmp_path, url: str, seconds: float,
-                           expression: str = "document.documentElement.outerHTML"):
+                           expression: str = "document.documentElement.outerHTML", console: list | None = None):
     """The page's DOM (or ``expression``'s value) after ``seconds`` of wall time in
     headless Chromium, read over its DevTools socket.  Virtual time (run_chromium)
-    stands still while a fetch is pending, so a page waiting on a silent server needs this."""
+    stands still while a fetch is pending, so a page waiting on a silent server needs this.
+    ``console``: given, it gets the console's entries so far ({"level", "source", "text"})."""
     args = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync",
             "--disable-background-networking", "--disable-component-update", "--disable-dev-shm-usage",
             f"--user-data-dir={tmp_path / 'profile-realtime'}", "--remote-debugging-port=0", url]
@@ -394,10 +442,14 @@ async def dom_in_real_time(tmp_path, url: str, seconds: float,
             async with session.get(f"http://127.0.0.1:{port}/json") as resp:
                 page = next(t for t in await resp.json() if t["type"] == "page")
             async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+                if console is not None:  # Log.enable sends the entries collected so far
+                    await ws.send_json({"id": 0, "method": "Log.enable"})
                 await ws.send_json({"id": 1, "method": "Runtime.evaluate",
                                     "params": {"expression": expression, "returnByValue": True}})
                 async for msg in ws:
                     answer = json.loads(msg.data)
+                    if answer.get("method") == "Log.entryAdded" and console is not None:
+                        console.append(answer["params"]["entry"])
                     if answer.get("id") == 1:
                         return answer["result"]["result"]["value"]
         raise AssertionError("no answer from chromium's DevTools socket")

@@ -1165,6 +1165,47 @@ async def test_a_tool_call_index_past_any_answer_is_a_broken_answer(tiny_model_d
         assert gateway.router.inflight_requests == [0]
 
 
+async def test_a_malformed_http_head_is_said_without_the_replicas_address(tiny_model_dir):
+    """A replica (or a proxy before it) whose answer's HTTP head does not parse: the
+    503 the client got quoted aiohttp's text, which ends with the request's URL (the
+    replica's address, by default also its name) and calls the head a "400"."""
+    models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+
+    async def answer(reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if not head.startswith(b"POST"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(models), models))
+                    continue
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nNot A Header\r\n\r\n")
+                await writer.drain()
+                break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    listener = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", name="gpu-a", url=f"http://127.0.0.1:{port}")],
+                         router=RouterConfig(health_interval_s=60, breaker_failures=100))
+    try:
+        async with serving(create_app(config)) as (app, _, client):
+            await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="healthy")
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    finally:
+        listener.close()
+    message = refused.value.message
+    assert refused.value.status_code == 503 and "(the last one tried: the model server: it sent a malformed " \
+        "response)" in message, message
+    assert "127.0.0.1" not in message and str(port) not in message and "400" not in message, message
+
+
 @contextlib.asynccontextmanager
 async def _gateway_over_one(model_dir, chat, router: RouterConfig, name: str | None = None):
     """A real gateway in front of one scripted upstream, always healthy, that answers

@@ -290,6 +290,52 @@ async def test_kv_event_followers_past_the_limit_are_told_to_retry(tiny_model_di
         assert (await _chat(gw.url))["usage"]["completion_tokens"] == 1
 
 
+async def test_a_gateway_refused_for_the_follower_limit_says_so_once_and_joins_when_a_place_frees(tiny_model_dir,
+                                                                                                      caplog):
+    """A gateway whose engine's limits.max_kv_event_followers were all taken stayed
+    out of routing with one INFO line, "kv event stream lost (/kv_events answered
+    503); resyncing", of a stream it never had, and nothing after: the operator was
+    not told of the limit.  It is a warning now, once, and the follower retries no
+    sooner than the engine's Retry-After."""
+    caplog.set_level(logging.DEBUG, logger="gateway.replicas")
+    engine_app = create_app(tiny_config(tiny_model_dir, limits=LimitsConfig(max_kv_event_followers=1)), engine_mode=True)
+    engine_server = await start_server(engine_app)
+    session = aiohttp.ClientSession()
+    try:
+        other = await session.get(engine_server.url + "/kv_events")  # another gateway's: the one place
+        assert other.status == 200
+        asked = []
+        real_get = aiohttp.ClientSession.get
+
+        def counted_get(self, url, *args, **kwargs):
+            if str(url).endswith("/kv_events"):
+                asked.append(asyncio.get_running_loop().time())
+            return real_get(self, url, *args, **kwargs)
+
+        with mock.patch.object(aiohttp.ClientSession, "get", counted_get):
+            app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine_server.url)],
+                                         router=RouterConfig(health_interval_s=0.1)))
+            gw = await start_server(app)
+            try:
+                replica = app[GATEWAY].replicas[0]
+                await asyncio.sleep(3.5)
+                assert not replica.healthy
+                said = [r for r in caplog.records if "max_kv_event_followers" in r.getMessage()]
+                assert [r.levelno for r in said] == [logging.WARNING], [r.getMessage() for r in caplog.records]
+                assert not any("stream lost" in r.getMessage() for r in caplog.records), caplog.text
+                # Retry-After: 1 (then the follower's 2 s): 0.2, 0.4, 0.8 s apart no more.
+                gaps = [b - a for a, b in zip(asked, asked[1:])]
+                assert gaps and min(gaps) >= 0.9, gaps
+                other.close()  # a place frees
+                await wait_for(lambda: replica.healthy, what="in routing")
+                assert (await _chat(gw.url))["usage"]["completion_tokens"] == 1
+            finally:
+                await gw.stop()
+    finally:
+        await session.close()
+        await engine_server.stop()
+
+
 async def test_an_answer_leaves_once_the_index_holds_its_prompt(tiny_model_dir, monkeypatch):
     """The KV events of the step that ends a request travel on their own stream:
     a busy gateway answered first, and the client's next request with the same
