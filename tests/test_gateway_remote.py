@@ -2730,7 +2730,9 @@ async def test_a_refusal_in_another_shape_is_the_requests_not_the_replicas(tiny_
         await request.read()
         calls.append(request.url.port)
         if isinstance(body, str):
-            return web.Response(text=body, status=status, content_type="text/html")
+            # The proxy's own status line, as nginx words it: not aiohttp's default, which
+            # is Python's phrase for the status (413 "Content Too Large" from Python 3.13).
+            return web.Response(text=body, status=status, reason="Request Entity Too Large", content_type="text/html")
         return web.json_response(body, status=status)
 
     router = RouterConfig(policy="round-robin", health_interval_s=0.1, breaker_failures=2)

@@ -871,11 +871,14 @@ async def test_cli_servers_freeze_startup_objects_out_of_gc_scans():
 
     from gateway.server import freeze_startup_objects
 
-    assert gc.get_freeze_count() == 0
+    # Not 0 on Python 3.12: its collector keeps the immortal objects it tracks (the
+    # deep-frozen modules' tuples, 375 on 3.12.1) in the permanent generation.
+    gc.collect()
+    already = gc.get_freeze_count()
     kept = [[i] for i in range(1000)]  # alive at startup
     try:
         await freeze_startup_objects(web.Application())
-        assert gc.get_freeze_count() >= len(kept)
+        assert gc.get_freeze_count() >= already + len(kept)
     finally:
         gc.unfreeze()
 
