@@ -425,6 +425,12 @@ class Gateway:
             raise errors.model_not_found(name)
         return web.json_response(self.model_card(), headers={"x-request-id": new_id("req-")})
 
+    def model_name_unknown(self) -> bool:
+        """Whether the served model's name is still to learn: no ``model.served_name``, and
+        the external servers that name it (a fleet of them alone) have not answered yet."""
+        return (self.passthrough and self.config.model.served_name is None
+                and not any(getattr(r, "info_known", True) for r in self.replicas))
+
     def model_card(self) -> dict:
         # max_model_len as vLLM gives it: clients (and a gateway in front of this
         # one) size their requests by it.
@@ -572,6 +578,13 @@ class Gateway:
             if self.engine_mode:
                 endpoint = forwarded_endpoint(parsed.body, endpoint)
             if parsed.model != self.model_name:
+                if self.model_name_unknown():
+                    # No external server has named its model yet (every one down since the
+                    # gateway started): the name may well be the one it will give, so the
+                    # client is told to come back (503, which OpenAI's SDKs retry) rather
+                    # than that its model does not exist.
+                    raise errors.no_replica("No model server has answered yet, so the model it serves is not "
+                                            f"known: `{parsed.model[:256]}` may be it; retry shortly.")
                 raise errors.model_not_found(parsed.model)
             if parsed.engine_unsupported is not None and not self.has_external:
                 raise bad_request(*parsed.engine_unsupported)
@@ -1020,6 +1033,12 @@ def openai_errors(handler):
 async def _unmatched(request: web.Request) -> web.Response:
     """The last route: 404 for an unknown path, 405 for a known one asked with the wrong method
     (counted: a client with a typo in its base URL leaves a trace, as no endpoint counts it)."""
+    if request.path == "/v1/chat/completions" and request.method in ("GET", "HEAD"):
+        # The SDK's chat.completions.list(): stored chat completions, of which kvgate keeps
+        # none (it ignores `store`): an empty page, as OpenAI lists a project that stored none.
+        request.app[GATEWAY].authenticate(request)
+        return web.json_response({"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False},
+                                 headers={"x-request-id": new_id("req-")})
     allowed: set[str] = set()
     for resource in request.app.router.resources():
         if resource is not request.match_info.route.resource:
@@ -1032,6 +1051,9 @@ async def _unmatched(request: web.Request) -> web.Response:
     response_id = request.path.split("/")[3] if request.path.startswith("/v1/responses/") else ""
     if response_id and response_id not in _RESPONSES_API_OTHERS:  # retrieve, delete, cancel, input_items
         raise errors.response_not_stored(response_id)
+    completion_id = request.path.split("/")[4] if request.path.startswith("/v1/chat/completions/") else ""
+    if completion_id:  # the SDK's chat.completions.retrieve, update, delete and messages.list
+        raise errors.completion_not_stored(completion_id)
     raise errors.not_found(request.path)
 
 

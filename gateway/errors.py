@@ -113,6 +113,11 @@ def response_not_stored(response_id: str) -> ApiError:
                     "store: false).", "invalid_request_error", None, "response_not_found")
 
 
+def completion_not_stored(completion_id: str) -> ApiError:
+    return ApiError(404, f"Chat completion with id '{completion_id[:64]}' not found: kvgate stores no chat completions "
+                    "('store' is ignored).", "invalid_request_error", None, "chat_completion_not_found")
+
+
 def too_large(limit: int) -> ApiError:
     return ApiError(413, f"Request body too large: the limit is {limit} bytes.", "invalid_request_error", None, "request_too_large")
 

@@ -682,3 +682,20 @@ async def test_the_models_generation_config_sets_the_sampling_a_request_leaves_o
         assert plain.usage.completion_tokens == 16
     assert any("generation_config sets temperature=0, max_tokens=3 for requests that leave them out" in m
                for m in caplog.messages)
+
+
+async def test_stored_chat_completions_endpoints_say_nothing_is_stored(gw):
+    """`store` is ignored, so the SDK's stored-completion calls find nothing: the list
+    is empty (not a 405 APIStatusError), and an id is a NotFoundError that says why."""
+    _, _, client = gw
+    created = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=2, store=True)
+    page = await client.chat.completions.list()
+    assert page.data == [] and not page.has_more
+    for call in (lambda: client.chat.completions.retrieve(created.id),
+                 lambda: client.chat.completions.update(created.id, metadata={"k": "v"}),
+                 lambda: client.chat.completions.delete(created.id),
+                 lambda: client.chat.completions.messages.list(created.id)):
+        with pytest.raises(openai.NotFoundError) as info:
+            await call()
+        assert info.value.code == "chat_completion_not_found" and "stores no chat completions" in info.value.message

@@ -1763,6 +1763,43 @@ async def test_replicas_that_answer_after_the_gateway_started(tiny_model_dir, un
             await upstream.stop()
 
 
+async def test_a_model_not_named_yet_is_a_503_not_a_404(tiny_model_dir, unused_tcp_port_factory):
+    """Gateway and vLLM started together: until the external server first answers, the
+    gateway does not know the name it serves, so a request for it (what every client
+    sends) gets a 503 that OpenAI's SDK retries, not a NotFoundError that it does not."""
+    port = unused_tcp_port_factory()
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "org/upstream-model", "object": "model"}]})
+
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=f"http://127.0.0.1:{port}")],
+                         router=RouterConfig(health_interval_s=0.1))
+    config.model.served_name = None  # serve under the upstream's name
+    app = create_app(config)
+    gw = await start_server(app)
+    upstream = None
+    client = _client(gw.url)
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model="org/upstream-model", messages=messages)
+        assert caught.value.status_code == 503 and caught.value.response.headers["Retry-After"] == "1"
+        with pytest.raises(openai.InternalServerError):
+            await client.responses.create(model="org/upstream-model", input="hi")
+        upstream = await _scripted_upstream(models, _answer_fine, port=port)
+        await wait_for(lambda: app[GATEWAY].replicas[0].healthy and app[GATEWAY].model_name == "org/upstream-model",
+                       timeout=10, what="name learnt")
+        resp = await client.chat.completions.create(model="org/upstream-model", messages=messages)
+        assert resp.choices[0].message.content == "Fine"
+        with pytest.raises(openai.NotFoundError):  # once known, another name is no model of this gateway's
+            await client.chat.completions.create(model="other-model", messages=messages)
+    finally:
+        await client.close()
+        await gw.stop()
+        if upstream is not None:
+            await upstream.stop()
+
+
 def _sse(*events) -> bytes:
     return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
 

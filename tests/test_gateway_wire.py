@@ -356,7 +356,7 @@ async def test_errors_are_sdk_exceptions_and_server_survives(gw):
         async with s.get(server.url + "/v1/nothing") as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_url"
         # A known path with the wrong method: 405, still in OpenAI's error shape.
-        async with s.get(server.url + "/v1/chat/completions") as r:
+        async with s.get(server.url + "/v1/completions") as r:
             assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
             assert r.headers["Allow"] == "POST"
         # Counted, as no endpoint counts them: a client with a typo in its base URL leaves a trace.
