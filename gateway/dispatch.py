@@ -221,8 +221,10 @@ class Dispatcher:
             raise busy
         if tries.answer_failed:  # every replica failed it: the client gets what the last one said
             failed = tries.answer_failed[-1][1]
-            raise errors.relayed(failed.status, failed.body, "The model server failed the request.",
-                                 "api_error") from None
+            relayed = errors.relayed(failed.status, failed.body, "The model server failed the request.", "api_error")
+            if failed.retry_after is not None:  # the server's own wait, as a 429's
+                relayed.retry_after = failed.retry_after
+            raise relayed from None
         if tries.last_failure is not None:
             # Replicas that failed it (a malformed answer, a dropped connection) may
             # still be healthy: the client is told what went wrong, not only "none".

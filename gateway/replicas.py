@@ -104,12 +104,14 @@ class ReplicaAnswerFailed(ReplicaUnavailable):
     counts toward the replica's breaker only once another replica has served the
     same request (``Replica.note_request_failure``): a request that fails
     everywhere must not take the whole fleet out of routing.  ``status`` and
-    ``body`` are for the client when every replica fails it."""
+    ``body`` are for the client when every replica fails it, with ``retry_after``
+    (its Retry-After, in seconds, when it gave one: a 503's)."""
 
-    def __init__(self, message: str, status: int, body: dict) -> None:
+    def __init__(self, message: str, status: int, body: dict, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.body = body
+        self.retry_after = retry_after
 
 
 class ReplicaStopping(ReplicaUnavailable):
@@ -1221,7 +1223,8 @@ class RemoteReplica(Replica):
         if is_stopping(err):
             return ReplicaStopping(f"replica {self.name} is shutting down")  # refusing new work: no failure
         if resp.status >= 500:
-            return ReplicaAnswerFailed(f"replica {self.name} answered {resp.status}", resp.status, err)
+            return ReplicaAnswerFailed(f"replica {self.name} answered {resp.status}", resp.status, err,
+                                       header_count(resp.headers.get("Retry-After")))
         return UpstreamError(resp.status, err)
 
     def _timeout_reason(self, exc: aiohttp.ServerTimeoutError) -> str:

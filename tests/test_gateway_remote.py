@@ -1314,6 +1314,23 @@ async def test_a_replica_at_capacity_passes_the_request_on(tiny_model_dir):
         assert info.value.response.headers["Retry-After"] == "7"  # the server's own (the gateway's is 1)
 
 
+async def test_a_servers_503_keeps_its_retry_after(tiny_model_dir):
+    """A server that fails a request with a 503 and says when to come back: its
+    Retry-After reaches the client, as a 429's does (it was the gateway's 1 s, and
+    the SDK retried sooner than the server asked)."""
+    async def unavailable(request):
+        await request.read()
+        body = {"error": {"message": "loading", "type": "service_unavailable", "param": None, "code": None}}
+        return web.json_response(body, status=503, headers={"Retry-After": "7"})
+
+    async with _gateway_over_one(tiny_model_dir, unavailable, RouterConfig(health_interval_s=60)) as (_, _, client, _):
+        with pytest.raises(openai.InternalServerError) as info:
+            await client.with_options(max_retries=0).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+        assert info.value.status_code == 503 and info.value.message.endswith("loading")
+        assert info.value.response.headers["Retry-After"] == "7"
+
+
 async def test_long_sse_frames_pass_and_endless_ones_go_to_another_replica(tiny_model_dir):
     """A frame longer than aiohttp's readline allows (512 KiB: an echoed long prompt,
     many logprobs) reaches the client; one that never ends is a broken answer once
