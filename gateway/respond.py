@@ -24,7 +24,7 @@ from gateway.errors import ApiError
 from gateway.observe import Observer
 from gateway.protocol import CHAT, ParsedRequest
 from gateway.replicas import CACHED_TOKENS_HEADER, QUEUE_TIME_HEADER
-from gateway.responses_shape import ResponseShaper, began_order, reasoning_of
+from gateway.responses_shape import ResponseShaper, began_order, reasoning_of, refusal_of
 from gateway.shapes import (
     DONE,
     ChoiceState,
@@ -210,7 +210,7 @@ class Responder:
         self, request: web.Request, gen: AsyncIterator, single: bool, parsed: ParsedRequest, subs: list[Sub], start: float
     ) -> web.StreamResponse:
         """A Responses API stream: its opening events with the first output, then
-        each output's reasoning, text and tool call deltas (an item added as its first output
+        each output's reasoning, text, refusal and tool call deltas (an item added as its first output
         comes), then each item done and completed (or incomplete)."""
         shaper = ResponseShaper(parsed.id, now_s(), self.model_name, parsed.responses)
         usage = UsageSum(len(subs))
@@ -231,8 +231,11 @@ class Responder:
                             frames.append(shaper.reasoning(thought))
                         if out.text:
                             frames.append(shaper.delta(out.text))
-                        if out.extra and out.extra.get("tool_calls"):
-                            frames.append(shaper.tool_calls(out.extra["tool_calls"]))
+                        if out.extra:  # one check for the text alone the kvgate engine sends
+                            if refused := refusal_of(out.extra):
+                                frames.append(shaper.refusal(refused))
+                            if out.extra.get("tool_calls"):
+                                frames.append(shaper.tool_calls(out.extra["tool_calls"]))
                         if out.finish_reason is not None:
                             _check_finish(out.finish_reason)
                             finish = out.finish_reason
@@ -325,7 +328,7 @@ def _collect(choices: list[ChoiceState], usage: UsageSum, sub: int, shift: int, 
         if choice.extra is None:
             choice.extra = {}
         choice.began = began_order(choice.began, out, choice.text, reasoning_of(choice.extra),
-                                   len(choice.extra.get("tool_calls") or ()))
+                                   len(choice.extra.get("tool_calls") or ()), refusal_of(choice.extra))
     if out.extra:
         merge_delta_extra(choice.extra, out.extra)
     if out.text:

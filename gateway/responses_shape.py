@@ -4,9 +4,12 @@ The chat completion's outputs become output items, in the order they begin: a
 ``reasoning`` item for the reasoning text an external server's reasoning parser
 split off (chat's ``reasoning``, or ``reasoning_content`` as older servers name
 it), a message for the text, a ``function_call`` item for each tool call it
-parsed (chat's ``tool_calls``).  Streamed, each item is added when its first
-output arrives and grows by deltas (``response.reasoning_text.delta``,
-``response.output_text.delta``, ``response.function_call_arguments.delta``).
+parsed (chat's ``tool_calls``).  A server's refusal (chat's ``refusal``, as
+OpenAI and vLLM with structured outputs send it) is a ``refusal`` part of the
+message, after its text, or of a message of its own.  Streamed, each item is
+added when its first output arrives and grows by deltas
+(``response.reasoning_text.delta``, ``response.output_text.delta``,
+``response.refusal.delta``, ``response.function_call_arguments.delta``).
 One item is in progress at a time, as OpenAI streams them: the next one
 beginning makes it done (the reasoning once the answer starts, a call once the
 next begins), the last is done at the end, before ``response.completed`` (or
@@ -59,19 +62,29 @@ def reasoning_of(extra: dict) -> str:
     return ""
 
 
-def began_order(began: tuple, out, text: list[str], thought: str, calls: int) -> tuple:
+def refusal_of(extra: dict) -> str:
+    """The refusal text in a chat message's or delta's extra fields."""
+    value = extra.get("refusal")
+    return value if isinstance(value, str) else ""
+
+
+def began_order(began: tuple, out, text: list[str], thought: str, calls: int, refused: str = "") -> tuple:
     """``began`` (see ChoiceState) with what ``out`` begins, after ``text`` (the
-    choice's pieces so far), ``thought`` (its reasoning so far) and ``calls`` tool
-    calls: within one output, reasoning, then text, then each call, the order a
-    stream shows them in.  Reasoning or text that follows another item is a run
-    of its own (a new item, as streamed).  A call's position is its index, or,
-    without one, the next (a call of its own, as shapes.merge_delta_extra reads it)."""
+    choice's pieces so far), ``thought`` (its reasoning so far), ``refused`` (its
+    refusal so far) and ``calls`` tool calls: within one output, reasoning, then
+    text, then refusal, then each call, the order a stream shows them in.
+    Reasoning, text or refusal that follows another item is a run of its own (a
+    new item, as streamed; a refusal right after text joins its message).  A
+    call's position is its index, or, without one, the next (a call of its own,
+    as shapes.merge_delta_extra reads it)."""
     if text and not began:
         began = (("t", 0),)  # text that came before anything noted
     if reasoning_of(out.extra or {}) and (not began or began[-1][0] != "r"):
         began += (("r", len(thought)),)
     if out.text and (not began or began[-1][0] != "t"):
         began += (("t", sum(map(len, text))),)
+    if refusal_of(out.extra or {}) and (not began or began[-1][0] != "x"):
+        began += (("x", len(refused)),)
     for fragment in (out.extra or {}).get("tool_calls") or ():
         if isinstance(fragment, dict):
             position = fragment.get("index", calls)
@@ -83,9 +96,10 @@ def began_order(began: tuple, out, text: list[str], thought: str, calls: int) ->
 
 
 class _Item:
-    """One output item as it grows: the reasoning's or the message's text, or a call's name and arguments."""
+    """One output item as it grows: the reasoning's or the message's text (and a
+    message's refusal), or a call's name and arguments."""
 
-    __slots__ = ("index", "id", "kind", "call_id", "name", "parts", "status")
+    __slots__ = ("index", "id", "kind", "call_id", "name", "parts", "refusal", "status")
 
     def __init__(self, index: int, item_id: str, kind: str, call_id: str | None = None, name: str = "") -> None:
         self.index = index
@@ -94,6 +108,8 @@ class _Item:
         self.call_id = call_id
         self.name = name
         self.parts: list[str] = []
+        # A message's refusal, a part after its text (the only part where no text came before it).
+        self.refusal: list[str] | None = None
         self.status: str | None = None  # set once done
 
     def final(self, status: str) -> dict:
@@ -102,7 +118,7 @@ class _Item:
 
     def shape(self, status: str) -> dict:
         if self.kind == "message":
-            content = [_text_part("".join(self.parts))] if status != "in_progress" else []
+            content = self.content() if status != "in_progress" else []
             return {"id": self.id, "type": "message", "status": status, "role": "assistant", "content": content}
         if self.kind == "reasoning":
             content = [_reasoning_part("".join(self.parts))] if status != "in_progress" else []
@@ -111,9 +127,19 @@ class _Item:
                 "arguments": "".join(self.parts)}
 
     def part(self) -> dict:
-        """The content part a message or reasoning item holds, whole so far."""
+        """The text part a message or reasoning item holds, whole so far."""
         whole = "".join(self.parts)
         return _text_part(whole) if self.kind == "message" else _reasoning_part(whole)
+
+    def content(self) -> list[dict]:
+        """A message's parts: its text (empty in a message of nothing), then its refusal."""
+        if self.refusal is None:
+            return [self.part()]
+        return [*([self.part()] if self.parts else []), _refusal_part("".join(self.refusal))]
+
+    def refusal_index(self) -> int:
+        """Its refusal part's place: after its text part, where it has one."""
+        return 1 if self.parts else 0
 
 
 class ResponseShaper:
@@ -153,29 +179,42 @@ class ResponseShaper:
               began: tuple = ()) -> dict:
         """The response to a completion gathered whole (its message's extra fields:
         reasoning, tool calls), its items in the order they began (``began``, as
-        ChoiceState notes it), each run of text or reasoning an item, as streamed."""
+        ChoiceState notes it), each run of text or reasoning an item, as streamed
+        (a refusal a part of its text's message)."""
         extra = extra or {}
-        calls, thought = extra.get("tool_calls") or [], reasoning_of(extra)
+        calls, thought, refused = extra.get("tool_calls") or [], reasoning_of(extra), refusal_of(extra)
         # Text never noted is one run.  Every call a server began is noted; the others
         # are the blanks chat's gathering puts in an index a server skipped (its first
         # call at index 1): no call, and not in the stream.
         order = began or (("t", 0),)
-        # Each run of text or reasoning ends where the next of its kind starts.
+        # Each run of text, reasoning or refusal ends where the next of its kind starts.
         ends = {}
-        for kind, joined in (("t", text), ("r", thought)):
+        for kind, joined in (("t", text), ("r", thought), ("x", refused)):
             starts = [start for k, start in order if k == kind]
             ends.update({(kind, start): end for start, end in zip(starts, [*starts[1:], len(joined)])})
+        message = None  # the message of the run of text just before
         for kind, where in order:
+            before, message = message, None
             if kind == "c":
                 if 0 <= where < len(calls):
                     function = calls[where].get("function") or {}
                     self._call_item(calls[where].get("id"), function.get("name") or "").parts.append(
                         function.get("arguments") or "")
                 continue
+            if kind == "x":
+                # A refusal right after text is a part of its message, else a message of its
+                # own; text after it is another message (as streamed).
+                run = refused[where:ends[kind, where]]
+                if run:
+                    (before or self._new_item(new_id("msg_"), "message")).refusal = [run]
+                continue
             run = (text if kind == "t" else thought)[where:ends[kind, where]]
             if run:
                 prefix, item_kind = ("msg_", "message") if kind == "t" else ("rs_", "reasoning")
-                self._new_item(new_id(prefix), item_kind).parts.append(run)
+                item = self._new_item(new_id(prefix), item_kind)
+                item.parts.append(run)
+                if kind == "t":
+                    message = item
         if not self.items:  # no output at all: an empty message
             self._text_item()
         for item in self.items[:-1]:  # as streamed: done as the next began
@@ -236,6 +275,26 @@ class ResponseShaper:
         item.parts.append(text)
         return frames + self._event("response.reasoning_text.delta", {**_where(item), "delta": text})
 
+    def refusal(self, text: str) -> bytes:
+        """Chat's refusal: a part of the message in progress, after its text (done as the
+        refusal begins), or of a message of its own (after reasoning or a call)."""
+        item = self._current
+        frames = b""
+        if item is None or item.kind != "message":
+            item = self._new_item(new_id("msg_"), "message")
+            frames = self._begin(item)
+        if item.refusal is None:
+            if item.parts:
+                frames += self._text_done(item)
+            item.refusal = []
+            frames += self._event("response.content_part.added", {**_where(item, item.refusal_index()),
+                                                                   "part": _refusal_part("")})
+            # Text after the refusal is a message of its own, so delta()'s own check (no cost
+            # per token) opens it.
+            self._message = None
+        item.refusal.append(text)
+        return frames + self._event("response.refusal.delta", {**_where(item, item.refusal_index()), "delta": text})
+
     def tool_calls(self, fragments: list) -> bytes:
         """Chat's streamed tool call fragments (id and name first, then pieces of the arguments)."""
         frames = []
@@ -279,9 +338,13 @@ class ResponseShaper:
     def _done(self, item: _Item, status: str) -> bytes:
         item.status = status
         whole = "".join(item.parts)
-        if item.kind == "message":
-            frames = (self._event("response.output_text.done", {**_where(item), "text": whole, "logprobs": []})
-                      + self._event("response.content_part.done", {**_where(item), "part": item.part()}))
+        if item.kind == "message" and item.refusal is not None:  # its text part, if any, was done before it
+            where = _where(item, item.refusal_index())
+            refused = "".join(item.refusal)
+            frames = (self._event("response.refusal.done", {**where, "refusal": refused})
+                      + self._event("response.content_part.done", {**where, "part": _refusal_part(refused)}))
+        elif item.kind == "message":
+            frames = self._text_done(item)
         elif item.kind == "reasoning":
             frames = (self._event("response.reasoning_text.done", {**_where(item), "text": whole})
                       + self._event("response.content_part.done", {**_where(item), "part": item.part()}))
@@ -289,6 +352,10 @@ class ResponseShaper:
             frames = self._event("response.function_call_arguments.done",
                                  {"item_id": item.id, "output_index": item.index, "arguments": whole})
         return frames + self._event("response.output_item.done", {"output_index": item.index, "item": item.shape(status)})
+
+    def _text_done(self, item: _Item) -> bytes:
+        return (self._event("response.output_text.done", {**_where(item), "text": "".join(item.parts), "logprobs": []})
+                + self._event("response.content_part.done", {**_where(item), "part": item.part()}))
 
     def closing(self, finish: str | None, chat_usage: dict, completed_at: int) -> bytes:
         """The last item done, then completed (or incomplete: max_output_tokens reached)."""
@@ -311,8 +378,8 @@ class ResponseShaper:
         return self._event("response.failed", {"response": self.response("failed", output, error=error)})
 
 
-def _where(item: _Item) -> dict:
-    return {"item_id": item.id, "output_index": item.index, "content_index": 0}
+def _where(item: _Item, content_index: int = 0) -> dict:
+    return {"item_id": item.id, "output_index": item.index, "content_index": content_index}
 
 
 def _status(finish: str | None) -> str:
@@ -321,6 +388,10 @@ def _status(finish: str | None) -> str:
 
 def _text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _refusal_part(text: str) -> dict:
+    return {"type": "refusal", "refusal": text}
 
 
 def _reasoning_part(text: str) -> dict:

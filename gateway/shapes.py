@@ -121,8 +121,8 @@ class ChoiceState:
     # The order a Responses answer lists its items in, as each began, noted from the
     # first extra field on: ("r", start) a run of reasoning, ("t", start) a run of
     # text (its first character's offset: a run after another item is an item of
-    # its own, as streamed), ("c", position) a tool call.  Text before anything
-    # was noted is a run from 0; text alone is never noted.
+    # its own, as streamed), ("x", start) a run of refusal, ("c", position) a tool
+    # call.  Text before anything was noted is a run from 0; text alone is never noted.
     began: tuple = ()
 
 

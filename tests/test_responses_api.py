@@ -447,8 +447,13 @@ def _as_compared(response) -> dict:
     ([_call(1, "get_weather"), _delta(tool_calls=[{"id": "call_get_time", "type": "function",
                                                    "function": {"name": "get_time", "arguments": "{}"}}])],
      [("function_call", "get_weather"), ("function_call", "get_time")]),
+    # A refusal (chat's delta.refusal) is its message's refusal part, after the text before it.
+    ([_delta(refusal="I can't "), _delta(refusal="help with that.")],
+     [("message", ("refusal", "I can't help with that."))]),
+    ([_delta(content="Let me see. "), _delta(refusal="No.")], [("message", "Let me see. ", ("refusal", "No."))]),
 ], ids=["text", "call", "text, call", "call, text", "text, call, text", "call, text, call", "reasoning, text, call",
-        "reasoning, call, reasoning, call", "a call at index 1", "a call at index 1, then one without an index"])
+        "reasoning, call, reasoning, call", "a call at index 1", "a call at index 1, then one without an index",
+        "refusal", "text, refusal"])
 async def test_a_whole_response_is_what_the_sdk_gathers_from_its_stream(external, script, items):
     """However a server interleaves reasoning, text and calls in one choice, the
     whole response's output is the stream's, item for item, in the order the model
@@ -461,10 +466,58 @@ async def test_a_whole_response_is_what_the_sdk_gathers_from_its_stream(external
     async with client.responses.stream(model=MODEL, input="Weather?", tools=tools) as stream:
         gathered = await stream.get_final_response()  # the SDK's own accumulator of the events
     assert _as_compared(whole) == _as_compared(gathered)
-    assert [(item.type, getattr(item, "name", None) or item.content[0].text) for item in whole.output] == items
+    assert [_shown_item(item) for item in whole.output] == items
     assert [item.status for item in whole.output] == ["completed"] * len(items)
-    assert whole.output_text == gathered.output_text == "".join(
-        text for kind, text in items if kind == "message")
+    assert whole.output_text == gathered.output_text == "".join(  # a refusal is no output_text
+        part for kind, *parts in items if kind == "message" for part in parts if isinstance(part, str))
+
+
+def _shown_item(item) -> tuple:
+    """A call's type and name; a message's or reasoning's type and parts: a text as
+    itself, a refusal as ("refusal", its text)."""
+    if item.type == "function_call":
+        return item.type, item.name
+    return item.type, *(("refusal", part.refusal) if part.type == "refusal" else part.text for part in item.content)
+
+
+@pytest.mark.parametrize("script, parts", [
+    ([_delta(refusal="I can't "), _delta(refusal="help with that.")], [("refusal", "I can't help with that.")]),
+    ([_delta(content="Let me "), _delta(content="see. "), _delta(refusal="No "), _delta(refusal="way.")],
+     [("output_text", "Let me see. "), ("refusal", "No way.")]),
+], ids=["refusal", "text, refusal"])
+async def test_a_servers_refusal_is_a_refusal_part_streamed_as_openais_refusal_events(external, script, parts):
+    """A server's refusal (chat's delta.refusal, as OpenAI and vLLM with structured
+    outputs send it) is a refusal part of the message, not an empty output_text:
+    streamed as OpenAI streams one, a part of its own (after the text part, done
+    before it begins) that grows by response.refusal.delta events."""
+    client, scripted = external
+    scripted[:] = script
+    whole = await client.responses.create(model=MODEL, input="Help?")
+    [message] = whole.output
+    assert message.type == "message" and message.content[-1].type == "refusal"
+    assert [(part.type, getattr(part, "text", None) or part.refusal) for part in message.content] == parts
+    assert whole.output_text == "".join(text for kind, text in parts if kind == "output_text")
+
+    events = [e async for e in await client.responses.create(model=MODEL, input="Help?", stream=True)]
+    for event in events:
+        EVENT.validate_python(event.to_dict())
+    kinds = [e.type for e in events]
+    runs = [kind for i, kind in enumerate(kinds) if i == 0 or kind != kinds[i - 1]]  # a run of deltas as one
+    expected = ["response.created", "response.in_progress", "response.output_item.added"]
+    for kind, _ in parts:
+        named = "response.output_text" if kind == "output_text" else "response.refusal"
+        expected += ["response.content_part.added", f"{named}.delta", f"{named}.done", "response.content_part.done"]
+    assert runs == [*expected, "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    for index, (kind, text) in enumerate(parts):
+        added, done = [e for e in events if e.type.startswith("response.content_part.") and e.content_index == index]
+        assert added.part.type == done.part.type == kind and added.item_id == events[2].item.id
+        assert (done.part.text if kind == "output_text" else done.part.refusal) == text
+    refused = [e for e in events if e.type == "response.refusal.delta"]
+    [refusal_done] = [e for e in events if e.type == "response.refusal.done"]
+    assert "".join(e.delta for e in refused) == refusal_done.refusal == parts[-1][1]
+    assert {e.content_index for e in [*refused, refusal_done]} == {len(parts) - 1}
+    assert _as_compared(events[-1].response) == _as_compared(whole)
 
 
 @pytest.mark.parametrize("max_output_tokens", [1, 8])
