@@ -10,6 +10,7 @@ absence fails the test rather than skipping it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -267,11 +268,9 @@ async def test_a_restarted_gateway_is_said_to_have_restarted(tmp_path):
     async def stats(request):
         answers.append(request)
         started = 1.7e9 if len(answers) == 1 else 1.7e9 + 3600  # the second poll finds it restarted
-        return aiohttp.web.json_response({
-            "now": 10.0, "sample_s": 5.0, "started": started, "history": [],
-            "replicas": [{"name": "r", "healthy": True, "inflight": 0, "cache": {}, "policy": {}}],
-            "totals": {"requests": 0, "engine_requests": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                       "hit_ratio": 0.0}})
+        return aiohttp.web.json_response(
+            {**_idle_stats([{"name": "r", "healthy": True, "inflight": 0, "cache": {}, "policy": {}}]),
+             "started": started})
 
     dom = await _dashboard_over(tmp_path, stats)
     assert len(answers) >= 2
@@ -340,20 +339,12 @@ async def test_cut_bar_labels_keep_whole_characters_and_something_of_each_name(t
                 for n in names]
 
     async def stats(request):
-        return aiohttp.web.json_response({
-            "now": 30.0, "sample_s": 5.0, "started": 1.7e9, "history": [], "replicas": replicas,
-            "totals": {"requests": 0, "engine_requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "hit_ratio": 0.0}})
+        return aiohttp.web.json_response(_idle_stats(replicas))
 
-    page = aiohttp.web.Application()
-    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
-    page.router.add_get("/stats", stats)
-    server = await start_server(page)
-    try:
-        labels = json.loads(await dom_in_real_time(tmp_path, server.url + "/dashboard", 3.0, (
+    async with _scripted_page(stats) as url:
+        labels = json.loads(await dom_in_real_time(tmp_path, url + "/dashboard", 3.0, (
             'JSON.stringify((document.getElementById("cache").dataset.labels || "").split("|")'
             '.map(label => label.isWellFormed() ? label : null))')))
-    finally:
-        await server.stop()
     assert None not in labels and len(set(labels)) == len(labels) == 2 * len(names), labels
     assert all(label.rsplit(" ", 1)[0].strip("…") == own[i // 2] for i, label in enumerate(labels)), labels
 
@@ -373,25 +364,14 @@ async def test_a_greyed_page_greys_its_summary_too(tmp_path):
     stats = {"now": 30.0, "sample_s": 5.0, "history": [], "replicas": [],
              "totals": {"requests": 3, "engine_requests": 3, "prompt_tokens": 30, "cached_tokens": 15, "hit_ratio": 0.5}}
     answers = []
+    stats_once = _once_then_gone(stats, answers)
 
-    async def stats_once(request):
-        answers.append(request)
-        if len(answers) > 1:
-            return aiohttp.web.json_response({"error": {"message": "gone"}}, status=503)
-        return aiohttp.web.json_response(stats)
-
-    page = aiohttp.web.Application()
-    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
-    page.router.add_get("/stats", stats_once)
     asked = []
-    page.router.add_get("/{other:.*}", lambda request: asked.append(request.path) or aiohttp.web.Response(status=404))
-    server = await start_server(page)
-    try:
-        shown = await dom_in_real_time(tmp_path, server.url + "/dashboard", 5.0, (
+    anything_else = {"/{other:.*}": lambda request: asked.append(request.path) or aiohttp.web.Response(status=404)}
+    async with _scripted_page(stats_once, **anything_else) as url:
+        shown = await dom_in_real_time(tmp_path, url + "/dashboard", 5.0, (
             'JSON.stringify([document.body.dataset.stale || null, '
             'Number(getComputedStyle(document.getElementById("summary")).opacity)])'))
-    finally:
-        await server.stop()
     stale, opacity = json.loads(shown)
     assert stale == "1" and opacity < 0.5, shown  # live, the header's spans are at .8
     assert asked == []  # no /favicon.ico either: its 404 was an error in the console at every load
@@ -409,15 +389,42 @@ async def test_the_page_under_the_gateways_own_policy_logs_no_error(served, tmp_
     assert errors == [], errors
 
 
-async def _page_dom(tmp_path, stats_handler) -> str:
+def _once_then_gone(stats: dict, answers: list):
+    """A /stats handler that answers ``stats`` once, then 503s (a gateway gone);
+    ``answers`` gets each request."""
+    async def handler(request):
+        answers.append(request)
+        if len(answers) > 1:
+            return aiohttp.web.json_response({"error": {"message": "gone"}}, status=503)
+        return aiohttp.web.json_response(stats)
+    return handler
+
+
+def _idle_stats(replicas: list[dict]) -> dict:
+    """A /stats of ``replicas`` before any traffic, in gateway/stats.py's shape."""
+    return {"now": 30.0, "sample_s": 5.0, "started": 1.7e9, "history": [], "replicas": replicas,
+            "totals": {"requests": 0, "engine_requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "hit_ratio": 0.0}}
+
+
+@contextlib.asynccontextmanager
+async def _scripted_page(stats_handler, **pages):
+    """The dashboard served beside a scripted /stats (``stats_handler``) and
+    ``pages`` (path -> handler); yields the server's URL."""
     page = aiohttp.web.Application()
     page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
     page.router.add_get("/stats", stats_handler)
+    for path, handler in pages.items():
+        page.router.add_get(path, handler)
     server = await start_server(page)
     try:
-        return await run_chromium(tmp_path, server.url + "/dashboard", "--dump-dom")
+        yield server.url
     finally:
         await server.stop()
+
+
+async def _page_dom(tmp_path, stats_handler) -> str:
+    async with _scripted_page(stats_handler) as url:
+        return await run_chromium(tmp_path, url + "/dashboard", "--dump-dom")
 
 
 async def dom_in_real_time(tmp_path, url: str, seconds: float,
@@ -468,19 +475,11 @@ async def test_a_gateway_that_takes_the_connection_but_never_answers_greys_the_p
         answers.append(request)
         if len(answers) > 1:
             await asyncio.sleep(60)
-        return aiohttp.web.json_response({
-            "now": 10.0, "sample_s": 5.0, "started": 1.7e9, "history": [],
-            "replicas": [{"name": "r", "healthy": True, "inflight": 0, "cache": {}, "policy": {}}],
-            "totals": {"requests": 0, "engine_requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "hit_ratio": 0.0}})
+        return aiohttp.web.json_response(
+            _idle_stats([{"name": "r", "healthy": True, "inflight": 0, "cache": {}, "policy": {}}]))
 
-    page = aiohttp.web.Application()
-    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
-    page.router.add_get("/stats", stats_then_silence)
-    server = await start_server(page)
-    try:
-        dom = await dom_in_real_time(tmp_path, server.url + "/dashboard", 10.0)  # 2 s between polls, 5 s deadline
-    finally:
-        await server.stop()
+    async with _scripted_page(stats_then_silence) as url:
+        dom = await dom_in_real_time(tmp_path, url + "/dashboard", 10.0)  # 2 s between polls, 5 s deadline
     assert len(answers) >= 2 and re.search(r'<body[^>]*data-stale="1"', dom), dom[-1500:]
     error = re.search(r'id="error">([^<]*)</span>', dom).group(1)
     assert re.fullmatch(r"lost contact with the gateway since \d\d:\d\d:\d\d \(no answer in 5 s\): figures frozen", error), error
@@ -503,12 +502,7 @@ async def test_a_gateway_that_stops_answering_leaves_the_page_greyed_and_saying_
          "rps": {replicas[0]["name"]: 1.0}}], "replicas": replicas,
         "totals": {"requests": 3, "engine_requests": 3, "prompt_tokens": 30, "cached_tokens": 15, "hit_ratio": 0.5}}
     answers = []
-
-    async def stats_once(request):
-        answers.append(request)
-        if len(answers) > 1:
-            return aiohttp.web.json_response({"error": {"message": "gone"}}, status=503)
-        return aiohttp.web.json_response(stats)
+    stats_once = _once_then_gone(stats, answers)
 
     dom = await _page_dom(tmp_path, stats_once)
     assert len(answers) >= 2
@@ -532,26 +526,18 @@ async def test_on_a_phone_the_policy_table_shows_each_replicas_health(tmp_path):
     replicas = [{"name": n, "healthy": i != 1, "inflight": 0, "cache": {}, "policy": {}} for i, n in enumerate(long_names)]
 
     async def stats(request):
-        return aiohttp.web.json_response({
-            "now": 30.0, "sample_s": 5.0, "started": 1.7e9, "history": [], "replicas": replicas,
-            "totals": {"requests": 0, "engine_requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "hit_ratio": 0.0}})
+        return aiohttp.web.json_response(_idle_stats(replicas))
 
-    page = aiohttp.web.Application()
-    page.router.add_get("/dashboard", lambda request: aiohttp.web.FileResponse(DASHBOARD_HTML))
-    page.router.add_get("/stats", stats)
     # A phone's width: the page in a 400 px frame (headless Chromium keeps its window wider).
-    page.router.add_get("/phone", lambda request: aiohttp.web.Response(
-        text='<iframe src="dashboard" width="400" height="900" style="border:0"></iframe>', content_type="text/html"))
-    server = await start_server(page)
-    try:
+    phone = {"/phone": lambda request: aiohttp.web.Response(
+        text='<iframe src="dashboard" width="400" height="900" style="border:0"></iframe>', content_type="text/html")}
+    async with _scripted_page(stats, **phone) as url:
         # Each row: the right edge of its healthy cell and of its name cell's text, against the window's width.
-        shown = await dom_in_real_time(tmp_path, server.url + "/phone", 4.0, """(doc => JSON.stringify({
+        shown = await dom_in_real_time(tmp_path, url + "/phone", 4.0, """(doc => JSON.stringify({
             width: doc.documentElement.clientWidth,
             rows: [...doc.querySelectorAll("#policy tbody tr")].map(row => ({
                 healthy: row.cells[1].getBoundingClientRect().right, text: row.cells[1].textContent,
                 name: row.cells[0].scrollWidth <= row.cells[0].clientWidth}))}))(frames[0].document)""")
-    finally:
-        await server.stop()
     shown = json.loads(shown)
     assert shown["width"] <= 400 and [row["text"] for row in shown["rows"]] == ["yes", "no", "yes"], shown
     assert all(row["healthy"] <= shown["width"] and row["name"] for row in shown["rows"]), shown

@@ -1757,26 +1757,39 @@ async def test_replicas_that_answer_after_the_gateway_started(tiny_model_dir, un
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
         return resp
 
-    external = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=f"http://127.0.0.1:{external_port}")],
-                           router=RouterConfig(health_interval_s=0.1))
-    external.model.served_name = None  # serve under the upstream's name
-    app = create_app(external)
-    gw = await start_server(app)
-    upstream = None
-    client = _client(gw.url)
-    try:
+    async with _gateway_before_its_external_server(tiny_model_dir, external_port) as (app, client, upstream_up):
         assert not app[GATEWAY].replicas[0].healthy
-        upstream = await _scripted_upstream(models, chat, port=external_port)
+        await upstream_up(models, chat)
         await wait_for(lambda: app[GATEWAY].model_name == "upstream-model", timeout=10, what="name learnt")
         await wait_for(lambda: app[GATEWAY].replicas[0].healthy, timeout=10, what="healthy")
         assert [m.id for m in (await client.models.list()).data] == ["upstream-model"]
         resp = await client.chat.completions.create(model="upstream-model", messages=[{"role": "user", "content": "hi"}])
         assert resp.choices[0].message.content == "upstream-model" and resp.model == "upstream-model"
         assert app[GATEWAY].max_model_len == 4096
+
+
+@contextlib.asynccontextmanager
+async def _gateway_before_its_external_server(model_dir: str, port: int):
+    """A gateway serving under its one external server's model name, that server
+    not up yet: yields (gateway app, client, ``up(models, chat)``, which starts the
+    server on ``port`` with those handlers)."""
+    config = tiny_config(model_dir, [ReplicaConfig(kind="openai", url=f"http://127.0.0.1:{port}")],
+                         router=RouterConfig(health_interval_s=0.1))
+    config.model.served_name = None  # serve under the upstream's name
+    app = create_app(config)
+    gw = await start_server(app)
+    upstreams = []
+
+    async def up(models, chat):
+        upstreams.append(await _scripted_upstream(models, chat, port=port))
+
+    client = _client(gw.url)
+    try:
+        yield app, client, up
     finally:
         await client.close()
         await gw.stop()
-        if upstream is not None:
+        for upstream in upstreams:
             await upstream.stop()
 
 
@@ -1789,32 +1802,20 @@ async def test_a_model_not_named_yet_is_a_503_not_a_404(tiny_model_dir, unused_t
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": "org/upstream-model", "object": "model"}]})
 
-    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=f"http://127.0.0.1:{port}")],
-                         router=RouterConfig(health_interval_s=0.1))
-    config.model.served_name = None  # serve under the upstream's name
-    app = create_app(config)
-    gw = await start_server(app)
-    upstream = None
-    client = _client(gw.url)
-    try:
+    async with _gateway_before_its_external_server(tiny_model_dir, port) as (app, client, upstream_up):
         messages = [{"role": "user", "content": "hi"}]
         with pytest.raises(openai.InternalServerError) as caught:
             await client.chat.completions.create(model="org/upstream-model", messages=messages)
         assert caught.value.status_code == 503 and caught.value.response.headers["Retry-After"] == "1"
         with pytest.raises(openai.InternalServerError):
             await client.responses.create(model="org/upstream-model", input="hi")
-        upstream = await _scripted_upstream(models, _answer_fine, port=port)
+        await upstream_up(models, _answer_fine)
         await wait_for(lambda: app[GATEWAY].replicas[0].healthy and app[GATEWAY].model_name == "org/upstream-model",
                        timeout=10, what="name learnt")
         resp = await client.chat.completions.create(model="org/upstream-model", messages=messages)
         assert resp.choices[0].message.content == "Fine"
         with pytest.raises(openai.NotFoundError):  # once known, another name is no model of this gateway's
             await client.chat.completions.create(model="other-model", messages=messages)
-    finally:
-        await client.close()
-        await gw.stop()
-        if upstream is not None:
-            await upstream.stop()
 
 
 def _sse(*events) -> bytes:
