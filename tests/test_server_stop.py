@@ -159,7 +159,9 @@ async def test_the_access_log_has_a_line_for_every_request_even_one_whose_client
     # How long each took, and its request id (the completion's): what aiohttp's own line lacked.
     for status, sent, took, request_id, *agent in fields:
         assert re.fullmatch(r"\d+\.\d{3}s", took) and request_id.startswith("cmpl-"), lines
-    assert float(fields[2][2][:-1]) >= 0.5  # given up after 0.5 s
+    # Given up after 0.5 s by the client's clock, which starts before the request is sent
+    # (the server's took 0.498 s once, on a busy machine).
+    assert float(fields[2][2][:-1]) >= 0.45
 
 
 def test_a_ctrl_c_before_the_loop_runs_the_server_leaves_no_coroutine_unawaited(monkeypatch):
