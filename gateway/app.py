@@ -429,7 +429,7 @@ class Gateway:
         """Whether the served model's name is still to learn: no ``model.served_name``, and
         the external servers that name it (a fleet of them alone) have not answered yet."""
         return (self.passthrough and self.config.model.served_name is None
-                and not any(getattr(r, "info_known", True) for r in self.replicas))
+                and not any(r.info_known for r in self.replicas))
 
     def model_card(self) -> dict:
         # max_model_len as vLLM gives it: clients (and a gateway in front of this

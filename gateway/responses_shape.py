@@ -337,7 +337,6 @@ class ResponseShaper:
 
     def _done(self, item: _Item, status: str) -> bytes:
         item.status = status
-        whole = "".join(item.parts)
         if item.kind == "message" and item.refusal is not None:  # its text part, if any, was done before it
             where = _where(item, item.refusal_index())
             refused = "".join(item.refusal)
@@ -346,11 +345,11 @@ class ResponseShaper:
         elif item.kind == "message":
             frames = self._text_done(item)
         elif item.kind == "reasoning":
-            frames = (self._event("response.reasoning_text.done", {**_where(item), "text": whole})
+            frames = (self._event("response.reasoning_text.done", {**_where(item), "text": "".join(item.parts)})
                       + self._event("response.content_part.done", {**_where(item), "part": item.part()}))
         else:
             frames = self._event("response.function_call_arguments.done",
-                                 {"item_id": item.id, "output_index": item.index, "arguments": whole})
+                                 {"item_id": item.id, "output_index": item.index, "arguments": "".join(item.parts)})
         return frames + self._event("response.output_item.done", {"output_index": item.index, "item": item.shape(status)})
 
     def _text_done(self, item: _Item) -> bytes:
