@@ -48,7 +48,7 @@ async def run_chromium(tmp_path, url: str, *extra: str) -> str:
     args = [
         chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--virtual-time-budget=6000", *extra, url,
+        "--disable-dev-shm-usage", "--lang=en-US", f"--user-data-dir={profile}", "--virtual-time-budget=6000", *extra, url,
     ]
     proc = await asyncio.create_subprocess_exec(
         *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "HOME": str(tmp_path), "TZ": "UTC"}
@@ -128,7 +128,7 @@ async def test_dashboard_renders_all_charts_with_data_in_headless_chromium(serve
     # Gridlines a round step apart, each label distinct and exact (0.05|0.10|0.15, not 0.07|0.05|0.03).
     for chart in ("ttft", "load"):
         ticks = re.search(rf'<canvas id="{chart}"[^>]*data-ticks="([^"]*)"', dom).group(1).split("|")
-        values = [float(t) for t in ticks]
+        values = [float(t.replace(",", "")) for t in ticks]
         assert len(set(ticks)) == 5 and values[0] == 0, (chart, ticks)
         assert all(abs((b - a) - values[1]) < 1e-9 for a, b in zip(values, values[1:])), (chart, ticks)
     # One bar per replica and tier, each its own 96 blocks (not device and host stacked into 192).
@@ -172,6 +172,29 @@ async def test_an_idle_stretch_breaks_the_lines_and_the_axis_runs_to_now(tmp_pat
     assert canvas("hit", "span") == canvas("load", "span") == "195"
     # The x axis says what it spans, the same for every line chart.
     assert canvas("hit", "xlabels") == canvas("ttft", "xlabels") == canvas("load", "xlabels") == "3 min ago|98 s ago|now"
+
+
+async def test_a_long_history_big_counts_and_a_small_cache_read_plainly(tmp_path):
+    """Eight hours of history read "480 min ago" on the x axis; 12480 requests and
+    3000 requests a second had no thousands separators; a cache of 10 blocks got
+    2.5-block steps, labelled 0|3|5|8|10."""
+    def sample(t):
+        return {"t": t, "partial": False, "idle": False, "hit_ratio": {"to-c": 0.5}, "ttft_p50": 0.1,
+                "ttft_p99": 0.2, "rps": {"r": 3000.0}}
+
+    stats = {**_idle_stats([{"name": "r", "healthy": True, "inflight": 1500, "policy": {},
+                             "cache": {"device": {"free": 4, "cached": 6}}}]),
+             "now": 28_805.0, "history": [sample(5.0), sample(28_800.0)]}
+    stats["totals"] = {**stats["totals"], "requests": 12_480}
+    dom = await _dashboard_over(tmp_path, lambda request: aiohttp.web.json_response(stats))
+
+    def canvas(chart: str, attribute: str) -> str:
+        return re.search(rf'<canvas id="{chart}"[^>]*data-{attribute}="([^"]*)"', dom).group(1)
+
+    assert canvas("hit", "xlabels") == "8 h ago|4 h ago|now"
+    assert canvas("cache", "bars") == "10" and canvas("cache", "ticks") == "0|3|6|9|12"
+    assert canvas("load", "ticks") == "0|1,000|2,000|3,000|4,000"
+    assert "12,480 requests" in dom and "1,500 in flight" in dom
 
 
 async def test_a_cache_chart_with_no_bars_has_a_readable_axis_and_says_why(tiny_model_dir, tmp_path):
