@@ -333,6 +333,19 @@ def test_engines_are_not_scraped_directly():
     assert gateway_pod["annotations"]["prometheus.io/scrape"] == "true"
 
 
+def test_the_pod_monitor_scrapes_the_gateways_metrics_port():
+    # The Prometheus Operator's way in: a label or port renamed in gateway.yaml
+    # alone would stop the scrapes without a word.
+    (monitor,) = yaml.safe_load_all((ROOT / "deploy/prometheus-operator/podmonitor.yaml").read_text())
+    gateway = kubernetes_manifests()["Deployment", "kvgate-gateway"]["spec"]["template"]
+    (container,) = gateway["spec"]["containers"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= gateway["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (port,) = [port for port in container["ports"] if port.get("name") == endpoint["port"]]
+    assert endpoint["path"] == "/metrics"
+    assert str(port["containerPort"]) == gateway["metadata"]["annotations"]["prometheus.io/port"]
+
+
 def dashboard_exprs() -> list[str]:
     dashboard = json.loads((ROOT / "deploy/grafana/kvgate-dashboard.json").read_text())
     return [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
