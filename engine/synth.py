@@ -477,7 +477,8 @@ def synthesize(profile: str, duration_s: float, rate: float, seed: int) -> list[
         raise ValueError(f"rate {rate:,g} requests per second is above the {MAX_RATE:,.0f} a trace may have")
     asked = duration_s * rate
     if asked > MAX_REQUESTS:
-        raise ValueError(f"duration x rate asks for {asked:.3g} requests; at most {MAX_REQUESTS:,}")
+        # Whole requests, rounded up: 3 significant digits said "2e+07" just above the bound.
+        raise ValueError(f"duration x rate asks for {math.ceil(asked):,} requests; at most {MAX_REQUESTS:,}")
     memory = _physical_memory_bytes()
     if memory and asked * PEAK_BYTES_PER_REQUEST > memory:
         raise ValueError(f"duration x rate asks for {asked:,.0f} requests, which take ~{asked * PEAK_BYTES_PER_REQUEST / 2**30:.0f} "

@@ -136,8 +136,11 @@ def test_more_requests_than_memory_holds_are_refused_up_front(monkeypatch):
     with pytest.raises(ValueError, match=r"asks for 360,000 requests, which take ~11 GiB to generate; "
                                          r"this machine has 8 GiB"):
         synth.synthesize("to-c", 3600, 100, seed=0)
-    with pytest.raises(ValueError, match=r"asks for 1e\+08 requests; at most 20,000,000$"):
+    with pytest.raises(ValueError, match=r"asks for 100,000,000 requests; at most 20,000,000$"):
         synth.synthesize("to-c", 1e6, 100, seed=0)
+    # Just above the bound reads as above it (3 significant digits said "2e+07").
+    with pytest.raises(ValueError, match=r"asks for 20,000,001 requests; at most 20,000,000$"):
+        synth.synthesize("to-c", 4000.0002, 5000, seed=0)
     with pytest.raises(ValueError, match=r"^rate 1e\+300 requests per second is above the 10,000 a trace may have$"):
         synth.synthesize("to-c", 1e-6, 1e300, seed=0)
     # Just above the bound reads as above it (3 significant digits said "1e+04").
