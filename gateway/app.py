@@ -620,7 +620,11 @@ class Gateway:
                 # Cancelled by cut_live(), not by the client leaving: answer.
                 uncancel(task)
                 status = "503"
-                raise errors.shutting_down() from None
+                cut = errors.shutting_down()
+                if parsed is not None:
+                    # Raised here, past the ApiError clause above: named as it does.
+                    cut.request_id = parsed.id
+                raise cut from None
             status = CLIENT_GONE
             _log_client_gone(request, start, exc, parsed.id if parsed is not None else None,
                              None if self.engine_mode else _replicas_of(subs))

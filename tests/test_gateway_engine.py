@@ -20,7 +20,7 @@ from engine.config import EngineConfig, ModelConfig
 from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, KvgateConfig, ReplicaConfig, RouterConfig, ServerConfig
 from gateway.server import start_server
-from tests.engine_procs import count_aborts, wait_for
+from tests.engine_procs import count_aborts, record_requests, wait_for
 from tests.gateway_helpers import a_request_in_a_hung_step, hung_model_steps, metric_by_replica, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -388,6 +388,24 @@ async def test_requests_over_the_inflight_limit_get_429(tiny_model_dir):
         await wait_for(lambda: not app[GATEWAY].live, what="the streams' ends")
         done = await client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert done.usage.completion_tokens >= 1
+
+
+async def test_a_request_the_drain_ends_answers_under_its_completion_id(tiny_model_dir):
+    """A request still running when the drain ends (SIGTERM's last stage, or a
+    second signal) answers 503 server_shutting_down named as every error once the
+    request was read: by its completion id (in the SDK's error.request_id and the
+    access line, the id a remote engine's log names), not a random req- id."""
+    async with serving(create_app(_config(tiny_model_dir, replicas=1))) as (app, server, client):
+        engine = app[GATEWAY].replicas[0].engine
+        sent = record_requests(engine)
+        with hung_model_steps(engine):
+            whole = asyncio.create_task(client.completions.create(model=MODEL, prompt="hi", max_tokens=4))
+            await wait_for(lambda: sent, what="the request at its engine")
+            app[GATEWAY].cut_live()
+            with pytest.raises(openai.APIStatusError) as info:
+                await whole
+    assert info.value.status_code == 503 and info.value.code == "server_shutting_down"
+    assert info.value.request_id.startswith("cmpl-"), info.value.request_id
 
 
 async def test_slow_uploads_hold_no_slot_and_time_out(tiny_model_dir):
