@@ -109,15 +109,32 @@ def _main(argv: Sequence[str] | None) -> int:
         terminated.append(signum)
         raise KeyboardInterrupt
 
-    terminable = (args.command in ("replay", "tune") and threading.current_thread() is threading.main_thread()
+    terminable = (args.command in ("replay", "tune", "serve", "engine")
+                  and threading.current_thread() is threading.main_thread()
                   and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN)
-    previous = signal.signal(signal.SIGTERM, stop_as_if_interrupted) if terminable else None
+    handler = _stop_server_start if args.command in ("serve", "engine") else stop_as_if_interrupted
+    previous = signal.signal(signal.SIGTERM, handler) if terminable else None
     try:
         code = _run(args)
     finally:
         if terminable:
             signal.signal(signal.SIGTERM, previous)
     return EXIT_TERMINATED if terminated and code == EXIT_INTERRUPTED else code
+
+
+def _stop_server_start(signum, frame) -> None:
+    """SIGTERM to a server before its event loop takes the signal over (its imports,
+    its config; gateway/server.py handles it from then on, the model load included).
+
+    The kernel's default action would end it, but never for a container's first
+    process (a Kubernetes pod has no init): the signal was dropped, and the server
+    loaded, served and was killed terminationGracePeriodSeconds later.  Nothing has
+    started that needs stopping, so it ends now, as the default action would; not by
+    an exception, which an import under way can swallow (torch's of numpy prints it
+    and goes on, broken)."""
+    logging.getLogger("gateway.server").info("SIGTERM during start-up: stopping")
+    sys.stderr.flush()
+    os._exit(EXIT_TERMINATED)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -356,6 +356,40 @@ def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path
     assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err[-2000:])
 
 
+_SIGTERM_WHILE_THE_SERVER_IMPORTS = """
+import os, signal, sys
+from gateway import cli
+
+class Sigterm:  # Kubernetes deleting the pod while the server imports its modules
+    def find_spec(self, name, path=None, target=None):
+        if name == "gateway.server":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+sys.meta_path.insert(0, Sigterm())
+sys.argv = ["kvgate", sys.argv[1], "--port", "0"]
+cli.console()
+"""
+
+
+@pytest.mark.parametrize("command", ["serve", "engine"])
+def test_sigterm_while_a_server_imports_stops_it_by_its_own_handler(tmp_path, command):
+    """A SIGTERM before the event loop takes the signals over (the imports: a second
+    or more, torch's on a GPU image longer) killed the process by the kernel's
+    default action, exit -15, which a container's first process never gets: in a
+    Kubernetes pod (no init) the signal was dropped, and the server loaded, served
+    and was killed terminationGracePeriodSeconds (130 s) later.  kvgate's own
+    handler stops it, as during the model load: 143, and the log says why."""
+    script = tmp_path / "kvgate.py"
+    script.write_text(_SIGTERM_WHILE_THE_SERVER_IMPORTS)
+    root = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run([sys.executable, str(script), command], cwd=tmp_path, capture_output=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": root})
+    err = proc.stderr.decode()
+    assert proc.returncode == 143, (proc.returncode, err[-2000:])
+    assert "SIGTERM during start-up: stopping" in err and "Traceback" not in err, err[-2000:]
+
+
 def test_a_second_server_starting_at_the_same_moment_is_refused_the_port():
     # Both still loading their models: the first has its port, the second must not get it too.
     first = bind_sockets("127.0.0.1", 0)
