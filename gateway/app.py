@@ -231,6 +231,7 @@ class Gateway:
                 lambda r=r: 1.0 if r.healthy else 0.0,
                 lambda r=r: len(r.index),
                 lambda i=i: self.router.external_tokens[i],
+                lambda r=r: 1.0 if r.absent else 0.0,
             )
         self.observer.start(self.replicas, lambda i: self.router.inflight_requests[i], self.hasher.block_size, self.hasher.salt)
         if not self.engine_mode:
@@ -243,7 +244,8 @@ class Gateway:
         def named(r: Replica) -> str:
             if r.kind == "inprocess":
                 return f"{r.name} (in-process)"
-            return f"{r.name} ({r.kind}, {'in routing' if r.healthy else 'not in routing yet'})"
+            state = "in routing" if r.healthy else "absent" if r.absent else "not in routing yet"
+            return f"{r.name} ({r.kind}, {state})"
 
         log.info("serving %r (context %d tokens) over %d %s: %s; routing %s; client API keys %s", self.model_name,
                  self.max_model_len, len(self.replicas), "replica" if len(self.replicas) == 1 else "replicas",

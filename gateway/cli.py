@@ -443,12 +443,13 @@ def _check_replica_servers(config, urls: Sequence[str]) -> None:
     """Refuse a --replica that reaches the same server as a config replica or an
     earlier --replica (what a config file's own replicas are checked for): one
     server listed twice gets twice the traffic and two indexes of one cache."""
-    from gateway.config import replica_base_url, same_servers, without_userinfo
+    from gateway.config import replica_base_url, replica_slots, same_servers, without_userinfo
 
-    entries = [(f"replicas.{i}", spec.url) for i, spec in enumerate(config.replicas)]
+    slots = replica_slots(config.replicas)
+    entries = [(f"replicas.{i}", spec.url) for i, spec in slots]
     entries += [(f"--replica {without_userinfo(url)!r}", url.removeprefix("openai+")) for url in urls]
     # A flag's replica names no model (the server's own): the config's entries say theirs.
-    pairs = same_servers([url for _, url in entries], [spec.model for spec in config.replicas])
+    pairs = same_servers([url for _, url in entries], [spec.model for _, spec in slots])
     if pairs:  # one line: the first (a config's own duplicates were refused as it loaded)
         later, first = pairs[0]
         server = without_userinfo(replica_base_url(entries[first][1]))

@@ -210,6 +210,9 @@ class ServerConfig(Section):
 # /metrics, should it be scraped too, is not counted beside the gateways': no
 # replica of a gateway may have it.
 ENGINE_REPLICA_NAME = "engine"
+# Where a replica entry of several (count) numbers its url and name.
+SLOT = "{i}"
+MAX_REPLICA_SLOTS = 256
 
 
 class ReplicaConfig(Section):
@@ -250,6 +253,13 @@ class ReplicaConfig(Section):
     # default: servers without the field (vLLM's V0 engine, strict OpenAI clones)
     # refuse it.  A cache_salt the client sent itself always passes through.
     send_cache_salt: bool = False
+    # Replicas this entry stands for: a StatefulSet's pods, numbered in a url
+    # (and a name and metrics_url, if given) with {i} from 0, e.g. http://kvgate-engine-{i}.kvgate-engine:8001
+    # with count 8.  A slot whose host name does not resolve (a pod not created,
+    # or scaled away) is absent: out of routing like a down replica, but not
+    # counted, alerted or logged as one; it joins when its name resolves.  So the
+    # engines scale within count without touching the gateways.
+    count: int = Field(1, ge=1, le=MAX_REPLICA_SLOTS)
 
     @field_validator("name")
     @classmethod
@@ -284,9 +294,19 @@ class ReplicaConfig(Section):
                              "engine` server) or kind: openai (vLLM, SGLang); kind inprocess, the default, is an "
                              "engine inside the gateway and has no url")
         if self.url is not None:
-            problem = replica_url_problem(self.url)
+            problem = replica_url_problem(self.url.replace(SLOT, "0"))
             if problem:
                 raise ValueError(f"url {without_userinfo(self.url)!r} {problem}")
+        if self.count > 1:
+            # Else every slot would be one server (or one name) listed count times.
+            if self.kind == "inprocess":
+                raise ValueError("count is for remote replicas (kind engine or openai), numbered in their url")
+            for field, example in (("url", f"http://kvgate-engine-{SLOT}.kvgate-engine:8001"), ("name", f"engine-{SLOT}"),
+                                   ("metrics_url", f"http://vllm-{SLOT}.vllm-engines:8000/metrics")):
+                value = getattr(self, field)
+                if value is not None and SLOT not in value:
+                    raise ValueError(f"{field} {without_userinfo(value)!r} has no {SLOT} for the slot's number "
+                                     f"(0 to {self.count - 1}), e.g. {example}")
         for field in ("model", "send_cache_salt"):
             if getattr(self, field) and self.kind != "openai":
                 # A `kvgate engine` serves its one model and salts every request
@@ -298,7 +318,7 @@ class ReplicaConfig(Section):
                 # Only an external server's load comes from its /metrics; a `kvgate
                 # engine` reports its own in its health probes.
                 raise ValueError(f"metrics_url is read for kind 'openai' only, not {self.kind!r}")
-            if not is_http_url(self.metrics_url):
+            if not is_http_url(self.metrics_url.replace(SLOT, "0")):
                 raise ValueError(f"metrics_url {without_userinfo(self.metrics_url)!r} is no http(s) URL with a host, "
                                  "e.g. http://vllm-0:8000/metrics")
         if self.metrics_url is not None and key and "@" in urlsplit(self.metrics_url).netloc:
@@ -341,6 +361,21 @@ def is_http_url(url: str) -> bool:
     except ValueError:  # e.g. an unclosed [IPv6 bracket
         return False
     return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+def replica_slots(specs: Sequence[ReplicaConfig]) -> list[tuple[int, ReplicaConfig]]:
+    """Each replica ``specs`` stand for, with the index of its entry: an entry of
+    ``count`` N is N replicas, {i} in its url, name and metrics_url numbered 0 to N-1."""
+    out = []
+    for index, spec in enumerate(specs):
+        numbered = ("url", "name", "metrics_url")
+        if spec.count == 1 and not any(SLOT in (getattr(spec, field) or "") for field in numbered):
+            out.append((index, spec))
+            continue
+        for i in range(spec.count):
+            out.append((index, spec.model_copy(update={
+                field: value.replace(SLOT, str(i)) for field in numbered if (value := getattr(spec, field)) is not None})))
+    return out
 
 
 def replica_url_problem(url: str) -> str | None:
@@ -515,14 +550,15 @@ class KvgateConfig(Section):
 
     @model_validator(mode="after")
     def _one_replica_per_server(self) -> "KvgateConfig":
-        pairs = same_servers([spec.url for spec in self.replicas], [spec.model for spec in self.replicas])
+        slots = replica_slots(self.replicas)
+        pairs = same_servers([spec.url for _, spec in slots], [spec.model for _, spec in slots])
         if pairs:
             # Each at its own entry (replicas.N, with its line), not at the list.
             # The input is a mapping so that the message echoes no URL (credentials).
             raise ValidationError.from_exception_data(type(self).__name__, [
                 {"type": PydanticCustomError("value_error", "the same server as replicas.{first} ({url})",
-                                             {"first": first, "url": without_userinfo(replica_base_url(self.replicas[first].url))}),
-                 "loc": ("replicas", later), "input": {}}
+                                             {"first": slots[first][0], "url": without_userinfo(replica_base_url(slots[first][1].url))}),
+                 "loc": ("replicas", slots[later][0]), "input": {}}
                 for later, first in pairs])
         return self
 
@@ -532,7 +568,7 @@ class KvgateConfig(Section):
         # dashboard rows and logs would not say which was which.
         first: dict[str, int] = {}
         errors = []
-        for index, spec in enumerate(self.replicas):
+        for index, spec in replica_slots(self.replicas):
             if spec.name is not None and first.setdefault(spec.name, index) != index:
                 errors.append({"type": PydanticCustomError("value_error", "the name {name} is replicas.{first}'s "
                                                            "already; give each replica its own",

@@ -171,6 +171,9 @@ class GatewayMetrics:
             self.lost_requests.labels(outcome)  # from zero: an alert sees the first one
         self.inflight = Gauge("kvgate_replica_inflight", "Requests in flight on a replica.", ["replica"], registry=routing)
         self.healthy = Gauge("kvgate_replica_healthy", "1 if the replica takes traffic.", ["replica"], registry=routing)
+        self.absent = Gauge("kvgate_replica_absent", "1 if the replica is a slot of a replica entry with a count "
+                            "whose host name does not resolve (no such server now): out of routing, not down.",
+                            ["replica"], registry=routing)
         self.index_blocks = Gauge(
             "kvgate_router_index_blocks", "Block keys in the router's index of a replica.", ["replica"], registry=routing
         )
@@ -217,10 +220,11 @@ class GatewayMetrics:
 
     def watch_replica(
         self, name: str, inflight: Callable[[], float], healthy: Callable[[], float], index_blocks: Callable[[], float],
-        external_load: Callable[[], float],
+        external_load: Callable[[], float], absent: Callable[[], float],
     ) -> None:
         self.inflight.labels(name).set_function(inflight)
         self.healthy.labels(name).set_function(healthy)
+        self.absent.labels(name).set_function(absent)
         self.index_blocks.labels(name).set_function(index_blocks)
         self.external_load.labels(name).set_function(external_load)
         for stage in ("before_first_token", "mid_stream"):

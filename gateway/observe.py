@@ -276,7 +276,7 @@ class Observer:
 
     def stats_json(self) -> dict:
         replicas = [
-            replica_entry(r.name, bool(r.healthy), int(self._inflight(i)), self._engine_stats(r))
+            replica_entry(r.name, bool(r.healthy), int(self._inflight(i)), self._engine_stats(r), r.absent)
             for i, r in enumerate(self._replicas)
         ]
         return self.history.snapshot(replicas, time.monotonic())
@@ -303,6 +303,8 @@ def _state(replica) -> str:
     (a rolling restart's draining engine, a hung model step) where that is known."""
     if replica.healthy:
         return "up"
+    if replica.absent:
+        return "absent"
     if getattr(replica, "draining", False):
         return "draining"
     stalled_for = getattr(replica, "stalled_for", None)

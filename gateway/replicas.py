@@ -40,6 +40,7 @@ from gateway.config import (
     RouterConfig,
     replica_api_key,
     replica_base_url,
+    replica_slots,
     without_userinfo,
 )
 from gateway.errors import internal_error
@@ -73,6 +74,10 @@ _LOSS_BURST_S = 1.0
 # of uvicorn (vLLM's and SGLang's server), so that the gateway never reuses one as
 # the server closes it (that POST would break as if the server had died with it).
 _KEEPALIVE_S = 4.0
+# How long a replica's resolved address is reused (aiohttp's default is 10 s).  A
+# StatefulSet's pod that restarts comes back under its name at a new address, and
+# one scaled away loses its name: either was tried at the old address meanwhile.
+_DNS_CACHE_S = 1.0
 
 # A `kvgate engine`'s streams carry the seconds their request queued before its
 # first step, which the gateway cannot see from outside (gateway/respond.py).
@@ -158,6 +163,9 @@ class Job:
 
 class Replica:
     kind = "base"
+    # A slot of a replica entry with a count (ReplicaConfig.count) whose host name
+    # does not resolve: no such server (yet), rather than one that is down.
+    absent = False
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -409,6 +417,11 @@ class RemoteReplica(Replica):
         self._requests_failing_since: float | None = None
         self._probe_failure = "no probe yet"  # why the last health probe failed, for the log
         self._probe_timed_out = False  # the last probe failed by running out of time
+        # One of the replicas an entry with a count stands for (a StatefulSet's pod):
+        # its host name not resolving means absent, not down.  A replica listed
+        # alone whose name does not resolve is a mistake to show.
+        self.slot = cfg.count > 1
+        self._unresolved = False  # the last contact's host name did not resolve
         self._key_refused = False  # /kv_events answered 401/403: said once, not at every retry
         self._no_events = False  # /kv_events answered 404 (no kvgate engine): said once too
         # /kv_events answered 503 too_many_followers (the engine's limits.max_kv_event_followers
@@ -460,6 +473,23 @@ class RemoteReplica(Replica):
         self._losses = 0  # requests lost together (ReplicaLost), counted as one each time
         self._last_loss = float("-inf")
 
+    @property
+    def absent(self) -> bool:
+        return self.slot and self._unresolved and not self.healthy
+
+    def _note_contact(self, exc: BaseException | None) -> None:
+        """A contact ended: an answer (``exc`` None) or ``exc``; whether the host name resolved."""
+        self._unresolved = isinstance(exc, aiohttp.ClientConnectorDNSError)
+
+    def _not_answering(self, why: str) -> None:
+        """Said once at start: out of routing until it answers (absent: until its name resolves)."""
+        if self.absent:
+            log.info("replica %s (%s) is absent, its host name not resolving (a slot of replicas[].count): "
+                     "it joins routing when it does", self.name, without_userinfo(self.base))
+        else:
+            log.warning("replica %s (%s) is not answering (%s): out of routing until it does",
+                        self.name, without_userinfo(self.base), why)
+
     # -- lifecycle
 
     async def start(self) -> None:
@@ -468,7 +498,7 @@ class RemoteReplica(Replica):
             # holds one, and past the cap requests waited here, unseen by the replica's
             # scheduler, with the health probes and the /kv_events resync behind them (a
             # busy replica's late probes took it out of routing).
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S, ttl_dns_cache=_DNS_CACHE_S),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s),
             # Named, so that a server's logs tell a gateway's polls from clients (a
             # kvgate gateway behind leaves its probes of /v1/models out of its access log).
@@ -487,14 +517,15 @@ class RemoteReplica(Replica):
                     # takes the connection and never answers held the start 5 s at least.
                     left = self.cfg.connect_timeout_s - (time.monotonic() - began)
                     await self._fetch_info(max(0.1, min(left, self.router_cfg.health_timeout_s)))
+                    self._note_contact(None)
                     break
                 except Exception as exc:  # noqa: BLE001
+                    self._note_contact(exc)
                     nothing_listens = isinstance(exc, aiohttp.ClientConnectorError)
                     limit = min(_NOTHING_LISTENS_WAIT_S, self.cfg.connect_timeout_s) if nothing_listens \
                         else self.cfg.connect_timeout_s
-                    if time.monotonic() - began >= limit:
-                        log.warning("replica %s (%s) is not answering (%s): out of routing until it does",
-                                    self.name, without_userinfo(self.base), _plain_reason(exc))
+                    if self.absent or time.monotonic() - began >= limit:
+                        self._not_answering(_plain_reason(exc))
                         break
                     await asyncio.sleep(0.25)
             self._tasks.append(asyncio.create_task(self._follow_kv_events(), name=f"kv-events:{self.name}"))
@@ -502,8 +533,7 @@ class RemoteReplica(Replica):
             with contextlib.suppress(Exception):
                 self.healthy = self._was_healthy = await self._probe()
             if not self.healthy:
-                log.warning("replica %s (%s) is not answering (%s): out of routing until it does", self.name,
-                            without_userinfo(self.base), self._probe_failure)
+                self._not_answering(self._probe_failure)
             await self._learn_model()
             if self.cfg.metrics_url:
                 self._tasks.append(asyncio.create_task(self._poll_metrics(), name=f"metrics:{self.name}"))
@@ -591,6 +621,7 @@ class RemoteReplica(Replica):
                 # Said at each answer, as a failure says it below: the health loop's probe
                 # and a loss check's may overlap, and each caller reads the flag as its own left it.
                 self._probe_timed_out = False
+                self._note_contact(None)
                 if resp.status != 200:
                     self._probe_failure = f"{path} answered {resp.status}"
                     return False
@@ -608,6 +639,7 @@ class RemoteReplica(Replica):
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             self._probe_failure = _plain_reason(exc)
             self._probe_timed_out = isinstance(exc, asyncio.TimeoutError)
+            self._note_contact(exc)
             return False
 
     def _busy_since(self, asked: float) -> bool:
@@ -1321,7 +1353,7 @@ def _lost(exc: BaseException) -> bool:
 
 def build_replicas(config: KvgateConfig, urls: list[str] = ()) -> list[Replica]:
     """Replicas from config plus ``--replica`` URLs (``openai+http://...`` for external servers)."""
-    specs = list(config.replicas)
+    specs = [spec for _, spec in replica_slots(config.replicas)]
     for url in urls:
         if url.startswith("openai+"):
             specs.append(ReplicaConfig(kind="openai", url=url[len("openai+") :]))

@@ -20,7 +20,7 @@ Schema (the dashboard's ``render()`` reads exactly this)::
     {"now": t, "sample_s": s, "started": wall-clock time (Unix seconds) the gateway started,
      "history": [{"t", "partial", "idle", "hit_ratio": {workload: r}, "ttft_p50", "ttft_p99",
                   "rps": {replica: engine requests/s}}],
-     "replicas": [{"name", "healthy", "inflight",
+     "replicas": [{"name", "healthy", "absent", "inflight",
                    "cache": {tier: {"free", "cached", "in_use"}},
                    "policy": {"name", "active", "fallbacks", "reuse_alarm", "traffic_spike"}}],
      "totals": {"requests", "engine_requests", "prompt_tokens", "cached_tokens", "hit_ratio"}}
@@ -30,7 +30,8 @@ lets the page tell a restart (whose history starts over) from a quiet spell.
 ``requests`` counts client requests answered in full (kvgate_requests_total's
 200s); ``engine_requests`` what the replicas ran for them (a completions
 request with three prompts is three), and the token figures those engine
-requests whose replica said its cache hits.
+requests whose replica said its cache hits.  ``absent``: a slot of a replica
+entry with a count whose host name does not resolve (no such pod now).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def replica_entry(name: str, healthy: bool, inflight: int, engine: Mapping | None) -> dict:
+def replica_entry(name: str, healthy: bool, inflight: int, engine: Mapping | None, absent: bool = False) -> dict:
     """One replica in the snapshot; ``engine`` is its engine stats dict (None: no engine behind it)."""
     cache: dict[str, dict] = {}
     policy: dict = {}
@@ -69,7 +70,7 @@ def replica_entry(name: str, healthy: bool, inflight: int, engine: Mapping | Non
                 "reuse_alarm": bool(state.get("reuse_alarm", False)),
                 "traffic_spike": bool(state.get("traffic_spike", False)),
             }
-    return {"name": name, "healthy": healthy, "inflight": inflight, "cache": cache, "policy": policy}
+    return {"name": name, "healthy": healthy, "absent": absent, "inflight": inflight, "cache": cache, "policy": policy}
 
 
 class StatsHistory:

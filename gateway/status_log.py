@@ -16,7 +16,9 @@ interval, apart as a reader at 3 a.m. wants them: refused (the clients' 4xx),
 over limits (429: the gateway or its engines at capacity) and failed (5xx);
 "left" counts the requests whose client went away before the end (499); each
 is shown when there are any.  A replica out of routing shows as down, or as
-draining (stopping) or stalled (a hung model step).  Tokens alone (a stream
+draining (stopping) or stalled (a hung model step); absent ones (slots of an
+entry with a count whose pods do not exist) are only counted, at the end, so a
+fleet of 2 pods in 8 slots does not read as 6 down.  Tokens alone (a stream
 whose client left) make a line too.
 """
 
@@ -45,14 +47,18 @@ class StatusLog:
         over limits and failed responses since start), ``generated`` (tokens
         generated since start) and ``left`` (499s since start) against the last
         line's, and the replicas' (name, requests in flight, engine stats,
-        state: "up", or "down", "draining", "stalled"); None when idle."""
+        state: "up", or "down", "draining", "stalled", "absent"); None when idle."""
         now = (totals.requests, totals.prompt_tokens, totals.cached_tokens, generated, *errors, left)
         requests, prompt, cached, completion, refused, limited, failed, gone = (
             a - b for a, b in zip(now, self._seen))
         self._seen = now
         parts = []
         busy = requests > 0 or refused or limited or failed or gone > 0 or prompt > 0 or completion > 0
+        absent = 0
         for name, inflight, stats, state in replicas:
+            if state == "absent":
+                absent += 1
+                continue
             if state != "up":
                 busy = busy or inflight
                 part = f"{name}: {state}" + (f", {inflight} in flight" if inflight else "")
@@ -67,6 +73,8 @@ class StatusLog:
                 busy = busy or inflight
                 part = f"{name}: {inflight} in flight"
             parts.append(part)
+        if absent:
+            parts.append(f"{absent} absent")
         if not busy:
             return None
         share = f" ({100 * cached / prompt:.0f}% cached)" if prompt else ""

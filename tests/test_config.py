@@ -749,6 +749,39 @@ def test_one_server_listed_twice_is_refused(tmp_path):
                                ReplicaConfig(kind="openai", url="http://10.0.0.5:8001")])
 
 
+def test_a_replica_entry_with_a_count_stands_for_numbered_slots(tmp_path):
+    # A StatefulSet's pods, {i} from 0 in the url (and the name, if one is given).
+    from gateway.config import replica_slots
+
+    spec = ReplicaConfig(kind="engine", url="http://kvgate-engine-{i}.kvgate-engine:8001", name="e{i}", count=3)
+    assert [(index, s.url, s.name) for index, s in replica_slots([ReplicaConfig(), spec])] == [
+        (0, None, None), (1, "http://kvgate-engine-0.kvgate-engine:8001", "e0"),
+        (1, "http://kvgate-engine-1.kvgate-engine:8001", "e1"), (1, "http://kvgate-engine-2.kvgate-engine:8001", "e2")]
+    text = ("replicas:\n"
+            "  - {kind: engine, url: 'http://e:8001', count: 2}\n"
+            "  - {kind: engine, url: 'http://f{i}:8001', name: f, count: 2}\n"
+            "  - {count: 2}\n"
+            "  - {kind: engine, url: 'http://g{i}:8001', count: 0}\n")
+    assert _config_error(tmp_path, text).splitlines() == [
+        "c.yaml:2: replicas.0: url 'http://e:8001' has no {i} for the slot's number (0 to 1), e.g. "
+        "http://kvgate-engine-{i}.kvgate-engine:8001",
+        "c.yaml:3: replicas.1: name 'f' has no {i} for the slot's number (0 to 1), e.g. engine-{i}",
+        "c.yaml:4: replicas.2: count is for remote replicas (kind engine or openai), numbered in their url",
+        "c.yaml:5: replicas.3.count: Input should be greater than or equal to 1 (got 0)",
+    ]
+    # The slots are checked as the replicas they are: one of them listed again is refused.
+    text = ("replicas:\n"
+            "  - {kind: engine, url: 'http://e{i}:8001', count: 4}\n"
+            "  - {kind: engine, url: 'http://e3:8001'}\n")
+    assert _config_error(tmp_path, text).splitlines() == ["c.yaml:3: replicas.1: the same server as replicas.0 (http://e3:8001)"]
+
+
+def test_every_config_in_the_vllm_page_is_valid():
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "deploy/vllm.md").read_text(), re.S)
+    configs = [KvgateConfig.model_validate(yaml.safe_load(block)) for block in blocks]
+    assert len(configs) >= 3 and any(spec.count == 8 for config in configs for spec in config.replicas)
+
+
 def test_servers_that_differ_are_all_replicas(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("replicas:\n"

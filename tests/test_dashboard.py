@@ -197,6 +197,20 @@ async def test_a_long_history_big_counts_and_a_small_cache_read_plainly(tmp_path
     assert "12,480 requests" in dom and "1,500 in flight" in dom
 
 
+async def test_absent_slots_are_counted_not_shown_as_down(tmp_path):
+    """Slots of a replica entry with a count whose pods do not exist (2 engines in
+    8 slots) are neither rows, lines nor "6/8 healthy": the summary counts them."""
+    def replica(name, healthy, absent):
+        return {"name": name, "healthy": healthy, "absent": absent, "inflight": 0, "cache": {}, "policy": {}}
+
+    stats = _idle_stats([replica("pod-0", True, False), replica("pod-1", False, False),
+                         *(replica(f"pod-{i}", False, True) for i in range(2, 8))])
+    dom = await _dashboard_over(tmp_path, lambda request: aiohttp.web.json_response(stats))
+    assert re.search(r'id="summary">[^<]* · 1/2 replicas healthy \(6 absent\)</span>', dom), dom[-3000:]
+    rows = re.findall(r"<tr><td>(pod-\d)</td>", dom)
+    assert rows == ["pod-0", "pod-1"]
+
+
 async def test_a_cache_chart_with_no_bars_has_a_readable_axis_and_says_why(tiny_model_dir, tmp_path):
     """No replica with block figures (every one down, or external servers: kvgate in
     front of vLLM): the empty chart's axis read 0|0|1|1|1 (quarter steps rounded to

@@ -37,6 +37,7 @@ from tests.engine_procs import (
     EngineProcess,
     count_aborts,
     engine_idle,
+    free_port,
     record_requests,
     tiny_config,
     wait_for,
@@ -4075,3 +4076,74 @@ async def test_a_choice_that_speaks_first_keeps_its_place_in_the_sdks_accumulati
             (0, "A1A2", "stop"), (1, "B1B2", "stop")]
         assert whole.usage.completion_tokens == 4
         assert gateway.router.inflight_requests == [0]
+
+@contextlib.contextmanager
+def stand_in_dns(monkeypatch, suffix: str):
+    """A name service for host names ending ``suffix`` (a test's own pods): a name
+    resolves to its address in the yielded dict while it is there, else does not
+    exist, as a headless Service's pod names come and go.  Other names resolve as ever."""
+    import socket
+
+    real = socket.getaddrinfo
+    pods: dict[str, str] = {}
+
+    def getaddrinfo(host, *args, **kwargs):
+        if isinstance(host, str) and host.endswith(suffix):
+            if host not in pods:
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+            host = pods[host]
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield pods
+
+
+async def test_replica_slots_of_a_count_are_absent_until_their_pods_exist(tiny_model_dir, monkeypatch, caplog):
+    """An entry with a count stands for a StatefulSet's pods, numbered in its url:
+    the engines scale within it without the gateways being told.  A slot whose name
+    does not resolve (no such pod) is absent: out of routing, but neither down in
+    the metrics, the status line and /stats, nor a warning; it joins once its name
+    resolves, and is absent again once its pod is gone."""
+    caplog.set_level(logging.INFO)
+    port = free_port()
+    engines = [await _engine_server_at(tiny_model_dir, f"127.0.0.{n}", port) for n in (1, 2)]
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=f"http://pod-{{i}}.kvgate.test:{port}",
+                                                        count=3, connect_timeout_s=2)],
+                         router=RouterConfig(health_interval_s=0.2, health_timeout_s=1.0))
+    names = [f"pod-{i}.kvgate.test:{port}" for i in range(3)]
+    with stand_in_dns(monkeypatch, ".kvgate.test") as pods:
+        pods["pod-0.kvgate.test"] = "127.0.0.1"
+        async with serving(create_app(config)) as (app, server, client):
+            replicas = app[GATEWAY].replicas
+            assert [r.name for r in replicas] == names
+            await wait_for(lambda: replicas[0].healthy, what="pod 0 in routing")
+            assert [r.absent for r in replicas] == [False, True, True]
+            assert await metric_by_replica(server.url, "kvgate_replica_absent") == dict(zip(names, (0.0, 1.0, 1.0)))
+            assert await metric_by_replica(server.url, "kvgate_replica_healthy") == dict(zip(names, (1.0, 0.0, 0.0)))
+            async with aiohttp.ClientSession() as session:
+                async with session.get(server.url + "/stats") as resp:
+                    shown = [(r["name"], r["healthy"], r["absent"]) for r in (await resp.json())["replicas"]]
+            assert shown == [(names[0], True, False), (names[1], False, True), (names[2], False, True)]
+            assert [observe._state(r) for r in replicas] == ["up", "absent", "absent"]
+            for _ in range(3):
+                done = await client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2)
+                assert done.usage.completion_tokens >= 1
+
+            pods["pod-1.kvgate.test"] = "127.0.0.2"  # scaled up: the second pod is ready
+            await wait_for(lambda: replicas[1].healthy, what="pod 1 joins routing")
+            assert not replicas[1].absent and replicas[2].absent
+
+            await engines[1][1].stop()  # scaled down again: it drains and goes, its name with it
+            del pods["pod-1.kvgate.test"]
+            await wait_for(lambda: replicas[1].absent, what="pod 1 absent again")
+            assert await metric_by_replica(server.url, "kvgate_replica_absent") == dict(zip(names, (0.0, 1.0, 1.0)))
+    await engines[0][1].stop()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "gateway.replicas"]
+    assert not [m for level, m in said if level >= logging.WARNING and ("pod-1" in m or "pod-2" in m)], said
+    assert any("pod-2" in m and "is absent" in m for _, m in said), said
+
+
+async def _engine_server_at(model_dir, host: str, port: int):
+    app = create_app(tiny_config(model_dir), engine_mode=True)
+    server = await start_server(app, host=host, port=port)
+    return app[GATEWAY].replicas[0].engine, server

@@ -635,7 +635,7 @@ def test_a_replicas_token_and_latency_series_start_at_zero():
     from gateway.metrics import GatewayMetrics
 
     metrics = GatewayMetrics()
-    metrics.watch_replica("r0", lambda: 0, lambda: 1, lambda: 0, lambda: 0)
+    metrics.watch_replica("r0", lambda: 0, lambda: 1, lambda: 0, lambda: 0, lambda: 0)
     found = samples(metrics.render().decode())
 
     def exported(name: str, **labels) -> list[float]:
@@ -659,7 +659,7 @@ def test_an_engine_exports_no_routing_series():
 
     def names(role: str) -> set[str]:
         metrics = GatewayMetrics(role)
-        metrics.watch_replica("engine", lambda: 1, lambda: 1, lambda: 0, lambda: 0)
+        metrics.watch_replica("engine", lambda: 1, lambda: 1, lambda: 0, lambda: 0, lambda: 0)
         metrics.decisions.labels("engine", "prefix").inc()
         return {fam.name for fam in text_string_to_metric_families(generate_latest(metrics.registry).decode())}
 
@@ -719,10 +719,13 @@ def test_status_line_reports_the_interval_then_starts_over():
     history.answered()
     history.answered()
     stats = {"running": 2, "waiting": 1, "blocks": {"device": {"total": 200, "in_use": 90}}}
-    replicas = [("r0", 3, stats, "up"), ("vllm", 4, None, "up"), ("old", 0, None, "down"), ("e1", 2, None, "draining")]
+    replicas = [("r0", 3, stats, "up"), ("vllm", 4, None, "up"), ("old", 0, None, "down"), ("e1", 2, None, "draining"),
+                ("pod-6", 0, None, "absent"), ("pod-7", 0, None, "absent")]
     line = status.line(10, history, replicas, generated=100)
+    # Absent slots (no such pod) are counted only: 2 engines in 8 slots are no 6 down.
     assert line == ("last 10 s: 2 answered, prompt 200 tok/s (40% cached), generation 10 tok/s; "
-                    "r0: 2 running, 1 waiting, KV 45% in use; vllm: 4 in flight; old: down; e1: draining, 2 in flight")
+                    "r0: 2 running, 1 waiting, KV 45% in use; vllm: 4 in flight; old: down; e1: draining, 2 in flight; "
+                    "2 absent")
     assert status.line(10, history, [("r0", 0, {"running": 0}, "up")], generated=100) is None  # nothing new since
     # One client request whose three prompts were three engine requests is one request.
     for _ in range(3):
@@ -756,9 +759,10 @@ def test_the_status_line_says_why_a_replica_is_out_of_routing():
     from gateway.observe import _state
 
     assert _state(SimpleNamespace(healthy=True)) == "up"
-    assert _state(SimpleNamespace(healthy=False, draining=True)) == "draining"
-    assert _state(SimpleNamespace(healthy=False, stalled_for=lambda: 75.0)) == "stalled"
-    assert _state(SimpleNamespace(healthy=False, draining=False, stalled_for=lambda: 0.0)) == "down"
+    assert _state(SimpleNamespace(healthy=False, absent=False, draining=True)) == "draining"
+    assert _state(SimpleNamespace(healthy=False, absent=False, stalled_for=lambda: 75.0)) == "stalled"
+    assert _state(SimpleNamespace(healthy=False, absent=False, draining=False, stalled_for=lambda: 0.0)) == "down"
+    assert _state(SimpleNamespace(healthy=False, absent=True, draining=False)) == "absent"
 
 
 def test_the_dashboards_rate_of_a_period_under_way_is_over_the_sample_span():
