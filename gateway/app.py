@@ -700,7 +700,7 @@ class Gateway:
                 ctx.prompt_blocks = len(prompt.keys)
             else:
                 ctx = self.classifier.classify(
-                    parsed, principal, request.headers, len(prompt.token_ids), len(prompt.keys), prompt.token_ids
+                    parsed, principal, request.headers, len(prompt.token_ids), len(prompt.keys), prompt.token_ids, p
                 )
             # A default that is the context's room by the gateway's count: an external
             # server counts the prompt with its own tokenizer and fills its room itself.

@@ -10,6 +10,7 @@ characters of a file request's document for its signature.
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -57,7 +58,10 @@ class Classifier:
         prompt_tokens: int,
         prompt_blocks: int,
         first_tokens: list[int] | None = None,
+        prompt_index: int = 0,
     ) -> RequestContext:
+        """``prompt_index``: which of a completions request's prompts this is (each
+        is classified, and has its session, on its own)."""
         header_workload = headers.get(WORKLOAD_HEADER)
         if header_workload is not None:
             header_workload = header_workload.strip().lower()
@@ -78,7 +82,7 @@ class Classifier:
         if decided is None:
             decided = self._decisions[facts] = self._decide(req, principal, header_workload, header_type, is_file)
         workload, rtype = decided
-        session, prompt_digests = self._session(req, principal)
+        session, prompt_digests = self._session(req, principal, prompt_index)
         chat_id = next(self._chat_ids)
         # parent_chat_id as in Alibaba's traces: the previous turn of the same
         # conversation (or agent step), -1 for a first turn (a user's new chat is
@@ -174,13 +178,16 @@ class Classifier:
             return "api"
         return "text"
 
-    def _session(self, req: ParsedRequest, principal: Principal) -> tuple[str, tuple[int, int | None] | None]:
+    def _session(self, req: ParsedRequest, principal: Principal,
+                 prompt_index: int = 0) -> tuple[str, tuple[int, int | None] | None]:
         """(session, prompt digests): the session is the `user` field when given,
         else the conversation, a hash of a chat's opening (within the tenant and
         user), which every later turn repeats.  A chat's prompt digests are
         (its whole prompt, the previous turn's prompt or None for a first turn),
-        both within the tenant and user.  Completions have sessions (a
-        template's calls) but no turns.
+        both within the tenant and user.  A completions prompt is a session of
+        its own (its whole prompt, as a single-turn chat's opening is): the
+        template its calls share is reuse across sessions, which the
+        workload-aware policy keeps in its shared class; no turns.
         """
         parts = [principal.tenant.encode() + b"\x00"] if principal.tenant else []
         if req.user:
@@ -219,8 +226,10 @@ class Classifier:
                 conversation = "h" + running.hexdigest()
             return user_session or conversation, (running.intdigest(), previous)
         if user_session is None and req.prompts:
-            first = req.prompts[0]
-            parts.append(first.encode()[:256] if isinstance(first, str) else repr(first[:64]).encode())
+            # The whole prompt, not its opening: a template's calls, one session,
+            # never counted their template's reuse as shared (the policy then lost
+            # its gain over LRU on API traffic).
+            parts.append(_prompt_bytes(req.prompts[prompt_index]))
         return user_session or "h" + xxhash.xxh3_64_hexdigest(b"".join(parts)), None
 
     def _signature(self, req: ParsedRequest, first_tokens: list[int] | None) -> int | None:
@@ -235,3 +244,13 @@ class Classifier:
         else:
             tokens = (first_tokens or [])[:n]
         return self.hasher.signature(tokens)
+
+
+def _prompt_bytes(prompt: str | list[int]) -> bytes:
+    """A completions prompt as bytes to hash: its text, or its token ids."""
+    if isinstance(prompt, str):
+        return prompt.encode()
+    try:
+        return array("Q", prompt).tobytes()
+    except OverflowError:  # ids past 64 bits, which only an external server judges
+        return repr(prompt).encode()

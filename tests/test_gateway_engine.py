@@ -103,6 +103,22 @@ async def test_completions_and_models(gw):
     assert [m.id for m in models.data] == [MODEL]
 
 
+async def test_a_templates_completions_calls_share_its_blocks_across_sessions(tiny_model_dir):
+    """API calls that fill one template are sessions of their own, as single-turn
+    chats are: the template's reuse is cross-session, which the workload-aware
+    policy keeps in its shared class (its main gain over LRU on to-B traffic).
+    One session per 256-byte opening put every call of a template in one session,
+    and the class never formed."""
+    template = "Tenant instructions: " + "Answer the question briefly and politely. " * 8  # over 256 bytes
+    async with serving(create_app(_config(tiny_model_dir, replicas=1))) as (app, server, client):
+        for job in ("the weather", "a cache", "Paris"):
+            await client.completions.create(model=MODEL, prompt=f"{template}Input: {job}", max_tokens=1)
+        again = await client.completions.create(model=MODEL, prompt=f"{template}Input: Paris", max_tokens=1)
+        policy = app[GATEWAY].replicas[0].engine.pool.device_policy
+        assert ("to-b", "api", "shared") in policy.table.names
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
 async def test_errors_surface_as_sdk_exceptions(gw):
     app, server, client = gw
     with pytest.raises(openai.NotFoundError):

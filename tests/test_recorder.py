@@ -353,6 +353,31 @@ async def test_a_stream_the_client_leaves_is_recorded_and_its_next_turn_links_to
     assert turn2["hash_ids"][:len(left["hash_ids"]) - 1] == left["hash_ids"][:-1]  # the same opening blocks
 
 
+async def test_each_prompt_of_a_completions_request_has_the_session_it_has_alone(tiny_model_dir, tmp_path):
+    """A prompt sent among others has the session it has alone (what session
+    routing sticks to, and the recording's session_id), not the first prompt's."""
+    from tests.engine_procs import tiny_config
+
+    path = tmp_path / "served.jsonl"
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="inprocess")], record_trace=str(path)))
+    server = await start_server(app)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    # Openings longer than the 256 bytes a completions session was read from.
+    a, b = "Template A: " + "The capital of France is Paris. " * 10, "Template B: " + "A cache keeps data close. " * 12
+    try:
+        for prompt in (a, b, [a, b]):
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    finally:
+        await client.close()
+        await server.stop()
+    by_prompt: dict[tuple, set] = {}
+    for line in map(json.loads, path.read_text().splitlines()):
+        by_prompt.setdefault(tuple(line["hash_ids"][:line["cacheable_blocks"]]), set()).add(line["session_id"])
+    # One session per prompt, batched or not, and the two prompts' apart.
+    assert len(by_prompt) == 2 and all(len(sessions) == 1 for sessions in by_prompt.values()), by_prompt
+    assert len(set.union(*by_prompt.values())) == 2
+
+
 def test_a_recording_keeps_one_block_size_per_file_and_says_which(tmp_path):
     """A remote engine may tell the gateway its block size after it started recording."""
     rec = TraceRecorder(tmp_path / "r.jsonl", block_tokens=16)
