@@ -180,19 +180,27 @@ class Classifier:
 
     def _session(self, req: ParsedRequest, principal: Principal,
                  prompt_index: int = 0) -> tuple[str, tuple[int, int | None] | None]:
-        """(session, prompt digests): the session is the `user` field when given,
-        else the conversation, a hash of a chat's opening (within the tenant and
-        user), which every later turn repeats.  A chat's prompt digests are
+        """(session, prompt digests): the session is the `prompt_cache_key` when
+        given, else the `user` field (or `safety_identifier`), else the
+        conversation, a hash of a chat's opening (within the tenant and user),
+        which every later turn repeats.  A chat's prompt digests are
         (its whole prompt, the previous turn's prompt or None for a first turn),
         both within the tenant and user.  A completions prompt is a session of
         its own (its whole prompt, as a single-turn chat's opening is): the
         template its calls share is reuse across sessions, which the
         workload-aware policy keeps in its shared class; no turns.
         """
-        parts = [principal.tenant.encode() + b"\x00"] if principal.tenant else []
-        if req.user:
-            parts.append(b"u:" + req.user.encode())
-        user_session = "u" + xxhash.xxh3_64_hexdigest(b"".join(parts)) if req.user else None
+        tenant = [principal.tenant.encode() + b"\x00"] if principal.tenant else []
+        parts = list(tenant)
+        user = req.user or req.safety_identifier  # OpenAI's successor of `user`
+        if user:
+            parts.append(b"u:" + user.encode())
+        user_session = "u" + xxhash.xxh3_64_hexdigest(b"".join(parts)) if user else None
+        if req.prompt_cache_key:
+            # What the client says its requests that share a prefix have in common
+            # (OpenAI routes on it): their session, over the user's.
+            keyed = [*tenant, b"k:" + req.prompt_cache_key.encode()]
+            user_session = "k" + xxhash.xxh3_64_hexdigest(b"".join(keyed))
         if req.messages:
             messages = req.messages
             # A next turn resends the previous prompt, the answer it got (and any

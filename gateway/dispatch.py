@@ -448,7 +448,7 @@ class _Attempt:
             sub.context, self.replica.name, sub.prompt, usage.prompt[0] or prompt_len,
             usage.cached[0] if whole else self.cached,
             usage.completion[0] if whole else max(usage.completion[0], self.received),
-            arrival, parsed.user, self.generated, parsed.cache_salt,
+            arrival, parsed.user or parsed.safety_identifier, self.generated, parsed.cache_salt,
         )
 
 

@@ -49,6 +49,10 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    # OpenAI's successors of `user`: the key of requests that share a prefix (its
+    # cache routing hint) and the end user's id.  Read as kvgate's session and user.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # None: the default for the endpoint, resolved once the prompt length is known.
     max_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -166,10 +170,11 @@ def parse_request(endpoint: str, body: dict, limits: LimitsConfig, engine_mode: 
         if not req.stream:
             raise bad_request("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
         req.include_usage = _bool(options, "include_usage", False, "stream_options.include_usage")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise bad_request(_type_msg("user", "a string", user), "user")
-    req.user = user or None
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise bad_request(_type_msg(name, "a string", value), name)
+        setattr(req, name, value or None)
     salt = body.get("cache_salt")
     if salt is not None:
         # A `kvgate engine` gets the gateway's salt, the tenant's name included: a
@@ -223,7 +228,8 @@ _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 # Every field parse_request reads, by endpoint; the rest are ignored (and named in
 # the log), the other endpoint's own fields too: best_of on chat is no best-of.
 _READ_BY_BOTH = frozenset({
-    "model", "stream", "stream_options", "user", "cache_salt", "n", "max_tokens", "max_completion_tokens",
+    "model", "stream", "stream_options", "user", "prompt_cache_key", "safety_identifier", "cache_salt", "n",
+    "max_tokens", "max_completion_tokens",
     "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop", "logit_bias", "logprobs",
     # vLLM's sampling extensions, which the engine does.
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",

@@ -31,7 +31,7 @@ _ECHOED = ("instructions", "max_output_tokens", "metadata", "temperature", "top_
            "service_tier", "safety_identifier", "prompt_cache_key", "max_tool_calls", "top_logprobs", "tools")
 _READ = frozenset(("model", "input", *_ECHOED, "previous_response_id", "conversation", "background", "prompt"))
 # Chat fields the translated request carries as they came.
-_SAME_NAME = ("model", "stream", "temperature", "top_p", "user")
+_SAME_NAME = ("model", "stream", "temperature", "top_p", "user", "prompt_cache_key", "safety_identifier")
 # What no stateless server can do, each with why and what to send instead.
 _STATEFUL = {
     "previous_response_id": "kvgate stores no responses: send the whole conversation in 'input' instead.",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 
 import aiohttp
 import openai
@@ -117,6 +118,17 @@ async def test_a_templates_completions_calls_share_its_blocks_across_sessions(ti
         policy = app[GATEWAY].replicas[0].engine.pool.device_policy
         assert ("to-b", "api", "shared") in policy.table.names
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+async def test_a_safety_identifier_is_a_user_of_the_hit_share(tiny_model_dir):
+    """OpenAI's successor of `user` counts its requests for their user, as `user` does
+    (it was ignored: the traffic was anonymous, and the hit share empty)."""
+    async with serving(create_app(_config(tiny_model_dir, replicas=1))) as (app, server, client):
+        for who in ("alice", "alice", "bob"):
+            await client.chat.completions.create(model=MODEL, max_tokens=1, safety_identifier=who,
+                                                 messages=[{"role": "user", "content": "The same question " * 8}])
+        shares = app[GATEWAY].observer.user_share.shares(time.monotonic())
+    assert shares and max(shares.values()) > 0, shares
 
 
 async def test_errors_surface_as_sdk_exceptions(gw):

@@ -472,6 +472,25 @@ def test_tenant_rule_and_sessions():
     assert [clf.classify(comp, Principal(), {}, 5, 1).parent_chat_id for _ in range(2)] == [-1, -1]
 
 
+def test_openais_successors_of_user_are_sessions_and_users():
+    """prompt_cache_key (OpenAI's hint that requests share a prefix) and
+    safety_identifier (its successor of `user`) were ignored: a client that moved
+    to them, as the SDK's docs ask, lost its session."""
+    clf = Classifier(ClassifierConfig(), _hasher())
+
+    def session(principal=Principal(), **fields):
+        return clf.classify(chat(**fields), principal, {}, 5, 1).session
+
+    q1, q2 = [{"role": "user", "content": "q1"}], [{"role": "user", "content": "another chat"}]
+    assert session(messages=q1, prompt_cache_key="k") == session(messages=q2, prompt_cache_key="k") != session(messages=q1)
+    assert session(messages=q1, prompt_cache_key="k", user="alice") == session(messages=q2, prompt_cache_key="k")
+    assert session(messages=q1, prompt_cache_key="k") != session(Principal("acme"), messages=q1, prompt_cache_key="k")
+    assert session(messages=q1, safety_identifier="alice") == session(messages=q2, user="alice") != session(messages=q1)
+    assert chat(prompt_cache_key="k", safety_identifier="s").ignored is None
+    with pytest.raises(ApiError, match="prompt_cache_key"):
+        chat(prompt_cache_key=5)
+
+
 def test_a_document_signature_is_tokenised_within_the_requests_cache_salt():
     """The tokeniser's piece cache is per tenant (its salt): the file signature's
     tokenising too, or one tenant could time which documents another sent."""
