@@ -23,6 +23,7 @@ import inspect
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import aiohttp
 import aiohttp.http_exceptions
 
 from engine.config import ConfigError
-from engine.request import EngineFailed, GenerationOutput, GenerationRequest
+from engine.request import EngineFailed, EngineStopping, GenerationOutput, GenerationRequest
 from gateway.config import (
     KvgateConfig,
     ReplicaConfig,
@@ -159,6 +160,9 @@ class Job:
     # X-Request-Id for the server: the client request's completion id (each of
     # several prompts its own), so that every hop's log names the same request.
     forwarded_id: str | None = None
+    # Another replica could serve it (set per attempt): a `kvgate engine` that
+    # begins to shut down gives it back unstarted (kvgate_context.movable).
+    movable: bool = False
 
 
 class Replica:
@@ -198,9 +202,12 @@ KvListener = Callable[[int, str, list[int], str], None]
 _MODEL_LOAD_LOCK = threading.Lock()
 
 
-def engine_failure(replica: Replica, exc: EngineFailed) -> ReplicaAnswerFailed:
+def engine_failure(replica: Replica, exc: EngineFailed | EngineStopping) -> ReplicaUnavailable:
     """An in-process engine's own failure of a request, read as a remote replica's
-    500 is: another replica may serve it.  The cause's text stays in the log."""
+    500 is: another replica may serve it.  The cause's text stays in the log.
+    One it gave back unstarted as it shuts down is a stopping replica's."""
+    if isinstance(exc, EngineStopping):
+        return ReplicaStopping(f"replica {replica.name} is shutting down")
     failed = ReplicaAnswerFailed(f"replica {replica.name} failed the request ({exc.what})", 500, internal_error().body())
     failed.__cause__ = exc
     return failed
@@ -478,8 +485,8 @@ class RemoteReplica(Replica):
         return self.slot and self._unresolved and not self.healthy
 
     def _note_contact(self, exc: BaseException | None) -> None:
-        """A contact ended: an answer (``exc`` None) or ``exc``; whether the host name resolved."""
-        self._unresolved = isinstance(exc, aiohttp.ClientConnectorDNSError)
+        """A contact ended: an answer (``exc`` None) or ``exc``; whether the host name has no address."""
+        self._unresolved = _no_such_host(exc)
 
     def _not_answering(self, why: str) -> None:
         """Said once at start: out of routing until it answers (absent: until its name resolves)."""
@@ -970,18 +977,23 @@ class RemoteReplica(Replica):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                failures += 1
-                # Once per outage, not every poll: without them the router soon counts
-                # none of the server's own queue (other clients', its waiting requests).
-                log.log(logging.WARNING if failures == 1 else logging.DEBUG,
-                        "replica %s: cannot read its metrics at %s (%s): routing goes by its last figures, then "
-                        "by none, until they answer", self.name, without_userinfo(self.cfg.metrics_url),
-                        f"HTTP {exc.status}" if isinstance(exc, aiohttp.ClientResponseError) else _plain_reason(exc))
-                # A saturated server is the one whose /metrics times out: keep its last
-                # figures for a few polls rather than read it as idle; then drop them
-                # (an outage, not load, and the health checks judge those).
-                if failures > _METRICS_KEEP_POLLS:
+                if self.absent:
+                    # A slot with no pod (its name does not resolve): no figures, and
+                    # no warning (it is said once at start, at INFO, and is no outage).
                     self.waiting, self.kv_usage = 0.0, None
+                else:
+                    failures += 1
+                    # Once per outage, not every poll: without them the router soon counts
+                    # none of the server's own queue (other clients', its waiting requests).
+                    log.log(logging.WARNING if failures == 1 else logging.DEBUG,
+                            "replica %s: cannot read its metrics at %s (%s): routing goes by its last figures, then "
+                            "by none, until they answer", self.name, without_userinfo(self.cfg.metrics_url),
+                            f"HTTP {exc.status}" if isinstance(exc, aiohttp.ClientResponseError) else _plain_reason(exc))
+                    # A saturated server is the one whose /metrics times out: keep its last
+                    # figures for a few polls rather than read it as idle; then drop them
+                    # (an outage, not load, and the health checks judge those).
+                    if failures > _METRICS_KEEP_POLLS:
+                        self.waiting, self.kv_usage = 0.0, None
             if self.load_listener is not None:
                 self.load_listener(BackendLoad(self.waiting, self.kv_usage))
             await asyncio.sleep(interval)
@@ -1020,6 +1032,7 @@ class RemoteReplica(Replica):
                     "parent_chat_id": ctx.parent_chat_id,
                     # A chat arrives as token ids on /v1/completions: the engine's metrics count it as a chat.
                     "endpoint": parsed.endpoint,
+                    "movable": job.movable,
                 },
                 "kvgate_mm_hashes": [[off, h.hex()] for off, h in job.request.mm_hashes],
                 "cache_salt": job.request.cache_salt,
@@ -1272,6 +1285,26 @@ async def _error_code(resp: aiohttp.ClientResponse) -> str | None:
         return body["error"]["code"]
     except Exception:  # noqa: BLE001 - any other answer has no code
         return None
+
+
+# What a lookup answers for a name that does not exist (a StatefulSet's pod not
+# there): getaddrinfo's "Name or service not known" / "No address associated",
+# and c-ares's (aiohttp's resolver where aiodns is installed) ENOTFOUND / ENODATA.
+_NO_SUCH_HOST = frozenset({socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)})
+_ARES_NO_SUCH_HOST = frozenset({1, 4})
+
+
+def _no_such_host(exc: BaseException | None) -> bool:
+    """Whether ``exc`` says the host name has no address: no such pod, an absent
+    slot.  Not a lookup that failed (EAI_AGAIN: the DNS server unreachable or
+    timing out, EAI_FAIL): that is an outage, which shows as down and alerts."""
+    if not isinstance(exc, aiohttp.ClientConnectorDNSError):
+        return False
+    cause = exc.os_error
+    if isinstance(cause, socket.gaierror):
+        return cause.errno in _NO_SUCH_HOST
+    code = getattr(cause.__cause__, "args", ())[:1]  # aiodns's DNSError(code, text), under an OSError
+    return bool(code) and code[0] in _ARES_NO_SUCH_HOST
 
 
 def _plain_reason(exc: BaseException) -> str:

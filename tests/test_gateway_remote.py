@@ -42,7 +42,7 @@ from tests.engine_procs import (
     tiny_config,
     wait_for,
 )
-from tests.gateway_helpers import a_request_in_a_hung_step, metric_by_replica, serving, sse_events
+from tests.gateway_helpers import a_request_in_a_hung_step, hung_model_steps, metric_by_replica, serving, sse_events
 
 
 async def _engine_server(model_dir, **kw):
@@ -91,6 +91,30 @@ def _models_while(state: dict):
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     return models
+
+
+async def test_openais_session_and_user_fields_reach_an_external_server(tiny_model_dir):
+    """prompt_cache_key and safety_identifier, read as the session and the user,
+    also reach a `kind: openai` server as they came (as `user` does), from the
+    Responses API too: the README said they were not sent on."""
+    got = []
+
+    async def chat(request):
+        got.append(await request.json())
+        return await _answer_fine(request)
+
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), chat)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url + "/v1")])
+    try:
+        async with serving(create_app(config)) as (app, server, client):
+            await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="the server in routing")
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2, prompt_cache_key="k1", safety_identifier="alice")
+            await client.responses.create(model=MODEL, input="hi", prompt_cache_key="k2", safety_identifier="bob")
+    finally:
+        await upstream.stop()
+    assert [(body.get("prompt_cache_key"), body.get("safety_identifier")) for body in got] == [
+        ("k1", "alice"), ("k2", "bob")]
 
 
 async def test_gateway_follows_remote_engine_kv_events(tiny_model_dir):
@@ -4098,6 +4122,34 @@ def stand_in_dns(monkeypatch, suffix: str):
     yield pods
 
 
+async def test_absent_openai_slots_say_nothing_of_their_metrics(tiny_model_dir, monkeypatch, caplog):
+    """vLLM pods as slots with a metrics_url each (deploy/vllm.md): a slot with no
+    pod is absent, said once at INFO, not a warning.  Its metrics poll warned
+    "cannot read its metrics" for each such slot all the same (6 warnings at every
+    start of a gateway over 2 pods in 8 slots)."""
+    caplog.set_level(logging.INFO)
+    stub = web.Application()
+    stub.router.add_get("/v1/models", _models_while({"healthy": True}))
+    stub.router.add_get("/metrics", lambda request: web.Response(text="vllm:num_requests_waiting 0\n"))
+    upstream = await start_server(stub)
+    port = int(upstream.url.rsplit(":", 1)[1])
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(
+        kind="openai", url=f"http://pod-{{i}}.kvgate.test:{port}/v1", metrics_url=f"http://pod-{{i}}.kvgate.test:{port}/metrics",
+        count=3, connect_timeout_s=2)], router=RouterConfig(health_interval_s=0.2, health_timeout_s=1.0))
+    try:
+        with stand_in_dns(monkeypatch, ".kvgate.test") as pods:
+            pods["pod-0.kvgate.test"] = "127.0.0.1"
+            async with serving(create_app(config)) as (app, server, client):
+                replicas = app[GATEWAY].replicas
+                await wait_for(lambda: replicas[0].healthy, what="pod 0 in routing")
+                await asyncio.sleep(0.6)  # a few metrics polls
+                assert [observe._state(r) for r in replicas] == ["up", "absent", "absent"]
+    finally:
+        await upstream.stop()
+    warned = [r.getMessage() for r in caplog.records if r.name == "gateway.replicas" and r.levelno >= logging.WARNING]
+    assert warned == [], warned
+
+
 async def test_replica_slots_of_a_count_are_absent_until_their_pods_exist(tiny_model_dir, monkeypatch, caplog):
     """An entry with a count stands for a StatefulSet's pods, numbered in its url:
     the engines scale within it without the gateways being told.  A slot whose name
@@ -4143,7 +4195,71 @@ async def test_replica_slots_of_a_count_are_absent_until_their_pods_exist(tiny_m
     assert any("pod-2" in m and "is absent" in m for _, m in said), said
 
 
+async def test_a_slot_whose_lookup_fails_is_down_not_absent(tiny_model_dir, monkeypatch):
+    """Absent is a name that does not exist (no such pod).  A lookup that fails
+    (EAI_AGAIN: the cluster's DNS unreachable or timing out) is an outage: read as
+    absent, every slot left routing silently, the dashboard said 0 down and the
+    README's alert stayed quiet while every request was a 503."""
+    import socket
+
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if isinstance(host, str) and host.endswith(".kvgate.test"):
+            if host.startswith("pod-0."):
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    port = free_port()
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=f"http://pod-{{i}}.kvgate.test:{port}",
+                                                        count=2, connect_timeout_s=1)],
+                         router=RouterConfig(health_interval_s=0.2, health_timeout_s=1.0))
+    async with serving(create_app(config)) as (app, server, client):
+        replicas = app[GATEWAY].replicas
+        await asyncio.sleep(0.5)  # a few probes
+        assert [observe._state(r) for r in replicas] == ["absent", "down"]
+        names = [r.name for r in replicas]
+        assert await metric_by_replica(server.url, "kvgate_replica_absent") == dict(zip(names, (1.0, 0.0)))
+
+
 async def _engine_server_at(model_dir, host: str, port: int):
     app = create_app(tiny_config(model_dir), engine_mode=True)
     server = await start_server(app, host=host, port=port)
     return app[GATEWAY].replicas[0].engine, server
+
+
+async def test_an_engine_that_begins_to_stop_hands_its_queued_requests_back(tiny_model_dir, caplog):
+    """Requests queued on a `kvgate engine` that begins to shut down (a rolling
+    update, a scale-down) waited for its running ones, up to its whole drain, while
+    their gateway had another engine for them.  Given back unstarted, they are
+    served there at once.  A client's own request, which no gateway would move,
+    stays and is served where it was sent."""
+    caplog.set_level(logging.INFO)
+    apps = [create_app(tiny_config(tiny_model_dir), engine_mode=True) for _ in range(2)]
+    servers = [await start_server(app) for app in apps]
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=s.url) for s in servers],
+                         router=RouterConfig(policy="round-robin"))
+    stopping = apps[0][GATEWAY].replicas[0].engine
+    direct_client = _client(servers[0].url)
+    try:
+        async with serving(create_app(config)) as (app, server, client):
+            await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="both engines in routing")
+            with hung_model_steps(stopping):
+                direct = asyncio.ensure_future(direct_client.completions.create(model=MODEL, prompt="mine", max_tokens=2))
+                asked = [asyncio.ensure_future(client.completions.create(model=MODEL, prompt=f"question {i}", max_tokens=2))
+                         for i in range(4)]
+                await wait_for(lambda: len(stopping._requests) == 3, what="two of the gateway's and the client's own queued")
+                apps[0][GATEWAY].begin_drain()  # SIGTERM's first act
+                # Served by the other engine while this one's step is still stuck.
+                answers = await asyncio.wait_for(asyncio.gather(*asked), 10)
+                assert all(answer.usage.completion_tokens >= 1 for answer in answers)
+                assert not direct.done()
+            assert (await asyncio.wait_for(direct, 30)).usage.completion_tokens >= 1
+    finally:
+        await direct_client.close()
+        for s in servers:
+            await s.stop()
+    said = [r.getMessage() for r in caplog.records if r.name == "gateway.engine_endpoints"]
+    assert any("2 queued requests handed back" in m for m in said), said
