@@ -26,15 +26,7 @@ from engine.chat_tokens import ChatTokenizer
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from engine.kv_cache import HOST_KV_FRACTION, HOST_KV_FRACTION_OF_LIMIT, KVCache, KVShape, size_device_blocks, size_host_blocks
 from engine.model_loader import LoadedModel, load_model
-from engine.request import (
-    EngineFailed,
-    EngineStopping,
-    GenerationOutput,
-    GenerationRequest,
-    Usage,
-    coalesce,
-    one_at_a_time,
-)
+from engine.request import EngineFailed, GenerationOutput, GenerationRequest, Usage, coalesce, one_at_a_time
 from engine.runner import ModelRunner
 from engine.sampling import SequenceSampler, sample_batch
 from engine.scheduler import Scheduler
@@ -327,21 +319,6 @@ class AsyncEngine:
         state = self._requests.get(request_id)
         if state is not None:
             self._abort(state)
-
-    def hand_back_unstarted(self) -> int:
-        """Give back the movable requests no step has started (queued behind
-        others): shutting down, this engine would hold them until its running
-        ones finish, while their gateway has another replica for them now.  Their
-        readers raise EngineStopping; how many."""
-        handed = 0
-        for state in list(self._requests.values()):
-            # first_scheduled is set by the step thread: one that a step in flight
-            # just took in is aborted after it, its output never read.
-            if state.request.movable and all(seq.first_scheduled is None for seq in state.seqs):
-                state.queue.put_nowait(EngineStopping(f"request {state.request.request_id} handed back"))
-                self._abort(state)
-                handed += 1
-        return handed
 
     def _abort(self, state: _RequestState) -> None:
         if self._in_flight:

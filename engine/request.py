@@ -60,11 +60,6 @@ class EngineFailed(RuntimeError):
         self.what = what  # without the cause's text, which is for the log
 
 
-class EngineStopping(RuntimeError):
-    """The engine, shutting down, gave back a request it had not started: its
-    sender (a kvgate gateway with another replica) serves it elsewhere."""
-
-
 @dataclass(slots=True)
 class GenerationRequest:
     request_id: str
@@ -75,9 +70,6 @@ class GenerationRequest:
     mm_hashes: list[tuple[int, bytes]] = field(default_factory=list)
     # Joins the engine's salt in the request's block hashes (engine.block_hash.chain_salt).
     cache_salt: str | None = None
-    # Sent by a kvgate gateway that has another replica for it: given back, not
-    # served, if this engine begins to shut down before starting it (hand_back_unstarted).
-    movable: bool = False
 
 
 @dataclass(slots=True)

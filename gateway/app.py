@@ -691,8 +691,6 @@ class Gateway:
             decode = self.hasher.tokenizer.decode
             parsed.echo_texts = [p if isinstance(p, str) else decode(p) for p in sources]
         override = self.engine_context(parsed.body) if self.engine_mode else None
-        if override is not None:
-            parsed.movable = parsed.body["kvgate_context"].get("movable") is True
         subs = []
         n = parsed.sampling.n
         for p, (prompt, source) in enumerate(zip(prompts, sources)):
@@ -1164,7 +1162,6 @@ def create_app(
     ]
     if extra is not None:
         gw.drain_hooks.append(extra.announce_draining)
-        gw.drain_hooks.append(extra.hand_back_unstarted)  # after: its gateways route elsewhere first
         app.on_shutdown.append(extra.on_shutdown)
         routes += [
             ("GET", "/kv_events", extra.kv_events),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from engine.context import RequestContext
-from engine.request import EngineFailed, EngineStopping, GenerationOutput, GenerationRequest, Usage, coalesce
+from engine.request import EngineFailed, GenerationOutput, GenerationRequest, Usage, coalesce
 from gateway import errors
 from gateway.errors import bad_request
 from gateway.metrics import GatewayMetrics, RequestSeries
@@ -106,7 +106,7 @@ class Dispatcher:
         if s.max_tokens != max_tokens:
             s = dataclasses.replace(s, max_tokens=max_tokens)
         request = GenerationRequest(new_id("req-"), sub.prompt.token_ids, s, sub.context, sub.prompt.mm_hashes,
-                                    parsed.cache_salt, parsed.movable)
+                                    parsed.cache_salt)
         job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens, sub.fills_room,
                   parsed.id if not sub.shift else f"{parsed.id}-{sub.shift}")
         load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
@@ -129,10 +129,6 @@ class Dispatcher:
                 attempt = _Attempt(replica, self.metrics.request_series(sub.context.workload, replica.name),
                                    predicted, [] if self.observer.recording else None)
                 restart = False
-                if replica.kind == "engine":
-                    # Another replica could take it: the engine may give it back unstarted
-                    # when it begins to shut down, rather than hold it to the end of its drain.
-                    job.movable = any(r.healthy for r in self.replicas if r is not replica)
                 gen = replica.generate(job)
                 try:
                     async for batch in gen:
@@ -163,7 +159,7 @@ class Dispatcher:
                     if exc.retry_after is not None and (tries.retry_after is None or exc.retry_after < tries.retry_after):
                         tries.retry_after = exc.retry_after
                     tries.tried.append(decision.replica)
-                except (ReplicaUnavailable, EngineFailed, EngineStopping) as failure:
+                except (ReplicaUnavailable, EngineFailed) as failure:
                     exc = failure if isinstance(failure, ReplicaUnavailable) else engine_failure(replica, failure)
                     if isinstance(exc, ReplicaLost):  # a stream under way too: its client may well retry
                         self._lost.note(self._prompt_id(sub, parsed), exc.event, job.forwarded_id)
@@ -171,7 +167,6 @@ class Dispatcher:
                     restart = attempt.produced
                     tries.tried.append(decision.replica)
                     tries.last_failure = _in_words(exc, replica)
-                    tries.stopping = isinstance(exc, ReplicaStopping)
                     if isinstance(exc, ReplicaAnswerFailed):
                         tries.answer_failed.append((replica, exc))
                     if isinstance(exc, ReplicaLost):
@@ -230,10 +225,6 @@ class Dispatcher:
             if failed.retry_after is not None:  # the server's own wait, as a 429's
                 relayed.retry_after = failed.retry_after
             raise relayed from None
-        if tries.stopping:
-            # The last replica tried is shutting down (its gateway retries elsewhere,
-            # the SDK retries a 503): said with the code that tells so.
-            raise errors.shutting_down("The model server is shutting down; retry the request.")
         if tries.last_failure is not None:
             # Replicas that failed it (a malformed answer, a dropped connection) may
             # still be healthy: the client is told what went wrong, not only "none".
@@ -354,8 +345,7 @@ def _in_words(exc: Exception, replica: Replica) -> str:
 class _Tries:
     """A sub-request's attempts so far, on one replica after another."""
 
-    __slots__ = ("arrival", "tried", "busy", "retry_after", "answer_failed", "unrecorded", "lost", "last_failure",
-                 "stopping")
+    __slots__ = ("arrival", "tried", "busy", "retry_after", "answer_failed", "unrecorded", "lost", "last_failure")
 
     def __init__(self, arrival: float) -> None:
         self.arrival = arrival  # time.monotonic() when it was first routed
@@ -369,7 +359,6 @@ class _Tries:
         self.unrecorded: Finished | None = None
         self.lost = 0  # attempts whose replica's connection broke while it ran them (ReplicaLost)
         self.last_failure: str | None = None  # what the last replica to fail it did, in words
-        self.stopping = False  # the last replica to fail it was shutting down
 
 
 class _Attempt:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import secrets
 from typing import TYPE_CHECKING
 
@@ -26,8 +25,6 @@ from gateway.respond import SSE_HEADERS
 
 if TYPE_CHECKING:
     from gateway.app import Gateway
-
-log = logging.getLogger(__name__)
 
 # A /kv_events consumer this far behind (in events, or in the keys they hold:
 # an eviction burst removes thousands at once) is cut off; it resyncs from a snapshot.
@@ -157,16 +154,6 @@ class EngineEndpoints:
         for queue in list(self._streams):
             queue.put_nowait(None)
         self._streams.clear()
-
-    def hand_back_unstarted(self) -> None:
-        """Requests its gateways sent that no step has started yet go back to them,
-        to be served elsewhere now rather than after this engine's running ones
-        (up to server.drain_timeout_s).  Only those whose gateway had another
-        replica for them: a client's own, or a lone engine's, are served here."""
-        handed = self.gateway.replicas[0].engine.hand_back_unstarted()
-        if handed:
-            log.info("shutting down: %d queued %s handed back to the gateways that sent them, to be served "
-                     "elsewhere", handed, "request" if handed == 1 else "requests")
 
     async def on_shutdown(self, app: web.Application) -> None:
         self.announce_draining()

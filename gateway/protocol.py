@@ -53,9 +53,6 @@ class ParsedRequest:
     # cache routing hint) and the end user's id.  Read as kvgate's session and user.
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # `kvgate engine`: its gateway has another replica for it (kvgate_context.movable),
-    # so it is given back unstarted if this engine begins to shut down.
-    movable: bool = False
     # None: the default for the endpoint, resolved once the prompt length is known.
     max_tokens: int | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)

@@ -34,7 +34,7 @@ import aiohttp
 import aiohttp.http_exceptions
 
 from engine.config import ConfigError
-from engine.request import EngineFailed, EngineStopping, GenerationOutput, GenerationRequest
+from engine.request import EngineFailed, GenerationOutput, GenerationRequest
 from gateway.config import (
     KvgateConfig,
     ReplicaConfig,
@@ -160,9 +160,6 @@ class Job:
     # X-Request-Id for the server: the client request's completion id (each of
     # several prompts its own), so that every hop's log names the same request.
     forwarded_id: str | None = None
-    # Another replica could serve it (set per attempt): a `kvgate engine` that
-    # begins to shut down gives it back unstarted (kvgate_context.movable).
-    movable: bool = False
 
 
 class Replica:
@@ -202,12 +199,9 @@ KvListener = Callable[[int, str, list[int], str], None]
 _MODEL_LOAD_LOCK = threading.Lock()
 
 
-def engine_failure(replica: Replica, exc: EngineFailed | EngineStopping) -> ReplicaUnavailable:
+def engine_failure(replica: Replica, exc: EngineFailed) -> ReplicaAnswerFailed:
     """An in-process engine's own failure of a request, read as a remote replica's
-    500 is: another replica may serve it.  The cause's text stays in the log.
-    One it gave back unstarted as it shuts down is a stopping replica's."""
-    if isinstance(exc, EngineStopping):
-        return ReplicaStopping(f"replica {replica.name} is shutting down")
+    500 is: another replica may serve it.  The cause's text stays in the log."""
     failed = ReplicaAnswerFailed(f"replica {replica.name} failed the request ({exc.what})", 500, internal_error().body())
     failed.__cause__ = exc
     return failed
@@ -1032,7 +1026,6 @@ class RemoteReplica(Replica):
                     "parent_chat_id": ctx.parent_chat_id,
                     # A chat arrives as token ids on /v1/completions: the engine's metrics count it as a chat.
                     "endpoint": parsed.endpoint,
-                    "movable": job.movable,
                 },
                 "kvgate_mm_hashes": [[off, h.hex()] for off, h in job.request.mm_hashes],
                 "cache_salt": job.request.cache_salt,

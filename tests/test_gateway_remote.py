@@ -42,7 +42,7 @@ from tests.engine_procs import (
     tiny_config,
     wait_for,
 )
-from tests.gateway_helpers import a_request_in_a_hung_step, hung_model_steps, metric_by_replica, serving, sse_events
+from tests.gateway_helpers import a_request_in_a_hung_step, metric_by_replica, serving, sse_events
 
 
 async def _engine_server(model_dir, **kw):
@@ -4228,38 +4228,3 @@ async def _engine_server_at(model_dir, host: str, port: int):
     app = create_app(tiny_config(model_dir), engine_mode=True)
     server = await start_server(app, host=host, port=port)
     return app[GATEWAY].replicas[0].engine, server
-
-
-async def test_an_engine_that_begins_to_stop_hands_its_queued_requests_back(tiny_model_dir, caplog):
-    """Requests queued on a `kvgate engine` that begins to shut down (a rolling
-    update, a scale-down) waited for its running ones, up to its whole drain, while
-    their gateway had another engine for them.  Given back unstarted, they are
-    served there at once.  A client's own request, which no gateway would move,
-    stays and is served where it was sent."""
-    caplog.set_level(logging.INFO)
-    apps = [create_app(tiny_config(tiny_model_dir), engine_mode=True) for _ in range(2)]
-    servers = [await start_server(app) for app in apps]
-    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=s.url) for s in servers],
-                         router=RouterConfig(policy="round-robin"))
-    stopping = apps[0][GATEWAY].replicas[0].engine
-    direct_client = _client(servers[0].url)
-    try:
-        async with serving(create_app(config)) as (app, server, client):
-            await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="both engines in routing")
-            with hung_model_steps(stopping):
-                direct = asyncio.ensure_future(direct_client.completions.create(model=MODEL, prompt="mine", max_tokens=2))
-                asked = [asyncio.ensure_future(client.completions.create(model=MODEL, prompt=f"question {i}", max_tokens=2))
-                         for i in range(4)]
-                await wait_for(lambda: len(stopping._requests) == 3, what="two of the gateway's and the client's own queued")
-                apps[0][GATEWAY].begin_drain()  # SIGTERM's first act
-                # Served by the other engine while this one's step is still stuck.
-                answers = await asyncio.wait_for(asyncio.gather(*asked), 10)
-                assert all(answer.usage.completion_tokens >= 1 for answer in answers)
-                assert not direct.done()
-            assert (await asyncio.wait_for(direct, 30)).usage.completion_tokens >= 1
-    finally:
-        await direct_client.close()
-        for s in servers:
-            await s.stop()
-    said = [r.getMessage() for r in caplog.records if r.name == "gateway.engine_endpoints"]
-    assert any("2 queued requests handed back" in m for m in said), said
