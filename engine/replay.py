@@ -7,12 +7,15 @@ prompt blocks.  Recordings of served traffic say what the engine did more
 exactly: a trailing partial prompt block is an access that is never cached
 (``cacheable``), and the blocks the engine filled with generated tokens
 (``output_keys``) are cached after the prompt, as the engine publishes them,
-without counting as accesses.  Nothing here is a second cache implementation: it is the
+without counting as accesses; a request that lasted (``duration``) holds its blocks
+until it ends, and its answer's blocks are cached then.  Nothing here is a second cache implementation: it is the
 ``BlockPool`` the engine uses, with no KV tensors behind it.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -100,23 +103,57 @@ def _insert_outputs(pool: BlockPool, keys: list[int], ctx, first_offset: int, no
     return blocks
 
 
-def replay_request(pool: BlockPool, request) -> int:
+def replay_request(pool: BlockPool, request, held: "HeldRequests | None" = None) -> int:
     """One trace request through ``pool`` as the engine serves it; its hit blocks.
 
     The prompt's cacheable blocks are looked up or inserted (a recording's
     trailing partial block is never cached), the answer's blocks (recordings
     only) cached after them, and all released tail first.  A recording's last
-    prompt block is never a hit, as in the engine.
+    prompt block is never a hit, as in the engine.  With ``held``, a request
+    that lasted (a recording's ``duration``) keeps its blocks until it ends,
+    and its answer's blocks are cached then.
     """
     ctx = request.context
     now = request.timestamp
     keys = request.cacheable_keys()
     blocks, hit = pool.touch_or_insert(keys, ctx, now)
-    if request.output_keys:
-        blocks += _insert_outputs(pool, request.output_keys, ctx, len(keys), now)
-    blocks.reverse()
-    pool.release(blocks, ctx, now)
+    if held is not None and request.duration > 0:
+        held.hold(request, blocks, len(keys))
+    else:
+        _end(pool, request, blocks, len(keys), now)
     return request.served_hits(hit)
+
+
+def _end(pool: BlockPool, request, blocks: list[int], first_output: int, now: float) -> None:
+    if request.output_keys:
+        blocks += _insert_outputs(pool, request.output_keys, request.context, first_output, now)
+    blocks.reverse()
+    pool.release(blocks, request.context, now)
+
+
+class HeldRequests:
+    """Requests that have started and not yet ended, each holding its blocks.
+
+    The engine holds a request's blocks from its start to its end, and its
+    policy sees them released then: a policy that scores blocks by their age
+    (wa's lifetime window) read a recording of requests lasting seconds as
+    older than they were when replay released them at arrival (3 points lower).
+    Ends are played in time order, between the arrivals they fall between."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+        self._ends: list[tuple[float, int, object, list[int], int]] = []
+        self._count = 0
+
+    def hold(self, request, blocks: list[int], first_output: int) -> None:
+        self._count += 1
+        heapq.heappush(self._ends, (request.timestamp + request.duration, self._count, request, blocks, first_output))
+
+    def end_until(self, now: float) -> None:
+        """End every request that ended by ``now`` (math.inf: all)."""
+        while self._ends and self._ends[0][0] <= now:
+            end, _, request, blocks, first_output = heapq.heappop(self._ends)
+            _end(self._pool, request, blocks, first_output, end)
 
 
 def pool_sizes(device_blocks: int, host_blocks: int, unique_blocks: int) -> tuple[int, int]:
@@ -149,11 +186,14 @@ def replay(
     hits = accesses = 0
     step = 1000
     start = time.perf_counter()
+    held = HeldRequests(pool)
     for index, request in enumerate(trace.requests):
-        hits += replay_request(pool, request)
+        held.end_until(request.timestamp)
+        hits += replay_request(pool, request, held)
         accesses += len(request.keys)
         if progress is not None and index % step == step - 1:
             progress(step)
+    held.end_until(math.inf)
     elapsed = time.perf_counter() - start
     if progress is not None:
         progress(len(trace.requests) % step)

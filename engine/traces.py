@@ -44,6 +44,9 @@ class TraceRequest:
     # Leading keys the engine could cache (recordings: the full prompt blocks; the
     # trailing partial block is counted as an access but never cached); -1: all.
     cacheable: int = -1
+    # Seconds from arrival to the end (recordings): the engine held the request's
+    # blocks that long, and replay does too; 0: released at once.
+    duration: float = 0.0
 
     def cacheable_keys(self) -> list[int]:
         """The keys a cache holds after this request (a recording's partial block is not one)."""
@@ -307,6 +310,17 @@ def _timestamp(record: dict, where: str) -> float:
     return value
 
 
+def _duration(record: dict, where: str) -> float:
+    value = _field(record, "duration_s", (int, float), where)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer past any float
+        value = math.inf
+    if not 0.0 <= value <= MAX_TIMESTAMP:  # NaN fails both
+        raise TraceError(f"{where}: duration_s must be from 0 to {MAX_TIMESTAMP:g} seconds, got {value:g}")
+    return value
+
+
 # Far past any clock: 1e15 seconds is 31 million years, and as Mooncake's milliseconds
 # 31,000 years; epoch times (1.7e9 s, 1.7e12 ms) are well inside.
 MAX_TIMESTAMP = 1e15
@@ -394,6 +408,7 @@ def _bailian_request(
         raise TraceError(f"{where}: cacheable_blocks must be from 0 to the line's {len(keys)} hash_ids, got {cacheable}")
     # Recordings name the session the engine's policy keyed on (gateway/recorder.py).
     session = _field(record, "session_id", (int, str), where) if "session_id" in record else None
+    duration = _duration(record, where) if "duration_s" in record else 0.0
     ctx = RequestContext(
         workload=workload,
         type=request_type,
@@ -406,4 +421,4 @@ def _bailian_request(
         chat_id=chat_id,
         parent_chat_id=parent,
     )
-    return TraceRequest(timestamp, keys, input_length, output_length, ctx, output_keys, cacheable)
+    return TraceRequest(timestamp, keys, input_length, output_length, ctx, output_keys, cacheable, duration)

@@ -33,9 +33,12 @@ so that replay does what the engine did rather than approximately so:
 - ``block_tokens``: the engine's block size when it is not 16 (on every line;
   a file holds one size);
 - ``session_id``: the request's session as the engine's policy saw it (the
-  ``user`` field when given, else the conversation), a small per-file id; the
+  ``prompt_cache_key`` or ``user`` field when given, else the conversation), a small per-file id; the
   workload-aware policy keys its topic-switch detector and its shared class on
-  it, and chat ids alone only rebuild conversations.
+  it, and chat ids alone only rebuild conversations;
+- ``duration_s``: seconds from arrival to the request's end, for which the
+  engine held its blocks; replay holds them as long (a policy that scores blocks
+  by age sees them released when the engine released them).
 
 Past ``max_bytes`` (or ``max_bytes / 64`` distinct blocks, 65,536 at least,
 whose id map would otherwise hold many times the file's size) the file rotates (FILE -> FILE.1 ->
@@ -100,7 +103,8 @@ class TraceRecorder:
         if ctx.chat_id >= 0:
             self._chats[ctx.chat_id] = chat_id
         parent = self._chats.get(ctx.parent_chat_id, -1) if ctx.parent_chat_id >= 0 else -1
-        timestamp = (arrival if arrival is not None else self._clock()) - self._start
+        ended = self._clock()
+        timestamp = (arrival if arrival is not None else ended) - self._start
         fields = {
             "chat_id": chat_id,
             "parent_chat_id": parent,
@@ -125,6 +129,10 @@ class TraceRecorder:
             fields["session_id"] = session
         if output_keys:
             fields["output_hash_ids"] = self._ids_of(output_keys)
+        if arrival is not None:
+            # The engine held the request's blocks from its start to its end: replay
+            # holds them as long (a policy that scores by age sees them released then).
+            fields["duration_s"] = round(max(ended - arrival, 0.0), 6)
         if self.block_tokens != 16:
             # Replay chains the output ids after the prompt's last full block.
             fields["block_tokens"] = self.block_tokens

@@ -54,7 +54,7 @@ BLOCK = 16
 
 def test_lines_hold_remapped_ids_and_no_content(tmp_path):
     path = tmp_path / "trace.jsonl"
-    clock = iter([100.0, 100.5, 101.25]).__next__
+    clock = iter([100.0, 102.0, 103.0]).__next__  # the file opens, then each request ends
     rec = TraceRecorder(path, block_tokens=16, clock=clock)
     big = [0xDEADBEEF12345678, 0x1122334455667788, 0x0FEDCBA987654321]
     first = RequestContext(workload="to-c", type="text", turn=1, chat_id=7, parent_chat_id=-1)
@@ -64,12 +64,14 @@ def test_lines_hold_remapped_ids_and_no_content(tmp_path):
     rec.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines[0] == {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.5, "input_length": 40, "output_length": 5,
-                        "type": "text", "turn": 1, "workload": "to-c", "hash_ids": [1, 2, 3], "cacheable_blocks": 2}
-    assert lines[1]["hash_ids"] == [1, 2, 4] and lines[1]["timestamp"] == 1.25
+                        "type": "text", "turn": 1, "workload": "to-c", "hash_ids": [1, 2, 3], "cacheable_blocks": 2,
+                        "duration_s": 1.5}
+    assert lines[1]["hash_ids"] == [1, 2, 4] and lines[1]["timestamp"] == 1.25 and lines[1]["duration_s"] == 1.75
     assert (lines[1]["type"], lines[1]["turn"], lines[1]["parent_chat_id"], lines[1]["workload"]) == ("file", 2, 1, "to-b")
     assert str(big[0]) not in path.read_text()
     trace = load_trace(path)
     assert [r.context.workload for r in trace.requests] == ["to-c", "to-b"]
+    assert [r.duration for r in trace.requests] == [1.5, 1.75]  # replay holds their blocks as long
     assert trace.requests[0].keys[:2] == trace.requests[1].keys[:2] != trace.requests[1].keys
 
 

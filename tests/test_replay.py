@@ -101,6 +101,32 @@ def test_bailian_lru_matches_an_independent_simulator(tmp_path):
         assert round(replay(trace, "lru", capacity).hit_ratio, 3) == round(independent_lru_prefix(trace, capacity), 3)
 
 
+def test_a_recorded_request_holds_its_blocks_until_it_ends(tmp_path):
+    """The engine holds a request's blocks from its start to its end and releases
+    them then; replay released them at arrival.  Here a request lasting 10 s (a
+    recording's duration_s) keeps its two blocks from the next request's
+    evictions, and a third request after it ends finds them; its answer's block
+    is cached at its end.  A trace without durations replays as before."""
+    def line(chat_id, timestamp, ids, **extra):
+        return {"chat_id": chat_id, "timestamp": timestamp, "input_length": 16 * len(ids), "output_length": 1,
+                "hash_ids": ids, "cacheable_blocks": len(ids), **extra}
+
+    rows = [line(1, 0.0, [1, 2], duration_s=10.0, output_hash_ids=[9]), line(2, 1.0, [3, 4, 5]),
+            line(3, 20.0, [1, 2, 9, 6])]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    held = load_trace(path)
+    assert [r.duration for r in held.requests] == [10.0, 0.0, 0.0]
+    # 4 blocks: the second request takes the 2 free ones only (no room for its third
+    # key); the third hits the first's two and its answer's (the last is its own).
+    assert replay(held, "lru", 4).hits == 3
+    for row in rows:
+        row.pop("duration_s", None)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    # Released at once: the second request evicted the answer's block and the second one.
+    assert replay(load_trace(path), "lru", 4).hits == 1
+
+
 def test_a_gzipped_trace_reads_as_the_plain_one(tmp_path):
     import gzip
 
@@ -598,6 +624,9 @@ def test_bailian_fields_out_of_their_range_are_refused_at_their_line(tmp_path):
          r"b.jsonl:2: cacheable_blocks must be from 0 to the line's 2 hash_ids, got -1$"),
         (BAILIAN_ROW, dict(second, cacheable_blocks=99),
          r"b.jsonl:2: cacheable_blocks must be from 0 to the line's 2 hash_ids, got 99$"),
+        (BAILIAN_ROW, dict(second, duration_s=-1), r"b.jsonl:2: duration_s must be from 0 to 1e\+15 seconds, got -1$"),
+        (BAILIAN_ROW, dict(second, duration_s=10**400), r"b.jsonl:2: duration_s must be from 0 to 1e\+15 seconds, got inf$"),
+        (BAILIAN_ROW, dict(second, duration_s="1"), r"b.jsonl:2: field 'duration_s' must be an integer or a number"),
     ]
     path = tmp_path / "b.jsonl"
     for first, row, message in cases:
