@@ -480,6 +480,10 @@ class RemoteReplica(Replica):
 
     def _note_contact(self, exc: BaseException | None) -> None:
         """A contact ended: an answer (``exc`` None) or ``exc``; whether the host name has no address."""
+        if exc is None and self.absent:
+            # A pod that did not exist a moment ago: its slot's breaker record (a
+            # predecessor's failures, probes of no such server) is none of its own.
+            self._open_until = 0.0
         self._unresolved = _no_such_host(exc)
 
     def _not_answering(self, why: str) -> None:
@@ -697,7 +701,7 @@ class RemoteReplica(Replica):
                     # Down when the gateway started: its model name is still to learn.
                     await self._learn_model()
                 self._maybe_rejoin()
-            elif not self._busy_since(asked):
+            elif not (self._busy_since(asked) or self.absent):  # no such server: nothing to break
                 self._note_failure(probe=True)
 
     def _maybe_rejoin(self) -> None:

@@ -4150,6 +4150,33 @@ async def test_absent_openai_slots_say_nothing_of_their_metrics(tiny_model_dir, 
     assert warned == [], warned
 
 
+async def test_a_vllm_slot_joins_as_soon_as_its_pod_answers(tiny_model_dir, monkeypatch):
+    """An absent slot's probes of no such server opened its breaker again and again,
+    so a vLLM pod that came up waited out router.breaker_reset_s before it took
+    traffic (a `kvgate engine` is a new process and skips it)."""
+    servers = []
+    for host in ("127.0.0.1", "127.0.0.2"):
+        stub = web.Application()
+        stub.router.add_get("/v1/models", _models_while({"healthy": True}))
+        servers.append(await start_server(stub, host=host, port=int(servers[0].url.rsplit(":", 1)[1]) if servers else 0))
+    port = int(servers[0].url.rsplit(":", 1)[1])
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=f"http://pod-{{i}}.kvgate.test:{port}/v1",
+                                                        count=2, connect_timeout_s=2)],
+                         router=RouterConfig(health_interval_s=0.1, health_timeout_s=1.0, breaker_reset_s=60))
+    try:
+        with stand_in_dns(monkeypatch, ".kvgate.test") as pods:
+            pods["pod-0.kvgate.test"] = "127.0.0.1"
+            async with serving(create_app(config)) as (app, server, client):
+                replicas = app[GATEWAY].replicas
+                await wait_for(lambda: replicas[0].healthy, what="pod 0 in routing")
+                await asyncio.sleep(1.0)  # ten probes of no such server
+                pods["pod-1.kvgate.test"] = "127.0.0.2"
+                await wait_for(lambda: replicas[1].healthy, timeout=5.0, what="pod 1 in routing")
+    finally:
+        for s in servers:
+            await s.stop()
+
+
 async def test_replica_slots_of_a_count_are_absent_until_their_pods_exist(tiny_model_dir, monkeypatch, caplog):
     """An entry with a count stands for a StatefulSet's pods, numbered in its url:
     the engines scale within it without the gateways being told.  A slot whose name
