@@ -4122,6 +4122,19 @@ def stand_in_dns(monkeypatch, suffix: str):
     yield pods
 
 
+@contextlib.asynccontextmanager
+async def _slots_with_pod_0(monkeypatch, config):
+    """A gateway over ``config``'s slots named pod-{i}.kvgate.test where only pod 0's
+    name resolves (to 127.0.0.1), once pod 0 is in routing: (the names that resolve,
+    the replicas)."""
+    with stand_in_dns(monkeypatch, ".kvgate.test") as pods:
+        pods["pod-0.kvgate.test"] = "127.0.0.1"
+        async with serving(create_app(config)) as (app, server, client):
+            replicas = app[GATEWAY].replicas
+            await wait_for(lambda: replicas[0].healthy, what="pod 0 in routing")
+            yield pods, replicas
+
+
 async def test_absent_openai_slots_say_nothing_of_their_metrics(tiny_model_dir, monkeypatch, caplog):
     """vLLM pods as slots with a metrics_url each (deploy/vllm.md): a slot with no
     pod is absent, said once at INFO, not a warning.  Its metrics poll warned
@@ -4137,13 +4150,9 @@ async def test_absent_openai_slots_say_nothing_of_their_metrics(tiny_model_dir, 
         kind="openai", url=f"http://pod-{{i}}.kvgate.test:{port}/v1", metrics_url=f"http://pod-{{i}}.kvgate.test:{port}/metrics",
         count=3, connect_timeout_s=2)], router=RouterConfig(health_interval_s=0.2, health_timeout_s=1.0))
     try:
-        with stand_in_dns(monkeypatch, ".kvgate.test") as pods:
-            pods["pod-0.kvgate.test"] = "127.0.0.1"
-            async with serving(create_app(config)) as (app, server, client):
-                replicas = app[GATEWAY].replicas
-                await wait_for(lambda: replicas[0].healthy, what="pod 0 in routing")
-                await asyncio.sleep(0.6)  # a few metrics polls
-                assert [observe._state(r) for r in replicas] == ["up", "absent", "absent"]
+        async with _slots_with_pod_0(monkeypatch, config) as (pods, replicas):
+            await asyncio.sleep(0.6)  # a few metrics polls
+            assert [observe._state(r) for r in replicas] == ["up", "absent", "absent"]
     finally:
         await upstream.stop()
     warned = [r.getMessage() for r in caplog.records if r.name == "gateway.replicas" and r.levelno >= logging.WARNING]
@@ -4164,14 +4173,10 @@ async def test_a_vllm_slot_joins_as_soon_as_its_pod_answers(tiny_model_dir, monk
                                                         count=2, connect_timeout_s=2)],
                          router=RouterConfig(health_interval_s=0.1, health_timeout_s=1.0, breaker_reset_s=60))
     try:
-        with stand_in_dns(monkeypatch, ".kvgate.test") as pods:
-            pods["pod-0.kvgate.test"] = "127.0.0.1"
-            async with serving(create_app(config)) as (app, server, client):
-                replicas = app[GATEWAY].replicas
-                await wait_for(lambda: replicas[0].healthy, what="pod 0 in routing")
-                await asyncio.sleep(1.0)  # ten probes of no such server
-                pods["pod-1.kvgate.test"] = "127.0.0.2"
-                await wait_for(lambda: replicas[1].healthy, timeout=5.0, what="pod 1 in routing")
+        async with _slots_with_pod_0(monkeypatch, config) as (pods, replicas):
+            await asyncio.sleep(1.0)  # ten probes of no such server
+            pods["pod-1.kvgate.test"] = "127.0.0.2"
+            await wait_for(lambda: replicas[1].healthy, timeout=5.0, what="pod 1 in routing")
     finally:
         for s in servers:
             await s.stop()
