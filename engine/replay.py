@@ -8,8 +8,9 @@ exactly: a trailing partial prompt block is an access that is never cached
 (``cacheable``), and the blocks the engine filled with generated tokens
 (``output_keys``) are cached after the prompt, as the engine publishes them,
 without counting as accesses; a request that lasted (``duration``) holds its blocks
-until it ends, and its answer's blocks are cached then.  Nothing here is a second cache implementation: it is the
-``BlockPool`` the engine uses, with no KV tensors behind it.
+until it ends, and its answer's blocks are cached then.  Nothing here is a second
+cache implementation: it is the ``BlockPool`` the engine uses, with no KV tensors
+behind it.
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ class HeldRequests:
     The engine holds a request's blocks from its start to its end, and its
     policy sees them released then: a policy that scores blocks by their age
     (wa's lifetime window) read a recording of requests lasting seconds as
-    older than they were when replay released them at arrival (3 points lower).
+    older than they were when replay released them at arrival (wa 5 points under
+    what the engine served, on a SmolLM2 soak; README, "Record -> replay -> tune").
     Ends are played in time order, between the arrivals they fall between."""
 
     def __init__(self, pool: BlockPool) -> None:
