@@ -213,6 +213,9 @@ ENGINE_REPLICA_NAME = "engine"
 # Where a replica entry of several (count) numbers its url and name.
 SLOT = "{i}"
 MAX_REPLICA_SLOTS = 256
+# The fields a slot's number goes in, each with an example of one that has it.
+_NUMBERED = {"url": f"http://kvgate-engine-{SLOT}.kvgate-engine:8001", "name": f"engine-{SLOT}",
+             "metrics_url": f"http://vllm-{SLOT}.vllm-engines:8000/metrics"}
 
 
 class ReplicaConfig(Section):
@@ -301,8 +304,7 @@ class ReplicaConfig(Section):
             # Else every slot would be one server (or one name) listed count times.
             if self.kind == "inprocess":
                 raise ValueError("count is for remote replicas (kind engine or openai), numbered in their url")
-            for field, example in (("url", f"http://kvgate-engine-{SLOT}.kvgate-engine:8001"), ("name", f"engine-{SLOT}"),
-                                   ("metrics_url", f"http://vllm-{SLOT}.vllm-engines:8000/metrics")):
+            for field, example in _NUMBERED.items():
                 value = getattr(self, field)
                 if value is not None and SLOT not in value:
                     raise ValueError(f"{field} {without_userinfo(value)!r} has no {SLOT} for the slot's number "
@@ -368,13 +370,12 @@ def replica_slots(specs: Sequence[ReplicaConfig]) -> list[tuple[int, ReplicaConf
     ``count`` N is N replicas, {i} in its url, name and metrics_url numbered 0 to N-1."""
     out = []
     for index, spec in enumerate(specs):
-        numbered = ("url", "name", "metrics_url")
-        if spec.count == 1 and not any(SLOT in (getattr(spec, field) or "") for field in numbered):
+        if spec.count == 1 and not any(SLOT in (getattr(spec, field) or "") for field in _NUMBERED):
             out.append((index, spec))
             continue
         for i in range(spec.count):
             out.append((index, spec.model_copy(update={
-                field: value.replace(SLOT, str(i)) for field in numbered if (value := getattr(spec, field)) is not None})))
+                field: value.replace(SLOT, str(i)) for field in _NUMBERED if (value := getattr(spec, field)) is not None})))
     return out
 
 

@@ -975,11 +975,9 @@ class RemoteReplica(Replica):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                if self.absent:
-                    # A slot with no pod (its name does not resolve): no figures, and
-                    # no warning (it is said once at start, at INFO, and is no outage).
-                    self.waiting, self.kv_usage = 0.0, None
-                else:
+                # A slot with no pod (its name does not resolve) is no outage: no warning
+                # (it is said once at start, at INFO), and no figures.
+                if not self.absent:
                     failures += 1
                     # Once per outage, not every poll: without them the router soon counts
                     # none of the server's own queue (other clients', its waiting requests).
@@ -987,11 +985,11 @@ class RemoteReplica(Replica):
                             "replica %s: cannot read its metrics at %s (%s): routing goes by its last figures, then "
                             "by none, until they answer", self.name, without_userinfo(self.cfg.metrics_url),
                             f"HTTP {exc.status}" if isinstance(exc, aiohttp.ClientResponseError) else _plain_reason(exc))
-                    # A saturated server is the one whose /metrics times out: keep its last
-                    # figures for a few polls rather than read it as idle; then drop them
-                    # (an outage, not load, and the health checks judge those).
-                    if failures > _METRICS_KEEP_POLLS:
-                        self.waiting, self.kv_usage = 0.0, None
+                # A saturated server is the one whose /metrics times out: keep its last
+                # figures for a few polls rather than read it as idle; then drop them
+                # (an outage, not load, and the health checks judge those).
+                if self.absent or failures > _METRICS_KEEP_POLLS:
+                    self.waiting, self.kv_usage = 0.0, None
             if self.load_listener is not None:
                 self.load_listener(BackendLoad(self.waiting, self.kv_usage))
             await asyncio.sleep(interval)
