@@ -320,6 +320,16 @@ class AsyncEngine:
         if state is not None:
             self._abort(state)
 
+    def unstarted(self) -> list[str]:
+        """The senders' names (GenerationRequest.sent_as) of the requests no step has
+        started: queued, or not yet taken in.  A stopping engine lists them for its
+        gateways, which may have another replica for them (RemoteReplica)."""
+        # first_scheduled is set by the step thread: one that a step in flight has
+        # just taken in may be listed all the same (its prefill here is then lost
+        # if another replica answers it first).
+        return [state.request.sent_as for state in list(self._requests.values())
+                if state.request.sent_as is not None and all(seq.first_scheduled is None for seq in state.seqs)]
+
     def _abort(self, state: _RequestState) -> None:
         if self._in_flight:
             self._pending_aborts.append(state)

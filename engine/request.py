@@ -70,6 +70,9 @@ class GenerationRequest:
     mm_hashes: list[tuple[int, bytes]] = field(default_factory=list)
     # Joins the engine's salt in the request's block hashes (engine.block_hash.chain_salt).
     cache_salt: str | None = None
+    # The sender's name for it (a gateway's X-Request-Id), by which a stopping
+    # engine lists the requests it has not started (AsyncEngine.unstarted).
+    sent_as: str | None = None
 
 
 @dataclass(slots=True)

@@ -577,6 +577,8 @@ class Gateway:
             given_id = request.headers.get("X-Request-Id")
             if given_id is not None:
                 parsed.id = _named_completion_id(given_id, parsed.id)
+                if self.engine_mode:
+                    parsed.sent_as = given_id
             if self.engine_mode:
                 endpoint = forwarded_endpoint(parsed.body, endpoint)
             if parsed.model != self.model_name:

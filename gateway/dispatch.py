@@ -29,6 +29,7 @@ from gateway.protocol import ParsedRequest, new_id
 from gateway.quarantine import LostPrompts
 from gateway.replicas import (
     Job,
+    OfferedElsewhere,
     Replica,
     ReplicaAnswerFailed,
     ReplicaBusy,
@@ -38,7 +39,7 @@ from gateway.replicas import (
     UpstreamError,
     engine_failure,
 )
-from gateway.router import Router
+from gateway.router import Decision, Router
 from gateway.upstream import USAGE_ALL
 from gateway.usage import UsageSum
 
@@ -106,7 +107,7 @@ class Dispatcher:
         if s.max_tokens != max_tokens:
             s = dataclasses.replace(s, max_tokens=max_tokens)
         request = GenerationRequest(new_id("req-"), sub.prompt.token_ids, s, sub.context, sub.prompt.mm_hashes,
-                                    parsed.cache_salt)
+                                    parsed.cache_salt, parsed.sent_as)
         job = Job(request, parsed, sub.prompt.keys, sub.source, max_tokens, sub.fills_room,
                   parsed.id if not sub.shift else f"{parsed.id}-{sub.shift}")
         load = router.load_tokens(len(sub.prompt.token_ids), max_tokens, s.n)
@@ -117,11 +118,12 @@ class Dispatcher:
         tries = _Tries(time.monotonic())
         try:
             while True:
-                decision = self._choose(sub, parsed, tries)
+                decision, offered = self._choose(sub, parsed, tries)
                 replica = self.replicas[decision.replica]
                 sub.replica = replica.name
                 ticket = router.acquire(decision.replica, load, sub.prompt.keys, decision.matched_blocks)
-                self.metrics.decisions.labels(replica.name, decision.reason).inc()
+                if offered is None:  # not a request taken back, already counted where it was sent
+                    self.metrics.decisions.labels(replica.name, decision.reason).inc()
                 # The engine never serves the block holding the prompt's last token from
                 # cache (its logits must be computed), so neither is it predicted.
                 bs = router.block_size
@@ -129,14 +131,16 @@ class Dispatcher:
                 attempt = _Attempt(replica, self.metrics.request_series(sub.context.workload, replica.name),
                                    predicted, [] if self.observer.recording else None)
                 restart = False
-                gen = replica.generate(job)
+                gen = replica.generate(job) if offered is None else replica.generate(job, offered.sent)
                 try:
                     async for batch in gen:
-                        if not attempt.produced and tries.answer_failed:
-                            # Another replica serves it: the ones that failed it count it now.
+                        if not attempt.produced and (tries.answer_failed or tries.offered):
+                            # Another replica serves it: the ones that failed it count it now,
+                            # and a stopping one it was offered from gives it up.
                             for failed_replica, _ in tries.answer_failed:
                                 failed_replica.note_request_failure()
                             tries.answer_failed.clear()
+                            tries.withdraw_offer()
                         yield attempt.take(batch, prompt_len)
                     if replica.kind == "openai" and attempt.usage.unsaid(0):
                         # A server that sent no usage (Ollama before 0.5.2, early TGI) did
@@ -169,6 +173,8 @@ class Dispatcher:
                     tries.last_failure = _in_words(exc, replica)
                     if isinstance(exc, ReplicaAnswerFailed):
                         tries.answer_failed.append((replica, exc))
+                    if isinstance(exc, OfferedElsewhere):
+                        tries.offer(decision, exc)
                     if isinstance(exc, ReplicaLost):
                         tries.lost += 1
                         if tries.lost >= router.cfg.lost_attempts:
@@ -197,14 +203,16 @@ class Dispatcher:
                 if restart:
                     yield RESTART
         finally:
+            tries.withdraw_offer()  # the client left, or it failed where it went
             if tries.unrecorded is not None:
                 # Cut mid-answer, and no restart elsewhere produced anything: the
                 # first replica did the prefill and cached the prompt all the same.
                 self.observer.finished(tries.unrecorded)
 
-    def _choose(self, sub: Sub, parsed: ParsedRequest, tries: _Tries):
-        """The router's pick among the usable replicas not tried yet; none left:
-        the error the tries so far call for."""
+    def _choose(self, sub: Sub, parsed: ParsedRequest, tries: _Tries) -> tuple[Decision, OfferedElsewhere | None]:
+        """The router's pick among the usable replicas not tried yet; none left: the
+        stopping replica that offered it, if one did (its request there stands, and
+        is read now: OfferedElsewhere), else the error the tries so far call for."""
         if parsed.engine_unsupported is not None:
             # A request only an external server can honour (tools, JSON output) goes to one.
             usable = [r.healthy and r.kind == "openai" for r in self.replicas]
@@ -212,7 +220,12 @@ class Dispatcher:
             usable = [r.healthy for r in self.replicas]
         decision = self.router.choose(sub.prompt.keys, self._indexes, usable, sub.context.session, tries.tried)
         if decision is not None:
-            return decision
+            return decision, None
+        if tries.offered is not None:
+            # No other replica took it (every engine stopping at once: a node drain, a
+            # scale to zero): the one it was sent to serves it in its drain, as before.
+            taken_back, tries.offered = tries.offered, None
+            return taken_back
         if tries.busy is not None:  # every replica that could take it refused: at capacity
             busy = errors.relayed(429, tries.busy.body, "Every replica is at capacity; retry shortly.",
                                   "rate_limit_error", "server_overloaded")
@@ -259,8 +272,10 @@ class Dispatcher:
             raise errors.upstream_error(f"{reason[:1].upper()}{reason[1:]}; the output is incomplete.") from None
         # Before its first output, or mid-answer for a non-streaming request (its
         # client has had nothing yet): another replica.
-        # A replica stopping is a rolling update or a scale-down at work, not a fault.
-        log.log(logging.INFO if stopping else logging.WARNING, "%s: replica %s %s, trying another if one is left: %s",
+        # A replica stopping is a rolling update or a scale-down at work, not a fault
+        # (and its queued requests offered elsewhere are said in one line, by the replica).
+        level = logging.DEBUG if isinstance(exc, OfferedElsewhere) else logging.INFO if stopping else logging.WARNING
+        log.log(level, "%s: replica %s %s, trying another if one is left: %s",
                 parsed.id, replica.name, "stopping" if stopping else "failed mid-response" if attempt.produced
                 else "unavailable", exc)
 
@@ -345,7 +360,8 @@ def _in_words(exc: Exception, replica: Replica) -> str:
 class _Tries:
     """A sub-request's attempts so far, on one replica after another."""
 
-    __slots__ = ("arrival", "tried", "busy", "retry_after", "answer_failed", "unrecorded", "lost", "last_failure")
+    __slots__ = ("arrival", "tried", "busy", "retry_after", "answer_failed", "unrecorded", "lost", "last_failure",
+                 "offered")
 
     def __init__(self, arrival: float) -> None:
         self.arrival = arrival  # time.monotonic() when it was first routed
@@ -359,6 +375,21 @@ class _Tries:
         self.unrecorded: Finished | None = None
         self.lost = 0  # attempts whose replica's connection broke while it ran them (ReplicaLost)
         self.last_failure: str | None = None  # what the last replica to fail it did, in words
+        # A stopping engine that had not started it, and the decision that sent it there:
+        # it stays sent there until another replica answers it (OfferedElsewhere).
+        self.offered: tuple[Decision, OfferedElsewhere] | None = None
+
+    def offer(self, decision: Decision, offered: OfferedElsewhere) -> None:
+        if self.offered is None:
+            self.offered = decision, offered
+        else:
+            offered.withdraw()  # offered by a second stopping engine: the first keeps it
+
+    def withdraw_offer(self) -> None:
+        """Another replica answers it (or it ends): the stopping one gives it up."""
+        if self.offered is not None:
+            self.offered[1].withdraw()
+            self.offered = None
 
 
 class _Attempt:

@@ -117,6 +117,8 @@ class EngineEndpoints:
             await resp.prepare(request)
             # "draining": a gateway reconnecting while this engine stops must not rejoin it.
             snapshot = {"seq": replica.seq, "model": gw.model_name, "keys": replica.held_keys(), "draining": gw.draining}
+            if gw.draining:
+                snapshot["unstarted"] = replica.engine.unstarted()
             if request.query.get("keys") == PACKED_QUERY["keys"]:
                 snapshot["keys"] = {tier: pack_keys(keys) for tier, keys in snapshot["keys"].items()}
                 snapshot["keys_format"] = PACKED_KEYS
@@ -135,8 +137,11 @@ class EngineEndpoints:
                 if item is None:
                     # Shutting down: the engine finishes what it holds but takes
                     # nothing new; a gateway that knows stops routing here without
-                    # cutting the streams still being served.
-                    await resp.write(b"event: draining\ndata: {}\n\n")
+                    # cutting the streams still being served.  The requests queued
+                    # behind them are named: their gateways may have another
+                    # replica that starts them sooner (RemoteReplica._offer_elsewhere).
+                    unstarted = json.dumps({"unstarted": replica.engine.unstarted()}).encode()
+                    await resp.write(b"event: draining\ndata: " + unstarted + b"\n\n")
                     break
                 seq, kind, keys, tier = item
                 queued_keys -= len(keys)

@@ -46,6 +46,9 @@ class ParsedRequest:
     body: dict
     # The completion's id, also its x-request-id: what a client quotes, so the log says it too.
     id: str = ""
+    # `kvgate engine`: the X-Request-Id its sender gave, by which it lists the
+    # requests it has not started when it stops (AsyncEngine.unstarted).
+    sent_as: str | None = None
     stream: bool = False
     include_usage: bool = False
     user: str | None = None

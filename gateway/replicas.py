@@ -125,6 +125,30 @@ class ReplicaStopping(ReplicaUnavailable):
     past its drain time): another replica may take it; no failure of this one."""
 
 
+class OfferedElsewhere(ReplicaStopping):
+    """A `kvgate engine` that is shutting down had not started the request (queued
+    behind the ones it runs): another replica may start it sooner.  Its request
+    there stands meanwhile, ``sent`` (the POST, its answer not read): the
+    dispatcher cancels it once another replica answers, or, if none takes it,
+    reads it after all (``RemoteReplica.generate(job, sent)``)."""
+
+    def __init__(self, message: str, sent: asyncio.Future) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+    def withdraw(self) -> None:
+        """Another replica answers: the request here is given up (its connection
+        closed, which aborts it on the engine)."""
+        withdraw_post(self.sent)
+
+
+def withdraw_post(post: asyncio.Future) -> None:
+    """Give up a POST sent with aiohttp, answered or not: its connection goes."""
+    post.cancel()
+    if post.done() and not post.cancelled() and post.exception() is None:
+        post.result().close()  # it answered in the same moment: let the connection go
+
+
 class UpstreamError(RuntimeError):
     """The replica answered with an OpenAI error; ``status`` and ``body`` pass through."""
 
@@ -434,6 +458,9 @@ class RemoteReplica(Replica):
         # Requests sent and without output yet -> when each was sent: one waiting past the
         # breaker's own time to notice a hung replica says it takes no new work (_busy_since).
         self._awaiting: dict[object, float] = {}
+        # Requests sent and without an answer yet, by their X-Request-Id -> resolved
+        # when this engine, stopping, says it has not started them (_offer_elsewhere).
+        self._unanswered: dict[str, asyncio.Future] = {}
         # When a request sent here last got its first output: a busy replica whose queue
         # outlasts the breaker's time still starts requests; a wedged one starts none.
         self._last_start = time.monotonic()
@@ -879,6 +906,7 @@ class RemoteReplica(Replica):
                                 log.info("replica %s is shutting down: out of routing, its streams finish", self.name)
                             self.draining = True
                             self.healthy = False
+                            self._offer_elsewhere(data.get("unstarted"))
                             continue
                         if event == "snapshot":
                             trips = self.trips
@@ -888,6 +916,7 @@ class RemoteReplica(Replica):
                             if data.get("draining"):
                                 # Reconnected to an engine that is still stopping: it stays out.
                                 self.draining, self.healthy = True, False
+                                self._offer_elsewhere(data.get("unstarted"))
                                 continue
                             self.draining = False  # a (re)started engine
                             # A new snapshot may be a restarted engine with another block
@@ -932,8 +961,10 @@ class RemoteReplica(Replica):
                 # Nothing listens there: the engine is down, not merely resyncing.
                 if self.healthy:
                     self._trip(_plain_reason(exc))
-                elif self.draining:
+                elif self.draining and not (self._live or self._awaiting):
                     # It drained and exited: down now, until a process answers there again.
+                    # (Not while requests sent here are open: it closed its port, but
+                    # serves them still, and a failed probe must not cut them.)
                     log.info("replica %s has stopped (%s)", self.name, _plain_reason(exc))
                     self.draining = False
             except Exception as exc:  # noqa: BLE001 - any other failure means: resync
@@ -950,6 +981,25 @@ class RemoteReplica(Replica):
             self.index.reset({})
             await asyncio.sleep(_KV_EVENTS_MAX_BACKOFF_S if self.draining else backoff)
             backoff = min(backoff * 2, _KV_EVENTS_MAX_BACKOFF_S)
+
+    def _offer_elsewhere(self, unstarted: object) -> None:
+        """This engine is stopping, and names the requests it has not started
+        (queued behind those it runs, which it finishes first, for up to its
+        drain time): those of this gateway's that still wait for an answer are
+        offered to another replica.  Each stays sent here until another answers
+        it, so when every engine stops at once (a node drain) each is still
+        served by the engine it was sent to (see OfferedElsewhere)."""
+        if not isinstance(unstarted, list) or not self._unanswered:
+            return
+        offered = 0
+        for name in unstarted:
+            answer = self._unanswered.get(name) if isinstance(name, str) else None
+            if answer is not None and not answer.done():
+                answer.set_result(None)
+                offered += 1
+        if offered:
+            log.info("replica %s: %d of its queued %s offered to other replicas", self.name, offered,
+                     "request" if offered == 1 else "requests")
 
     async def _poll_metrics(self) -> None:
         """vLLM/SGLang Prometheus figures -> the router's load term (see Router.set_external_load)."""
@@ -1062,23 +1112,37 @@ class RemoteReplica(Replica):
         body["stream_options"] = {"include_usage": True}
         return path, body
 
-    async def generate(self, job: Job) -> AsyncIterator[list[GenerationOutput]]:
-        if self.breaker_open or self._session is None:
+    async def generate(self, job: Job, sent: asyncio.Future | None = None) -> AsyncIterator[list[GenerationOutput]]:
+        """``job``'s outputs from this replica; ``sent``: its request already sent
+        here and offered elsewhere (OfferedElsewhere), whose answer is read now."""
+        if sent is None and (self.breaker_open or self._session is None):
             raise ReplicaUnavailable(f"replica {self.name} is not taking requests")
-        path, body = self._payload(job)
         chat = self.kind != "engine" and job.parsed.endpoint == CHAT
-        headers = self.auth_headers()
-        if job.forwarded_id is not None:
-            headers["X-Request-Id"] = job.forwarded_id
         rid = job.request.request_id
         started = time.monotonic()
         waiting = object()
         self._awaiting[waiting] = started
+        # A `kvgate engine` that begins to stop names the requests it has not
+        # started, by X-Request-Id: this one's may then be offered elsewhere.
+        offer = name = None
+        if sent is None and self.kind == "engine" and job.forwarded_id is not None:
+            name = job.forwarded_id
+            offer = self._unanswered[name] = asyncio.get_running_loop().create_future()
         try:
-            resp = await self._post(path, body, headers, started)
+            if sent is None:
+                path, body = self._payload(job)
+                headers = self.auth_headers()
+                if job.forwarded_id is not None:
+                    headers["X-Request-Id"] = job.forwarded_id
+                sent = asyncio.ensure_future(
+                    self._session.post(self.base + path, json=body, headers=headers, timeout=self._request_timeout))
+            resp = await self._answer(sent, started, offer)
         except BaseException:
             del self._awaiting[waiting]
             raise
+        finally:
+            if offer is not None and self._unanswered.get(name) is offer:
+                del self._unanswered[name]
         self._live[resp] = 0.0
         produced = False  # a choice's output came and was handed on (usage alone is no answer)
         held: list[GenerationOutput] = []  # usage that came before it
@@ -1197,25 +1261,24 @@ class RemoteReplica(Replica):
             # Closing the connection is what aborts the request upstream.
             resp.close()
 
-    async def _post(self, path: str, body: dict, headers: dict, started: float) -> aiohttp.ClientResponse:
-        """The request sent, and the replica's answer (its head); a failure to get
-        one is ReplicaUnavailable, counted toward the breaker where it is the replica's."""
+    async def _answer(self, post: asyncio.Future, started: float, offer: asyncio.Future | None) -> aiohttp.ClientResponse:
+        """The replica's answer (its head) to the request ``post`` sent; a failure to
+        get one is ReplicaUnavailable, counted toward the breaker where it is the
+        replica's.  ``offer`` resolved first: OfferedElsewhere, the request left sent."""
         # A replica that accepts the connection but never answers (stopped, hung
         # in prefill) would hold this request forever: it gives up when the
         # breaker opens, and, having produced nothing, is retried elsewhere.
         if self._cut is None:
             self._cut = asyncio.get_running_loop().create_future()
-        post = asyncio.ensure_future(
-            self._session.post(self.base + path, json=body, headers=headers, timeout=self._request_timeout)
-        )
         try:
-            await asyncio.wait((post, self._cut), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((post, self._cut) if offer is None else (post, self._cut, offer),
+                               return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
-            post.cancel()  # the client went away meanwhile
-            if post.done() and not post.cancelled() and post.exception() is None:
-                post.result().close()  # it answered in the same moment: let the connection go
+            withdraw_post(post)  # the client went away meanwhile
             raise
         if not post.done():
+            if offer is not None and offer.done() and not self.breaker_open:
+                raise OfferedElsewhere(f"replica {self.name} is shutting down and had not started the request", post)
             post.cancel()
             raise ReplicaUnavailable(f"replica {self.name} stopped answering")
         try:

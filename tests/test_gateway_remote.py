@@ -42,7 +42,7 @@ from tests.engine_procs import (
     tiny_config,
     wait_for,
 )
-from tests.gateway_helpers import a_request_in_a_hung_step, metric_by_replica, serving, sse_events
+from tests.gateway_helpers import a_request_in_a_hung_step, hung_model_steps, metric_by_replica, serving, sse_events
 
 
 async def _engine_server(model_dir, **kw):
@@ -1485,6 +1485,124 @@ async def test_engine_shutting_down_finishes_its_streams_and_leaves_routing(tiny
         assert app[GATEWAY].router.inflight_requests == [0]
     finally:
         await gw.stop()
+
+
+async def test_a_stopping_engine_s_streams_run_on_after_its_port_closes(tiny_model_dir):
+    """A `kvgate engine` that stops closes its port at once (server.shutdown_delay_s
+    0) and serves what it holds for up to drain_timeout_s.  The gateway's probes
+    and its /kv_events reconnects then fail, refused: no reason to cut the streams
+    still open there.  The first refused reconnect (2 s on) was read as the engine
+    gone, and the next failed probe cut a stream with no output since the failures
+    began (a long step, a request queued there): an error for a drain in progress."""
+    engine, server = await _engine_server(tiny_model_dir)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=server.url)],
+                         router=RouterConfig(health_interval_s=0.1, breaker_failures=1))
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    async with serving(create_app(config)) as (app, gw, _):
+        replica = app[GATEWAY].replicas[0]
+        await wait_for(lambda: replica.healthy, what="healthy")
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gw.url + "/v1/completions", json=body) as resp:
+                await resp.content.readline()
+                with hung_model_steps(engine) as release:
+                    stopping = asyncio.create_task(server.stop())  # what SIGTERM does
+                    await wait_for(lambda: replica.draining, timeout=5, what="draining")
+                    await asyncio.sleep(3)  # past a refused reconnect, and many refused probes
+                    assert replica.draining
+                    release.set()
+                    rest = (await asyncio.wait_for(resp.content.read(), 30)).decode()
+        events = [line[6:] for line in rest.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-2:]
+        await stopping
+        # Gone now, nothing of its left open: down, no longer draining.
+        await wait_for(lambda: not replica.draining, timeout=10, what="stopped")
+
+
+async def _two_engines_behind_a_gateway(model_dir):
+    """Two `kvgate engine` servers (their apps, their servers) and a gateway config
+    that alternates between them (round-robin: two of four requests on each)."""
+    apps = [create_app(tiny_config(model_dir), engine_mode=True) for _ in range(2)]
+    servers = [await start_server(app) for app in apps]
+    config = tiny_config(model_dir, [ReplicaConfig(kind="engine", url=s.url) for s in servers],
+                         router=RouterConfig(policy="round-robin"))
+    return apps, servers, config
+
+
+async def test_requests_queued_on_a_stopping_engine_go_to_another(tiny_model_dir, caplog):
+    """A rolling update: the requests queued on a `kvgate engine` that begins to
+    stop, which it would start only after the ones it runs (up to its whole
+    drain), are served by another engine at once.  The one it has started runs
+    to its end there, and a client's own request (no gateway's) stays queued."""
+    caplog.set_level(logging.INFO)
+    apps, servers, config = await _two_engines_behind_a_gateway(tiny_model_dir)
+    engines = [a[GATEWAY].replicas[0].engine for a in apps]
+    direct_client = None
+    try:
+        async with serving(create_app(config)) as (app, server, client):
+            await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="both engines in routing")
+            # Started on the engine that is to stop: a long answer under way.
+            running = await client.completions.create(model=MODEL, prompt="a long one", max_tokens=200,
+                                                      extra_body={"ignore_eos": True}, stream=True)
+            await anext(running)
+            which = next(i for i, e in enumerate(engines) if e._requests)
+            stopping = engines[which]
+            direct_client = _client(servers[which].url)
+            aborted = count_aborts(stopping)
+            with hung_model_steps(stopping):
+                direct = asyncio.ensure_future(direct_client.completions.create(model=MODEL, prompt="mine", max_tokens=2))
+                asked = [asyncio.ensure_future(client.completions.create(model=MODEL, prompt=f"question {i}", max_tokens=2))
+                         for i in range(4)]
+                await wait_for(lambda: len(stopping._requests) == 4, what="two of the gateway's and the client's own queued")
+                assert len(stopping.unstarted()) == 2  # the gateway's two (the client sent no X-Request-Id)
+                apps[which][GATEWAY].begin_drain()  # SIGTERM's first act
+                # Served by the other engine while this one's step is still stuck.
+                answers = await asyncio.wait_for(asyncio.gather(*asked), 10)
+                assert all(answer.usage.completion_tokens == 2 for answer in answers)
+                # Given up on the stopping engine once the other answered (its connection closed).
+                await wait_for(lambda: len(aborted) == 2, what="the two offered requests withdrawn")
+                assert not direct.done()
+            assert (await asyncio.wait_for(direct, 30)).usage.completion_tokens >= 1
+            rest = [chunk async for chunk in running]
+            assert rest[-1].choices[0].finish_reason == "length"
+            assert app[GATEWAY].router.inflight_requests == [0, 0]
+    finally:
+        if direct_client is not None:
+            await direct_client.close()
+        for s in servers:
+            await s.stop()
+    said = [r.getMessage() for r in caplog.records if r.name == "gateway.replicas"]
+    assert any("2 of its queued requests offered to other replicas" in m for m in said), said
+
+
+async def test_requests_queued_when_every_engine_stops_are_served_where_they_were_sent(tiny_model_dir):
+    """Every engine stops at once (a node drain, a scale to zero): a queued request
+    offered elsewhere finds no taker (the other engine refuses it, stopping too,
+    before this gateway has heard so) and is served by the engine it was sent to,
+    in that engine's drain: none fails."""
+    apps, servers, config = await _two_engines_behind_a_gateway(tiny_model_dir)
+    engines = [a[GATEWAY].replicas[0].engine for a in apps]
+    try:
+        async with serving(create_app(config)) as (app, server, client):
+            await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="both engines in routing")
+            with hung_model_steps(engines[0]), hung_model_steps(engines[1]):
+                asked = [asyncio.ensure_future(client.completions.create(model=MODEL, prompt=f"question {i}", max_tokens=2))
+                         for i in range(4)]
+                await wait_for(lambda: [len(e._requests) for e in engines] == [2, 2], what="two queued on each")
+                apps[1][GATEWAY].refusing = True  # stopped taking requests, and not yet said so
+                apps[0][GATEWAY].begin_drain()
+                replicas = app[GATEWAY].replicas
+                await wait_for(lambda: replicas[0].draining, what="the first engine draining")
+                await asyncio.sleep(0.5)  # its two offered to the second, refused there, taken back
+                assert [len(e._requests) for e in engines] == [2, 2]
+                apps[1][GATEWAY].begin_drain()
+                await wait_for(lambda: replicas[1].draining, what="the second engine draining")
+                assert not any(a.done() for a in asked)
+            answers = await asyncio.wait_for(asyncio.gather(*asked), 30)
+            assert all(answer.usage.completion_tokens == 2 for answer in answers)
+            assert app[GATEWAY].router.inflight_requests == [0, 0]
+    finally:
+        for s in servers:
+            await s.stop()
 
 
 async def test_a_draining_engine_stays_out_of_routing_across_reconnects(tiny_model_dir, caplog):
