@@ -465,14 +465,17 @@ async def _page_dom(tmp_path, stats_handler) -> str:
 
 
 async def dom_in_real_time(tmp_path, url: str, seconds: float,
-                           expression: str = "document.documentElement.outerHTML", console: list | None = None):
+                           expression: str = "document.documentElement.outerHTML", console: list | None = None,
+                           locale: str | None = None):
     """The page's DOM (or ``expression``'s value) after ``seconds`` of wall time in
     headless Chromium, read over its DevTools socket.  Virtual time (run_chromium)
     stands still while a fetch is pending, so a page waiting on a silent server needs this.
-    ``console``: given, it gets the console's entries so far ({"level", "source", "text"})."""
+    ``console``: given, it gets the console's entries so far ({"level", "source", "text"}).
+    ``locale``: the reader's (Intl's default; headless Chromium's own stays en-US whatever --lang says)."""
     args = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync",
             "--disable-background-networking", "--disable-component-update", "--disable-dev-shm-usage",
-            f"--user-data-dir={tmp_path / 'profile-realtime'}", "--remote-debugging-port=0", url]
+            f"--user-data-dir={tmp_path / 'profile-realtime'}", "--remote-debugging-port=0",
+            "about:blank" if locale else url]
     proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
                                                 env={**os.environ, "HOME": str(tmp_path), "TZ": "UTC"})
     try:
@@ -481,11 +484,15 @@ async def dom_in_real_time(tmp_path, url: str, seconds: float,
             line = await asyncio.wait_for(proc.stderr.readline(), 60)
             assert line, "chromium exited before its DevTools socket opened"
         port = re.search(rb"ws://[^:]+:(\d+)/", line).group(1).decode()
-        await asyncio.sleep(seconds)
+        await asyncio.sleep(0 if locale else seconds)  # a locale: the page loads once it is set
         async with aiohttp.ClientSession() as session:
             async with session.get(f"http://127.0.0.1:{port}/json") as resp:
                 page = next(t for t in await resp.json() if t["type"] == "page")
             async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
+                if locale:  # set before the page loads, then the page (answers read by id below)
+                    await ws.send_json({"id": 2, "method": "Emulation.setLocaleOverride", "params": {"locale": locale}})
+                    await ws.send_json({"id": 3, "method": "Page.navigate", "params": {"url": url}})
+                    await asyncio.sleep(seconds)
                 if console is not None:  # Log.enable sends the entries collected so far
                     await ws.send_json({"id": 0, "method": "Log.enable"})
                 await ws.send_json({"id": 1, "method": "Runtime.evaluate",
@@ -500,6 +507,18 @@ async def dom_in_real_time(tmp_path, url: str, seconds: float,
     finally:
         proc.kill()
         await proc.wait()
+
+
+async def test_in_a_german_browser_the_hit_ratio_is_written_as_the_counts_beside_it(tmp_path):
+    """Counts and axis ticks are in the reader's locale (12.480 requests, 0,2 s), but
+    the hit ratio was always written with a point: 12.5% beside them, which a German
+    reader takes for twelve and a half thousand or a typo."""
+    stats = {**_idle_stats([]), "totals": {"requests": 12_480, "engine_requests": 12_480, "prompt_tokens": 1000,
+                                           "cached_tokens": 125, "hit_ratio": 0.125}}
+    async with _scripted_page(lambda request: aiohttp.web.json_response(stats)) as url:
+        summary = await dom_in_real_time(tmp_path, url + "/dashboard", 3.0,
+                                         'document.getElementById("summary").textContent', locale="de-DE")
+    assert summary.startswith("12.480 requests · hit ratio 12,5% since "), summary
 
 
 async def test_a_gateway_that_takes_the_connection_but_never_answers_greys_the_page(tmp_path):
