@@ -1206,10 +1206,16 @@ class RemoteReplica(Replica):
                 # Every choice had finished: the connection went with only [DONE] (and
                 # usage) unsent.  The answer is whole; nothing of the replica failed it.
                 log.debug("replica %s: connection lost after request %s finished", self.name, rid)
-            if not ended and len(finished) < job.request.sampling.n:
+            if len(finished) < job.request.sampling.n:
                 # EOF without [DONE] before every choice finished: a silent
                 # truncation would look like a complete answer to the client.
-                raise _EndedEarly(f"replica {self.name} closed the stream before [DONE]")
+                if not ended:
+                    raise _EndedEarly(f"replica {self.name} closed the stream before [DONE]")
+                # So would [DONE] with a choice unfinished (cut upstream, or a server
+                # that ignores n): a null finish_reason, or a choice left empty.
+                unfinished = sorted(set(range(job.request.sampling.n)) - finished)
+                raise _DoneUnfinished(f"replica {self.name} sent [DONE] with choice "
+                                      f"{', '.join(map(str, unfinished))} of {job.request.sampling.n} unfinished")
             if not produced:
                 # [DONE] with no choice at all (every server sends at least a
                 # finish_reason): an empty 200 would pass for the model's answer.
@@ -1226,8 +1232,11 @@ class RemoteReplica(Replica):
             if not produced and self._last_output < started and not self.breaker_open:
                 self._note_failure()
             raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
-        except (ReplicaBusy, ReplicaAnswerFailed, ReplicaStopping):
-            raise  # at capacity, or counted by the dispatcher, or leaving: not failing here
+        except (ReplicaBusy, ReplicaAnswerFailed, ReplicaStopping, _DoneUnfinished):
+            # At capacity, or counted by the dispatcher, or leaving, or a server that
+            # talks fine but answers fewer choices (concurrent n=2 requests to one that
+            # ignores n would trip its breaker for everyone): not failing here.
+            raise
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError, ReplicaUnavailable) as exc:
             # ValueError: a broken frame (JSONDecodeError) from a dying server.
             reason = str(exc) if isinstance(exc, ReplicaUnavailable) else _plain_reason(exc)
@@ -1417,6 +1426,10 @@ KV_EVENTS_HEARTBEAT_S = 5.0
 _KV_EVENTS_SILENT_S = 4 * KV_EVENTS_HEARTBEAT_S
 class _EndedEarly(ReplicaUnavailable):
     """A stream that ended cleanly (no broken connection) before [DONE]."""
+
+
+class _DoneUnfinished(ReplicaUnavailable):
+    """A stream that sent [DONE] before every choice had its finish_reason."""
 
 
 class ReplicaLost(ReplicaUnavailable):

@@ -4378,3 +4378,34 @@ async def _engine_server_at(model_dir, host: str, port: int):
     app = create_app(tiny_config(model_dir), engine_mode=True)
     server = await start_server(app, host=host, port=port)
     return app[GATEWAY].replicas[0].engine, server
+
+
+async def test_done_before_every_choice_finished_is_an_incomplete_answer_not_a_whole_one(tiny_model_dir):
+    """[DONE] while choice 1 of n=2 had no finish_reason (cut upstream, or a server
+    that ignores n) was read as a whole answer: choice 1 came back with a null
+    finish_reason (streamed or not) and its text cut short.  It is an incomplete
+    answer, as a stream closed before [DONE] is; the server, which talks fine, is
+    not counted toward its breaker (concurrent n=2 requests would trip it)."""
+    def chunk(index, text, finish=None):
+        return {"choices": [{"index": index, "delta": {"content": text} if text else {}, "finish_reason": finish}]}
+
+    async def one_choice_unfinished(request):
+        await request.read()
+        body = b"".join(_sse(c) for c in (chunk(0, "Hello"), chunk(1, "Hi th"), chunk(0, "", "stop")))
+        return web.Response(body=body + b"data: [DONE]\n\n", content_type="text/event-stream")
+
+    upstream = await _scripted_upstream(_models_while({"healthy": True}), one_choice_unfinished)
+    router = RouterConfig(health_interval_s=60, breaker_failures=2)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="openai", url=upstream.url + "/v1")], router=router)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        async with serving(create_app(config)) as (app, _, client):
+            await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="the server in routing")
+            for stream in (False, True, False):
+                with pytest.raises(openai.APIError, match="sent \\[DONE\\] with choice 1 of 2 unfinished"):
+                    answer = await client.chat.completions.create(model=MODEL, messages=messages, n=2, stream=stream)
+                    if stream:
+                        [c async for c in answer]
+            assert app[GATEWAY].replicas[0].healthy and app[GATEWAY].replicas[0].trips == 0
+    finally:
+        await upstream.stop()
