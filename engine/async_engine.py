@@ -526,6 +526,11 @@ class AsyncEngine:
 
     def _step(self) -> list[GenerationOutput]:
         batch = self.scheduler.schedule()
+        for seq, count in batch:
+            if seq.index == 0 and seq.num_computed < seq.num_prompt_tokens:  # a prompt chunk (GenerationRequest)
+                request = seq.request
+                reached = min(seq.num_computed + count, seq.num_prompt_tokens)
+                request.scheduled_prompt_tokens = max(request.scheduled_prompt_tokens or 0, reached)
         # Demotions and promotions recorded while scheduling must land before the forward.
         self.kv.apply_copies(self.pool.drain_copies())
         if not batch:

@@ -73,6 +73,11 @@ class GenerationRequest:
     # The sender's name for it (a gateway's X-Request-Id), by which a stopping
     # engine lists the requests it has not started (AsyncEngine.unstarted).
     sent_as: str | None = None
+    # Set by an in-process engine as it schedules the prompt: the prompt tokens with KV
+    # computed or in the step under way, cache hits included (None: not scheduled yet).
+    # A request its client leaves before any output is recorded with these
+    # (gateway/dispatch.py): the engine looked up its prefix and cached its blocks all the same.
+    scheduled_prompt_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -182,6 +182,10 @@ class Dispatcher:
                                         parsed.id, tries.lost)
                             self.metrics.lost_requests.labels("failed").inc()
                             raise errors.request_lost(tries.lost) from None
+                except (asyncio.CancelledError, GeneratorExit):
+                    if not attempt.produced and tries.unrecorded is None:
+                        self._record_prefill(attempt, sub, parsed, tries, request)
+                    raise
                 except UpstreamError as exc:
                     status = exc.status if 400 <= exc.status < 600 else 502
                     if attempt.produced and status >= 500:
@@ -278,6 +282,22 @@ class Dispatcher:
         log.log(level, "%s: replica %s %s, trying another if one is left: %s",
                 parsed.id, replica.name, "stopping" if stopping else "failed mid-response" if attempt.produced
                 else "unavailable", exc)
+
+    def _record_prefill(self, attempt: _Attempt, sub: Sub, parsed: ParsedRequest, tries: _Tries,
+                        request: GenerationRequest) -> None:
+        """Stopped before any output (its client left): recorded when the engine had
+        scheduled its prompt, as far as it had (a long one's later chunks never ran),
+        since it looked up its prefix and cached its blocks all the same.  Only an
+        in-process engine says so; a remote one's stream says nothing before its first
+        token.  The figures count a prefill at its first output, as vLLM's do."""
+        computed = request.scheduled_prompt_tokens
+        if not computed:
+            return
+        prompt = sub.prompt
+        if computed < len(prompt.token_ids):
+            prompt = prompt._replace(token_ids=prompt.token_ids[:computed],
+                                     keys=prompt.keys[:computed // self.router.block_size])
+        self.observer.record_line(dataclasses.replace(attempt.finished(sub, parsed, tries.arrival, computed), prompt=prompt))
 
     def _settle(self, attempt: _Attempt, sub: Sub, parsed: ParsedRequest, tries: _Tries, restart: bool,
                 prompt_len: int) -> None:

@@ -153,8 +153,13 @@ class Observer:
             user = user_identity(done.user, ctx.tenant)
             if user is not None:
                 self.user_share.record(user, done.cached_tokens, time.monotonic())
-        if record and self.recorder is not None:
-            prompt = done.prompt
+        if record:
+            self.record_line(done)
+
+    def record_line(self, done: Finished) -> None:
+        """The recording's line for an engine request (no figures counted)."""
+        if self.recorder is not None:
+            ctx, prompt = done.ctx, done.prompt
             # Token ids come back from in-process engines only; remote streams carry text.
             output_keys = generated_keys(prompt.token_ids, prompt.keys, done.generated, self._block_size,
                                          chain_salt(self._salt, done.cache_salt), prompt.mm_hashes) if done.generated else []

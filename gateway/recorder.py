@@ -2,7 +2,8 @@
 
 One JSON line per engine request, written when the request ends (also when
 its client left or it failed after the engine's prefill, which cached its
-prompt all the same):
+prompt all the same, or left during an in-process engine's prefill: output 0,
+the prompt as far as the engine had scheduled it):
 ``chat_id``, ``parent_chat_id``, ``turn`` and ``type`` from the gateway's
 classification, ``timestamp`` (arrival, seconds since the recording began),
 ``input_length`` (the prompt's tokens, as the gateway tokenised it: what

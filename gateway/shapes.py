@@ -294,6 +294,11 @@ class StreamFormatter:
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish, **_ended(finish, stop_reason)}
         if token_ids is not None:
             choice["token_ids"] = token_ids
+            # Tokens whose text the choice's leaves out (special ones): its gateway
+            # cannot tell them by their text, and must not count them in text_offset.
+            outside = [i for i, item in enumerate(logprobs) if not item.in_text]
+            if outside:
+                choice["kvgate_not_in_text"] = outside
         return self._frame(choice)
 
     def usage(self, usage: dict, kv_seq: int | None = None) -> bytes:

@@ -94,6 +94,15 @@ def _completion_logprobs(lp: dict | None) -> list[TokenLogprob] | None:
     ]
 
 
+def _mark_not_in_text(lps: list[TokenLogprob] | None, outside: object) -> None:
+    """A `kvgate engine`'s special tokens, listed but outside the choice's text
+    (shapes.StreamFormatter.delta): text_offset does not count them, as in-process."""
+    if lps and isinstance(outside, list):
+        for i in outside:
+            if type(i) is int and 0 <= i < len(lps):
+                lps[i].in_text = False
+
+
 def openai_error_body(body: object) -> dict | None:
     """An upstream server's error as OpenAI's ``{"error": {...}}``, from the shapes
     servers answer in: OpenAI's own; vLLM's before 0.10 and SGLang's, flat
@@ -155,6 +164,7 @@ def chunk_outputs(chunk: Any, rid: str, chat: bool) -> list[GenerationOutput]:
             else:
                 text = choice.get("text") or ""
                 lps = _completion_logprobs(choice.get("logprobs"))
+                _mark_not_in_text(lps, choice.get("kvgate_not_in_text"))
             finish = choice.get("finish_reason")
             token_ids = choice.get("token_ids") or []  # a `kvgate engine`'s (kvgate_token_ids)
             if not text and finish is None and not lps and extra is None and not token_ids:

@@ -4409,3 +4409,25 @@ async def test_done_before_every_choice_finished_is_an_incomplete_answer_not_a_w
             assert app[GATEWAY].replicas[0].healthy and app[GATEWAY].replicas[0].trips == 0
     finally:
         await upstream.stop()
+
+
+async def test_special_tokens_add_nothing_to_text_offset_behind_an_engine_as_in_process(tiny_model_dir):
+    """A special token a `kvgate engine` lists in a choice's logprobs is outside its
+    text: text_offset indexes the text the client reads, as an in-process engine's
+    does (it ran past the text by the token's length, 0, 12, 24)."""
+    engine, server = await _engine_server(tiny_model_dir)
+    special = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    base = dict(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=1,
+                logit_bias={str(special): 100}, extra_body={"ignore_eos": True})
+    try:
+        config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=server.url)])
+        async with serving(create_app(config)) as (app, gw, client):
+            await wait_for(lambda: app[GATEWAY].replicas[0].healthy, what="the engine in routing")
+            for stream in (False, True):
+                answer = await client.completions.create(**base, stream=stream)
+                chunks = [c async for c in answer if c.choices[0].logprobs] if stream else [answer]
+                assert "".join(c.choices[0].text for c in chunks) == ""
+                assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == ["<|im_start|>"] * 3
+                assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == [0, 0, 0]
+    finally:
+        await server.stop()

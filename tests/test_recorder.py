@@ -355,6 +355,49 @@ async def test_a_stream_the_client_leaves_is_recorded_and_its_next_turn_links_to
     assert turn2["hash_ids"][:len(left["hash_ids"]) - 1] == left["hash_ids"][:-1]  # the same opening blocks
 
 
+async def test_a_client_that_leaves_during_the_prefill_is_recorded_and_one_still_queued_is_not(tiny_model_dir,
+                                                                                                tmp_path):
+    """A stream left before its first token: the engine looked up the prompt and
+    cached its blocks all the same, so the recording has its line (no output); one
+    left while it still waited for the engine cost the cache nothing, and has none."""
+    import time
+
+    import aiohttp
+
+    from tests.engine_procs import tiny_config, wait_for
+
+    path = tmp_path / "served.jsonl"
+    app = create_app(tiny_config(tiny_model_dir, [ReplicaConfig(kind="inprocess", name="local")],
+                                 record_trace=str(path)))
+    server = await start_server(app)
+    engine = app[GATEWAY].replicas[0].engine
+    run = engine.runner.run
+
+    def slow_run(batch):  # a prefill as slow as a big model's
+        time.sleep(0.6)
+        return run(batch)
+
+    engine.runner.run = slow_run
+    try:
+        async with aiohttp.ClientSession() as session:
+            def post(words):
+                return asyncio.ensure_future(session.post(server.url + "/v1/chat/completions", json={
+                    "model": "tiny", "messages": [{"role": "user", "content": words}], "max_tokens": 4, "stream": True}))
+            prefilling = post("You are a helpful assistant. " * 6)
+            await wait_for(lambda: engine.scheduler.running, what="the first prefill")
+            queued = post("Tell me a story. " * 5)  # waits for the step under way
+            await asyncio.sleep(0.2)
+            prefilling.cancel()
+            queued.cancel()
+            await wait_for(lambda: app[GATEWAY].router.inflight_requests == [0], what="both to end")
+            await engine.idle()
+    finally:
+        await server.stop()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(line["input_length"] > 16, line["output_length"]) for line in lines] == [(True, 0)]
+    assert lines[0]["cacheable_blocks"] == lines[0]["input_length"] // BLOCK
+
+
 async def test_each_prompt_of_a_completions_request_has_the_session_it_has_alone(tiny_model_dir, tmp_path):
     """A prompt sent among others has the session it has alone (what session
     routing sticks to, and the recording's session_id), not the first prompt's."""
