@@ -32,6 +32,9 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.retry_after = 1  # seconds, on a 429 or 503 (an upstream server's own, when relayed)
+        # False: the answer says so (x-should-retry, which OpenAI's SDKs obey instead of
+        # retrying a 5xx): an error that a retry within seconds meets again.
+        self.retryable = True
         self.relayed = False  # an upstream server's error, in its own words
         # The completion's id once the request was read: the one its replicas were
         # sent, so that the answer's x-request-id finds the request in their logs.
@@ -57,6 +60,8 @@ class ApiError(Exception):
             # request, so the connection ends with this answer (RFC 9110 15.5.9), once
             # aiohttp's lingering read (up to 10 s) has taken what the client still sends.
             resp.force_close()
+        if not self.retryable:
+            resp.headers["x-should-retry"] = "false"
         # As on every OpenAI response (the SDK's error.request_id); a completion's is its own id.
         resp.headers["x-request-id"] = self.request_id or f"req-{getrandbits(96):024x}"
         return resp
@@ -179,8 +184,10 @@ def request_lost(servers: int) -> ApiError:
 
 
 def request_quarantined(seconds: int) -> ApiError:
-    return ApiError(502, f"Model servers failed while running this prompt; it is refused for the next {seconds} s, "
-                         "in case it is what brings them down.", "api_error", None, "request_quarantined")
+    refused = ApiError(502, f"Model servers failed while running this prompt; it is refused for the next {seconds} s, "
+                            "in case it is what brings them down.", "api_error", None, "request_quarantined")
+    refused.retryable = False  # the SDK's retries (within ~10 s) would only be refused again
+    return refused
 
 
 def internal_error() -> ApiError:

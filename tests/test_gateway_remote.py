@@ -54,6 +54,10 @@ async def _engine_server(model_dir, **kw):
 RESPONSE_EVENT = TypeAdapter(ResponseStreamEvent)
 
 
+async def _append(into: list, item) -> None:
+    into.append(item)
+
+
 def _client(url):
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
 
@@ -3840,6 +3844,14 @@ async def test_a_prompt_that_brings_replicas_down_is_not_passed_along_the_fleet(
             assert refused.value.status_code == 502 and refused.value.body["code"] == "request_quarantined"
             assert "refused for the next" in refused.value.body["message"]
         assert sum(hit.values()) == 1
+        # Told not to retry (x-should-retry): an SDK with retries asks once, not three times.
+        sent = []
+        retrying = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=2, http_client=openai.DefaultAsyncHttpxClient(
+            event_hooks={"request": [lambda request: _append(sent, request)]}))
+        with pytest.raises(openai.APIStatusError) as refused:
+            await retrying.chat.completions.create(model=MODEL, messages=poison, max_tokens=5)
+        await retrying.close()
+        assert refused.value.body["code"] == "request_quarantined" and len(sent) == 1
         fine = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=5)
         assert fine.choices[0].message.content == "Fine"
@@ -3848,7 +3860,7 @@ async def test_a_prompt_that_brings_replicas_down_is_not_passed_along_the_fleet(
             async with session.get(url + "/metrics") as resp:
                 scrape = await resp.text()
         assert 'kvgate_requests_lost_total{outcome="failed"} 1.0' in scrape
-        assert 'kvgate_requests_lost_total{outcome="refused"} 2.0' in scrape
+        assert 'kvgate_requests_lost_total{outcome="refused"} 3.0' in scrape
 
         # The default (2): one more replica may take it, since a replica can die of
         # something else; the quarantine off: each request tries it anew.
