@@ -134,9 +134,12 @@ def table_footer(summary: dict, results: Sequence[ReplayResult]) -> str:
 def write_errors_as(error: type[Exception], flag: str, path: str | Path) -> Iterator[None]:
     """An output that fails as it is written (a full disk, a quota) raised as
     ``error`` with one line: the results are already on screen, a traceback
-    would bury them."""
+    would bury them.  A reader that left (`-o /dev/stdout | head`) is no failed
+    write: it goes on as BrokenPipeError, which the CLI ends quietly (exit 141)."""
     try:
         yield
+    except BrokenPipeError:
+        raise
     except OSError as exc:
         raise error(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
 

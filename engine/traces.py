@@ -110,7 +110,12 @@ def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
     except OSError as exc:
         raise TraceError(f"{source}: cannot read: {exc.strerror}") from None
     # Published traces ship gzipped; peek, not seek, so a pipe works too.
-    if handle.peek(2)[:2] == _GZIP_MAGIC:
+    try:
+        gzipped = handle.peek(2)[:2] == _GZIP_MAGIC
+    except OSError as exc:  # opened, but its first bytes cannot be read (an I/O error)
+        handle.close()
+        raise TraceError(f"{source}: cannot read: {exc.strerror or exc}") from None
+    if gzipped:
         handle = gzip.GzipFile(fileobj=handle, mode="rb")
     with handle:
         try:

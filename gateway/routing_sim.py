@@ -35,7 +35,8 @@ prompts it sent there, forgotten after ``router.approx_ttl_s`` or past
 Replay semantics per replica are ``engine.replay``'s (``replay_request``): the
 leading run of cached keys is the hit, every cacheable key is touched or
 inserted, a recording's answer blocks are cached after them, blocks are
-released tail first.  The reference is one pooled cache of N times the capacity:
+released tail first (a recording's request holds them until it ended, its
+``duration_s``).  The reference is one pooled cache of N times the capacity:
 about what routing could recover by putting every request where its prefix is.
 It is no strict bound: N separate caches under a recency policy can keep a
 little more of what their own requests reuse than one shared cache does.
@@ -54,7 +55,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig
-from engine.replay import pool_sizes, replay, replay_request
+from engine.replay import HeldRequests, pool_sizes, replay, replay_request
 from engine.replay_report import (
     collect_until_interrupted, host_tier_note, interrupted_note, plot_title, print_row, save_figure,
     trace_line, unfinished_outputs, write_outputs,
@@ -190,13 +191,18 @@ def simulate(
     hits = accesses = 0
     inflight_sum = 0
     work_skew_sum = 0.0
+    # A recording's request holds its blocks on its replica until it ended (its
+    # duration_s), as plain replay and the pooled reference hold them.
+    held = [HeldRequests(pool) for pool in pools]
     for seq, request in enumerate(trace.requests):
         now = request.timestamp
         while finishing and finishing[0][0] <= now:
             router.release(heapq.heappop(finishing)[2])
         for lagged in lagging:
             lagged.catch_up(now)
-            lagged.now = now  # the events this request causes happen now
+            lagged.now = now  # the events this request causes happen now (and those of the ends before it)
+        for ends in held:
+            ends.end_until(now)
         keys = request.keys
         ctx = request.context
         decision = router.choose(keys, indexes, healthy, ctx.session)
@@ -207,7 +213,7 @@ def simulate(
         inflight_sum += sum(router.inflight_requests)
         total = sum(router.inflight_tokens)
         work_skew_sum += max(router.inflight_tokens) * replicas / total if total else 1.0
-        hit = replay_request(pools[r], request)
+        hit = replay_request(pools[r], request, held[r])
         hits += hit
         accesses += len(keys)
         per_replica[r] += len(keys)

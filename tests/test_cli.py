@@ -100,6 +100,23 @@ def test_output_into_a_closed_pipe_exits_quietly(tmp_path):
     assert done.stderr == ""
 
 
+@pytest.mark.parametrize("output", [["synth", "--duration", "60", "--rate", "2", "-o", "/dev/stdout"],
+                                    ["replay", "TRACE", "--policies", "lru", "--capacity-blocks", "4",
+                                     "--json", "/dev/stdout"]])
+def test_a_results_file_on_stdout_into_a_closed_pipe_exits_quietly(tmp_path, output):
+    """`kvgate synth -o /dev/stdout | head`: the reader that left is no failed write (exit 2, an error line)."""
+    argv = [str(mooncake_trace(tmp_path / "m.jsonl")) if arg == "TRACE" else arg for arg in output]
+    kvgate = str(Path(sys.executable).with_name("kvgate"))
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([kvgate, *argv], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141
+    assert "Broken pipe" not in done.stderr and "cannot write" not in done.stderr
+
+
 @pytest.mark.parametrize("url", ["notaurl", "localhost:8001", "ftp://host:8001", "http://", "openai+notaurl",
                                  "http://host:99999", "http://host:port", "http://[::1"])
 def test_serve_refuses_a_replica_that_is_no_url_before_loading_anything(capsys, monkeypatch, url):

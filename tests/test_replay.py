@@ -1,5 +1,6 @@
 import heapq
 import json
+import os
 import random
 import subprocess
 import sys
@@ -222,6 +223,14 @@ def test_a_line_of_bad_utf8_is_said_to_be_so(tmp_path, capsys):
     assert capsys.readouterr().err == f"kvgate: {path}:2: not UTF-8 text (byte 5 of the line)\n"
     path.write_bytes(b"\xef\xbb\xbf" + good)  # a BOM is no text
     assert main(["replay", str(path), "--no-progress"]) == 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux's /proc/self/mem")
+def test_a_trace_whose_first_read_fails_is_one_line(capsys):
+    """A file that opens but cannot be read (a failing disk, a network mount: here
+    /proc/self/mem, whose offset 0 is unmapped) is `FILE: cannot read`, no traceback."""
+    assert main(["replay", "/proc/self/mem", "--no-progress"]) == 2
+    assert capsys.readouterr().err == "kvgate: /proc/self/mem: cannot read: Input/output error\n"
 
 
 def test_cli_missing_trace_and_bad_arguments(tmp_path, capsys):

@@ -63,6 +63,23 @@ def test_recordings_replay_per_replica_as_in_plain_replay(tmp_path):
     assert all(r.hit_ratio == 9 / 15 for r in results.values())
 
 
+def test_recordings_hold_their_blocks_per_replica_as_in_plain_replay(tmp_path):
+    """A recording's request holds its blocks until it ended (duration_s) behind the
+    router too: A's blocks, held while B and C come, are not C's to evict, so D hits them."""
+    from engine.replay import replay
+
+    trace = _rows(tmp_path, [
+        {"chat_id": 1, "timestamp": 0.0, "input_length": 32, "hash_ids": [1, 2], "session_id": 1, "duration_s": 10.0},
+        {"chat_id": 2, "timestamp": 1.0, "input_length": 32, "hash_ids": [3, 4], "session_id": 1},
+        {"chat_id": 3, "timestamp": 2.0, "input_length": 32, "hash_ids": [5, 6], "session_id": 1},
+        {"chat_id": 4, "timestamp": 3.0, "input_length": 32, "hash_ids": [1, 2], "session_id": 1},
+    ])
+    assert replay(trace, "lru", 4).hit_ratio == 2 / 8
+    (routed,) = run_routing(trace, ["session"], 2, ["lru"], [4])
+    assert sorted(routed.per_replica_accesses) == [0, 8]  # one session: one replica, as one pool
+    assert routed.hit_ratio == 2 / 8
+
+
 def test_load_imbalance():
     assert load_imbalance([10, 10, 10, 10]) == 1.0
     assert load_imbalance([20, 10, 10, 0]) == 2.0
