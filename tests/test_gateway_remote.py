@@ -30,6 +30,7 @@ from gateway.app import GATEWAY, create_app
 from gateway.config import ApiKeyConfig, KvgateConfig, ReplicaConfig, RouterConfig
 from gateway.metrics import GatewayMetrics
 from gateway.replicas import RemoteReplica, ReplicaInfo, ReplicaUnavailable
+from gateway.router import ExactIndex
 from gateway.upstream import parse_backend_metrics
 from gateway.server import start_server
 from tests.engine_procs import (
@@ -1631,6 +1632,47 @@ async def test_a_draining_engine_stays_out_of_routing_across_reconnects(tiny_mod
         assert not seen_healthy and replica.draining
         assert not any("back in routing" in r.getMessage() or "resyncing" in r.getMessage() for r in caplog.records)
     finally:
+        await gw.stop()
+        await server.stop()
+
+
+async def test_a_draining_engines_blocks_are_neither_sent_nor_indexed_on_reconnect(tiny_model_dir, monkeypatch):
+    """A gateway reopens /kv_events every 2 s while an engine drains (up to
+    drain_timeout_s): the draining snapshot carries no keys, and the gateway
+    indexes none, rather than a whole snapshot (a million keys: ~10 MB and
+    ~0.7 s of the gateway's loop) at each reconnect, dropped at once, for an
+    engine it never routes to again."""
+    engine, server = await _engine_server(tiny_model_dir)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=server.url)],
+                         router=RouterConfig(health_interval_s=0.1))
+    app = create_app(config)
+    gw = await start_server(app)
+    replica = app[GATEWAY].replicas[0]
+    indexed_while_draining: list[int] = []
+    rebuild = ExactIndex.rebuild
+
+    async def counting(index, held):
+        if index is replica.index and replica.draining:
+            indexed_while_draining.append(sum(len(keys) for keys in held.values()))
+        await rebuild(index, held)
+
+    monkeypatch.setattr(ExactIndex, "rebuild", counting)
+    client = _client(gw.url)
+    try:
+        await wait_for(lambda: replica.healthy, what="healthy")
+        await client.completions.create(model=MODEL, prompt="The quick brown fox " * 20, max_tokens=2)
+        assert len(replica.index) > 0
+        server.runner.app[GATEWAY].begin_drain()
+        await wait_for(lambda: replica.draining and not replica.healthy, timeout=5, what="draining")
+        await asyncio.sleep(2.5)  # past the gateway's reconnect (every 2 s while draining)
+        assert sum(indexed_while_draining) == 0 and len(replica.index) == 0
+        async with aiohttp.ClientSession() as session:
+            async with session.get(server.url + "/kv_events") as resp:
+                assert (await resp.content.readline()) == b"event: snapshot\n"
+                snapshot = json.loads((await resp.content.readline()).removeprefix(b"data: "))
+        assert snapshot["draining"] and not any(snapshot["keys"].values())
+    finally:
+        await client.close()
         await gw.stop()
         await server.stop()
 

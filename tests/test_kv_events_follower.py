@@ -49,6 +49,7 @@ class ScriptedEngine:
         self.instance = "first"  # /kvgate/info's name for the engine process
         self.draining = False  # what its snapshots say
         self.streams: set = set()  # the transports of its open /kv_events
+        self.responses: list = []  # its open /kv_events streams, to write to
 
     async def start(self, port: int = 0) -> str:
         app = web.Application()
@@ -83,8 +84,15 @@ class ScriptedEngine:
         if not self.hung:
             snapshot = {"seq": 0, "model": MODEL, "keys": {"device": list(self.keys)}, "draining": self.draining}
             await resp.write(b"event: snapshot\ndata: " + json.dumps(snapshot).encode() + b"\n\n")
+        self.responses.append(resp)
         await asyncio.sleep(3600)
         return resp
+
+    async def say_draining(self) -> None:
+        """The draining event on its open streams, which it keeps open (a real
+        engine ends them next: a moment in which its probes still answer)."""
+        for resp in self.responses:
+            await resp.write(b"event: draining\ndata: {}\n\n")
 
 
 @pytest.fixture
@@ -179,6 +187,21 @@ async def test_an_engine_first_seen_after_its_breaker_opened_rejoins_on_its_firs
         await replica.close()
         if engine.server is not None:
             await engine.server.stop()
+
+
+async def test_an_engine_that_says_it_stops_stays_out_though_its_probes_answer(scripted):
+    """Between an engine's draining event and the end of its stream, a probe it
+    answers (its /health is fine while it drains) must not put it back in routing."""
+    engine, follow = scripted
+    replica = await follow(health_interval_s=0.02)
+    await wait_for(lambda: replica.healthy, what="in routing")
+    await engine.say_draining()
+    await wait_for(lambda: replica.draining, what="draining")
+    seen_healthy = False
+    for _ in range(25):  # 0.5 s: many probes
+        await asyncio.sleep(0.02)
+        seen_healthy |= replica.healthy
+    assert not seen_healthy and replica.draining
 
 
 async def test_an_engine_gone_says_so_without_its_address_and_a_drained_one_is_down(scripted, caplog):
