@@ -230,6 +230,15 @@ class Dispatcher:
             # scale to zero): the one it was sent to serves it in its drain, as before.
             taken_back, tries.offered = tries.offered, None
             return taken_back
+        if parsed.engine_unsupported is None:
+            # Every engine is stopping (a node drain, a single engine's restart): they
+            # take requests for their server.shutdown_delay_s still, and serve them in
+            # their drain, where a 503 would fail the client (its SDK's retries span ~2 s).
+            stopping = [r.draining and not r.breaker_open for r in self.replicas]
+            if any(stopping):
+                decision = self.router.choose(sub.prompt.keys, self._indexes, stopping, sub.context.session, tries.tried)
+                if decision is not None:
+                    return decision, None
         if tries.busy is not None:  # every replica that could take it refused: at capacity
             busy = errors.relayed(429, tries.busy.body, "Every replica is at capacity; retry shortly.",
                                   "rate_limit_error", "server_overloaded")

@@ -191,6 +191,9 @@ class Replica:
     # A slot of a replica entry with a count (ReplicaConfig.count) whose host name
     # does not resolve: no such server (yet), rather than one that is down.
     absent = False
+    # A `kvgate engine` that said it is stopping (RemoteReplica): out of routing,
+    # but it may still take requests for its server.shutdown_delay_s.
+    draining = False
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -1217,9 +1220,11 @@ class RemoteReplica(Replica):
                     raise _EndedEarly(f"replica {self.name} closed the stream before [DONE]")
                 # So would [DONE] with a choice unfinished (cut upstream, or a server
                 # that ignores n): a null finish_reason, or a choice left empty.
-                unfinished = sorted(set(range(job.request.sampling.n)) - finished)
-                raise _DoneUnfinished(f"replica {self.name} sent [DONE] with choice "
-                                      f"{', '.join(map(str, unfinished))} of {job.request.sampling.n} unfinished")
+                # (With no choice at all, below: no answer, counted toward its breaker.)
+                if produced:
+                    unfinished = sorted(set(range(job.request.sampling.n)) - finished)
+                    raise _DoneUnfinished(f"replica {self.name} sent [DONE] with choice "
+                                          f"{', '.join(map(str, unfinished))} of {job.request.sampling.n} unfinished")
             if not produced:
                 # [DONE] with no choice at all (every server sends at least a
                 # finish_reason): an empty 200 would pass for the model's answer.
@@ -1302,6 +1307,10 @@ class RemoteReplica(Replica):
                 self._note_failure()
             raise ReplicaUnavailable(f"replica {self.name}: {self._timeout_reason(exc)}") from exc
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            if self.draining and isinstance(exc, aiohttp.ClientConnectorError):
+                # Tried as a last resort (every engine stopping), past its shutdown
+                # delay: its port closed, as it said it would; no failure of its.
+                raise ReplicaStopping(f"replica {self.name} is shutting down") from exc
             self._note_failure()
             if _lost(exc):  # sent, then the connection broke
                 raise ReplicaLost(f"replica {self.name}: {_plain_reason(exc)}", self._loss_event()) from exc

@@ -1610,6 +1610,35 @@ async def test_requests_queued_when_every_engine_stops_are_served_where_they_wer
             await s.stop()
 
 
+async def test_when_every_engine_stops_requests_go_to_them_while_they_take_requests(tiny_model_dir):
+    """A node drain or a lone engine's restart: every engine says it stops, and for
+    its server.shutdown_delay_s still takes requests, to serve in its drain.  The
+    gateway sends them there rather than answer 503 (OpenAI's SDKs retry a 503 for
+    ~2 s only); once they refuse (or their ports close), 503, and no replica failure."""
+    apps, servers, config = await _two_engines_behind_a_gateway(tiny_model_dir)
+    messages = [{"role": "user", "content": "Still there?"}]
+    try:
+        async with serving(create_app(config)) as (app, server, client):
+            replicas = app[GATEWAY].replicas
+            await wait_for(lambda: all(r.healthy for r in replicas), what="both engines in routing")
+            for engine_app in apps:
+                engine_app[GATEWAY].begin_drain()
+            await wait_for(lambda: all(r.draining for r in replicas), what="both draining")
+            for _ in range(4):
+                answer = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+                assert answer.usage.completion_tokens == 2
+            apps[0][GATEWAY].refusing = True  # past its delay: taking no new request
+            await servers[1].stop()  # its port closed
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+            assert refused.value.status_code == 503
+            failures = await metric_by_replica(server.url, "kvgate_replica_failures_total")
+            assert sum(failures.values()) == 0, failures
+    finally:
+        for s in servers:
+            await s.stop()
+
+
 async def test_a_draining_engine_stays_out_of_routing_across_reconnects(tiny_model_dir, caplog):
     """While an engine drains (SIGTERM's first stage: still serving its streams),
     a gateway that reopens /kv_events gets a snapshot marked draining: the engine
