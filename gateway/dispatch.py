@@ -132,6 +132,8 @@ class Dispatcher:
                                    predicted, [] if self.observer.recording else None)
                 restart = False
                 gen = replica.generate(job) if offered is None else replica.generate(job, offered.sent)
+                if tries.offered is not None:
+                    gen = _unless_answered_first(gen, tries.offered[1])
                 try:
                     async for batch in gen:
                         if not attempt.produced and (tries.answer_failed or tries.offered):
@@ -182,6 +184,11 @@ class Dispatcher:
                                         parsed.id, tries.lost)
                             self.metrics.lost_requests.labels("failed").inc()
                             raise errors.request_lost(tries.lost) from None
+                except _AnsweredFirst:
+                    # The stopping engine it was offered from started it first (its drain
+                    # reached it while it queued here): given up here, read there (_choose).
+                    log.debug("%s: replica %s gives it up: the stopping engine it was offered from answers it first",
+                              parsed.id, replica.name)
                 except (asyncio.CancelledError, GeneratorExit):
                     if not attempt.produced and tries.unrecorded is None:
                         self._record_prefill(attempt, sub, parsed, tries, request)
@@ -217,6 +224,11 @@ class Dispatcher:
         """The router's pick among the usable replicas not tried yet; none left: the
         stopping replica that offered it, if one did (its request there stands, and
         is read now: OfferedElsewhere), else the error the tries so far call for."""
+        if tries.offered is not None and tries.offered[1].answered:
+            # The stopping engine it was offered from has started it after all: its
+            # answer is there now, wherever else it would wait.
+            taken_back, tries.offered = tries.offered, None
+            return taken_back
         if parsed.engine_unsupported is not None:
             # A request only an external server can honour (tools, JSON output) goes to one.
             usable = [r.healthy and r.kind == "openai" for r in self.replicas]
@@ -512,6 +524,37 @@ class _Attempt:
             usage.completion[0] if whole else max(usage.completion[0], self.received),
             arrival, parsed.user or parsed.safety_identifier, self.generated, parsed.cache_salt,
         )
+
+
+class _AnsweredFirst(Exception):
+    """The stopping engine a request was offered from answered it before the
+    replica it was offered to (see _unless_answered_first)."""
+
+
+async def _unless_answered_first(gen: AsyncIterator, offered: OfferedElsewhere) -> AsyncIterator:
+    """``gen``'s batches, unless the stopping engine that offered the request (its
+    request there still open) answers it before ``gen``'s first batch comes:
+    _AnsweredFirst.  That engine may start it in its drain while it queues here,
+    and its answer, not read, was thrown away while the client waited on."""
+    try:
+        first = asyncio.ensure_future(anext(gen))
+        try:
+            await asyncio.wait((first, offered.sent), return_when=asyncio.FIRST_COMPLETED)
+            if not first.done() and offered.answered:
+                raise _AnsweredFirst
+            batch = await first
+        except StopAsyncIteration:
+            return
+        except BaseException:
+            if not first.done():
+                first.cancel()  # its request here is given up (its connection closed)
+                await asyncio.wait((first,))  # stopped before it is closed below
+            raise
+        yield batch
+        async for batch in gen:
+            yield batch
+    finally:
+        await aclose(gen)
 
 
 async def aclose(gen) -> None:

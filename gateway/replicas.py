@@ -141,6 +141,13 @@ class OfferedElsewhere(ReplicaStopping):
         closed, which aborts it on the engine)."""
         withdraw_post(self.sent)
 
+    @property
+    def answered(self) -> bool:
+        """The stopping engine started it after all (its drain reached it) and
+        answers: its output comes first, wherever else the request is waiting."""
+        sent = self.sent
+        return sent.done() and not sent.cancelled() and sent.exception() is None and sent.result().status == 200
+
 
 def withdraw_post(post: asyncio.Future) -> None:
     """Give up a POST sent with aiohttp, answered or not: its connection goes."""

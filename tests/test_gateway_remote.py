@@ -1579,6 +1579,45 @@ async def test_requests_queued_on_a_stopping_engine_go_to_another(tiny_model_dir
     assert any("2 of its queued requests offered to other replicas" in m for m in said), said
 
 
+async def test_a_request_offered_elsewhere_is_answered_by_the_stopping_engine_that_starts_it_first(tiny_model_dir):
+    """A queued request offered from a stopping engine to another that is busy
+    too: the stopping engine, its running request done, starts it in its drain
+    and answers at once.  That answer was never read: the client waited until
+    the other engine got round to it (here as long as its step stays stuck).  The
+    first to answer serves it, and the other gives it up."""
+    apps, servers, config = await _two_engines_behind_a_gateway(tiny_model_dir)
+    engines = [a[GATEWAY].replicas[0].engine for a in apps]
+    directs = [_client(s.url) for s in servers]
+    try:
+        async with serving(create_app(config)) as (app, server, client):
+            await wait_for(lambda: all(r.healthy for r in app[GATEWAY].replicas), what="both engines in routing")
+            # Each engine busy with a client's own stream (another gateway's, say).
+            busy = [await d.completions.create(model=MODEL, prompt="busy", max_tokens=20, stream=True,
+                                               extra_body={"ignore_eos": True}) for d in directs]
+            for stream in busy:
+                await anext(stream)
+            with hung_model_steps(engines[0]) as release0, hung_model_steps(engines[1]) as release1:
+                asked = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="a question", max_tokens=2))
+                await wait_for(lambda: any(e.unstarted() for e in engines), what="queued on one engine")
+                stopping = next(i for i, e in enumerate(engines) if e.unstarted())
+                other = engines[1 - stopping]
+                aborted = count_aborts(other)
+                apps[stopping][GATEWAY].begin_drain()
+                await wait_for(lambda: other.unstarted(), what="offered to the other engine, queued there")
+                (release0, release1)[stopping].set()  # its running request ends, and it reaches this one
+                answer = await asyncio.wait_for(asyncio.shield(asked), 10)
+                assert answer.usage.completion_tokens == 2
+                await wait_for(lambda: len(aborted) == 1, what="given up on the engine it was offered to")
+            for stream in busy:
+                assert [chunk async for chunk in stream][-1].choices[0].finish_reason == "length"
+            assert app[GATEWAY].router.inflight_requests == [0, 0]
+    finally:
+        for d in directs:
+            await d.close()
+        for s in servers:
+            await s.stop()
+
+
 async def test_requests_queued_when_every_engine_stops_are_served_where_they_were_sent(tiny_model_dir):
     """Every engine stops at once (a node drain, a scale to zero): a queued request
     offered elsewhere finds no taker (the other engine refuses it, stopping too,
