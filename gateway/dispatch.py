@@ -242,11 +242,13 @@ class Dispatcher:
             # scale to zero): the one it was sent to serves it in its drain, as before.
             taken_back, tries.offered = tries.offered, None
             return taken_back
-        if parsed.engine_unsupported is None:
+        if parsed.engine_unsupported is None and not any(r.healthy for r in self.replicas):
             # Every engine is stopping (a node drain, a single engine's restart): they
             # take requests for their server.shutdown_delay_s still, and serve them in
             # their drain, where a 503 would fail the client (its SDK's retries span ~2 s).
-            stopping = [r.draining and not r.breaker_open for r in self.replicas]
+            # Not while a replica is in routing: one that refused it (at capacity) or
+            # failed it answers the client, rather than a stopping engine's drain.
+            stopping = [r.draining and not (r.breaker_open or r.port_closed) for r in self.replicas]
             if any(stopping):
                 decision = self.router.choose(sub.prompt.keys, self._indexes, stopping, sub.context.session, tries.tried)
                 if decision is not None:
@@ -549,6 +551,10 @@ async def _unless_answered_first(gen: AsyncIterator, offered: OfferedElsewhere) 
             if not first.done():
                 first.cancel()  # its request here is given up (its connection closed)
                 await asyncio.wait((first,))  # stopped before it is closed below
+            if not first.cancelled():
+                # Its failure, in the same turn as the client left: read, or asyncio
+                # logs it as an error with its traceback ("never retrieved").
+                first.exception()
             raise
         yield batch
         async for batch in gen:

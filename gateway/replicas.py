@@ -201,6 +201,9 @@ class Replica:
     # A `kvgate engine` that said it is stopping (RemoteReplica): out of routing,
     # but it may still take requests for its server.shutdown_delay_s.
     draining = False
+    # A draining engine whose port refused a connection: past that delay, no
+    # last resort any more (each request would try it again, to be refused).
+    port_closed = False
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -492,7 +495,7 @@ class RemoteReplica(Replica):
         self._loss_check: asyncio.Task | None = None
         # A `kvgate engine` shutting down said so: out of routing, but its
         # streams run to their end rather than being cut.
-        self.draining = False
+        self.draining = self.port_closed = False
         self._was_healthy = False  # for the log: joining routing the first time, or coming back
         # Learnt from the replica itself (engine: /kvgate/info; external: /v1/models);
         # until then ``info`` holds the config's guess.  The gateway listens for changes.
@@ -916,7 +919,7 @@ class RemoteReplica(Replica):
                         if event == "draining":
                             if self.healthy:
                                 log.info("replica %s is shutting down: out of routing, its streams finish", self.name)
-                            self.draining = True
+                            self.draining, self.port_closed = True, False
                             self.healthy = False
                             self._offer_elsewhere(data.get("unstarted"))
                             continue
@@ -927,12 +930,13 @@ class RemoteReplica(Replica):
                                 # and its blocks are not indexed (never routed on, and a million
                                 # keys took ~0.7 s of this loop at every reconnect of its drain).
                                 self.draining, self.healthy = True, False
+                                self.port_closed = False  # it answered: its port is open still
                                 self._offer_elsewhere(data.get("unstarted"))
                                 continue
                             await self.index.rebuild(held_from_snapshot(data))
                             last = data["seq"]
                             self._kv_advanced(last)
-                            self.draining = False  # a (re)started engine
+                            self.draining = self.port_closed = False  # a (re)started engine
                             # A new snapshot may be a restarted engine with another block
                             # size, salt, model or context length: learn them again (the
                             # gateway says so if its hashes can no longer match).  Until
@@ -980,7 +984,7 @@ class RemoteReplica(Replica):
                     # (Not while requests sent here are open: it closed its port, but
                     # serves them still, and a failed probe must not cut them.)
                     log.info("replica %s has stopped (%s)", self.name, _plain_reason(exc))
-                    self.draining = False
+                    self.draining = self.port_closed = False
             except Exception as exc:  # noqa: BLE001 - any other failure means: resync
                 if not (self.draining or self._key_refused or self._no_events or self._followers_full):
                     # Each said already, or on purpose.
@@ -1012,7 +1016,7 @@ class RemoteReplica(Replica):
                 answer.set_result(None)
                 offered += 1
         if offered:
-            log.info("replica %s: %d of its queued %s offered to other replicas", self.name, offered,
+            log.info("replica %s: %d queued %s offered to other replicas", self.name, offered,
                      "request" if offered == 1 else "requests")
 
     async def _poll_metrics(self) -> None:
@@ -1137,9 +1141,10 @@ class RemoteReplica(Replica):
         waiting = object()
         self._awaiting[waiting] = started
         # A `kvgate engine` that begins to stop names the requests it has not
-        # started, by X-Request-Id: this one's may then be offered elsewhere.
+        # started, by X-Request-Id: this one's may then be offered elsewhere (not
+        # one sent while it stops, as a last resort: there is nowhere else).
         offer = name = None
-        if sent is None and self.kind == "engine" and job.forwarded_id is not None:
+        if sent is None and self.kind == "engine" and job.forwarded_id is not None and not self.draining:
             name = job.forwarded_id
             offer = self._unanswered[name] = asyncio.get_running_loop().create_future()
         try:
@@ -1317,6 +1322,7 @@ class RemoteReplica(Replica):
             if self.draining and isinstance(exc, aiohttp.ClientConnectorError):
                 # Tried as a last resort (every engine stopping), past its shutdown
                 # delay: its port closed, as it said it would; no failure of its.
+                self.port_closed = True
                 raise ReplicaStopping(f"replica {self.name} is shutting down") from exc
             self._note_failure()
             if _lost(exc):  # sent, then the connection broke

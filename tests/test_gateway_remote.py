@@ -1576,7 +1576,7 @@ async def test_requests_queued_on_a_stopping_engine_go_to_another(tiny_model_dir
         for s in servers:
             await s.stop()
     said = [r.getMessage() for r in caplog.records if r.name == "gateway.replicas"]
-    assert any("2 of its queued requests offered to other replicas" in m for m in said), said
+    assert any("2 queued requests offered to other replicas" in m for m in said), said
 
 
 async def test_a_request_offered_elsewhere_is_answered_by_the_stopping_engine_that_starts_it_first(tiny_model_dir):
@@ -1676,6 +1676,109 @@ async def test_when_every_engine_stops_requests_go_to_them_while_they_take_reque
     finally:
         for s in servers:
             await s.stop()
+
+
+async def test_a_stopping_engine_is_no_last_resort_while_a_replica_is_in_routing(tiny_model_dir):
+    """A rolling restart beside a replica at capacity: the request it refuses (429)
+    is the client's 429, not one more request for the stopping engine to serve in
+    its drain (the last resort is for when every engine stops)."""
+    async def refuse(request):
+        await request.read()
+        body = {"error": {"message": "at capacity", "type": "rate_limit_error", "param": None, "code": "server_overloaded"}}
+        return web.json_response(body, status=429, headers={"Retry-After": "7"})
+
+    engine_app = create_app(tiny_config(tiny_model_dir), engine_mode=True)
+    engine_server = await start_server(engine_app)
+    busy = await _scripted_upstream(_models_while({"healthy": True}), refuse)
+    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=engine_server.url),
+                                          ReplicaConfig(kind="openai", url=busy.url, name="busy")],
+                         router=RouterConfig(policy="round-robin"))
+    engine = engine_app[GATEWAY].replicas[0].engine
+    started = record_requests(engine)
+    try:
+        async with serving(create_app(config)) as (app, server, client):
+            replicas = app[GATEWAY].replicas
+            await wait_for(lambda: all(r.healthy for r in replicas), what="both in routing")
+            engine_app[GATEWAY].begin_drain()
+            await wait_for(lambda: replicas[0].draining, what="draining")
+            with pytest.raises(openai.RateLimitError) as refused:
+                await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=2)
+            assert refused.value.response.headers["Retry-After"] == "7"
+            assert started == []
+    finally:
+        await busy.stop()
+        await engine_server.stop()
+
+
+async def test_stopping_engines_whose_ports_closed_are_tried_no_more(tiny_model_dir, caplog):
+    """Every engine stopping, their ports closed while they still serve a stream each
+    (drain_timeout_s): a refused connection says each is past taking requests.  The
+    requests that follow are a 503 at once, rather than one try of each engine per
+    request, each a routing decision and a log line ("stopping, trying another")."""
+    apps, servers, config = await _two_engines_behind_a_gateway(tiny_model_dir)
+    engines = [a[GATEWAY].replicas[0].engine for a in apps]
+    try:
+        async with serving(create_app(config)) as (app, server, client):
+            replicas = app[GATEWAY].replicas
+            await wait_for(lambda: all(r.healthy for r in replicas), what="both engines in routing")
+            streams = []
+            for _ in replicas:  # one on each (round-robin)
+                stream = await client.completions.create(model=MODEL, prompt="a long one", max_tokens=200,
+                                                         stream=True, extra_body={"ignore_eos": True})
+                await anext(stream)
+                streams.append(stream)
+            with hung_model_steps(engines[0]), hung_model_steps(engines[1]):
+                for engine_app, engine_server in zip(apps, servers):
+                    engine_app[GATEWAY].begin_drain()
+                    for site in list(engine_server.runner.sites):
+                        await site.stop()  # its port closed: what server.shutdown_delay_s 0 does
+                    engine_app[GATEWAY].refusing = True  # nor new requests on open connections
+                await wait_for(lambda: all(r.draining for r in replicas), what="both draining")
+
+                async def refused() -> None:
+                    with pytest.raises(openai.APIStatusError) as info:
+                        await client.completions.create(model=MODEL, prompt="q", max_tokens=2)
+                    assert info.value.status_code == 503
+
+                for _ in range(4):  # the connections the gateway had open answer 503, then refused
+                    await refused()
+                decided = await metric_by_replica(server.url, "kvgate_router_decisions_total")
+                caplog.clear()
+                caplog.set_level(logging.INFO, logger="gateway")
+                for _ in range(5):
+                    await refused()
+                assert await metric_by_replica(server.url, "kvgate_router_decisions_total") == decided
+                assert not [r for r in caplog.records if "trying another" in r.getMessage()]
+                assert all(r.draining for r in replicas)  # still serving their streams
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+async def test_a_request_sent_to_a_stopping_engine_as_a_last_resort_is_not_offered_elsewhere(tiny_model_dir, caplog):
+    """Sent while every engine stops, queued there: the engine lists it as unstarted
+    at each of the gateway's reconnects during its drain (every 2 s), and it was
+    offered elsewhere each time, to no one, with a line in the log."""
+    caplog.set_level(logging.INFO, logger="gateway.replicas")
+    apps, servers, config = await _two_engines_behind_a_gateway(tiny_model_dir)
+    engines = [a[GATEWAY].replicas[0].engine for a in apps]
+    try:
+        async with serving(create_app(config)) as (app, server, client):
+            replicas = app[GATEWAY].replicas
+            await wait_for(lambda: all(r.healthy for r in replicas), what="both engines in routing")
+            for engine_app in apps:
+                engine_app[GATEWAY].begin_drain()
+            await wait_for(lambda: all(r.draining for r in replicas), what="both draining")
+            with hung_model_steps(engines[0]), hung_model_steps(engines[1]):
+                asked = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="late", max_tokens=2))
+                await wait_for(lambda: any(e.unstarted() for e in engines), what="queued on a stopping engine")
+                await asyncio.sleep(2.5)  # past the gateway's reconnect to it
+            assert (await asyncio.wait_for(asked, 10)).usage.completion_tokens == 2
+    finally:
+        for s in servers:
+            await s.stop()
+    assert not [m for m in caplog.messages if "offered to other replicas" in m]
 
 
 async def test_a_draining_engine_stays_out_of_routing_across_reconnects(tiny_model_dir, caplog):

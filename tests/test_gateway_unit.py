@@ -1099,3 +1099,44 @@ def test_a_streamed_response_has_one_item_in_progress_at_a_time(caplog):
         "Done", {"reasoning": "Thinking."}, "length", {"prompt_tokens": 3, "completion_tokens": 2}, 2,
         (("r", 0), ("t", 0)))
     assert [(i["type"], i["status"]) for i in whole["output"]] == [("reasoning", "completed"), ("message", "incomplete")]
+
+
+async def test_an_offered_requests_failure_as_its_client_leaves_is_no_unretrieved_error():
+    """A request offered from a stopping engine waits on another replica, whose
+    answer fails in the same loop turn as the client leaves: that failure is
+    read, not left to asyncio's "Task exception was never retrieved" (an ERROR
+    with its traceback in the gateway's log)."""
+    import asyncio
+    import gc
+
+    from gateway.dispatch import _unless_answered_first
+    from gateway.replicas import OfferedElsewhere, ReplicaUnavailable
+
+    loop = asyncio.get_running_loop()
+    said: list[str] = []
+    loop.set_exception_handler(lambda _, context: said.append(context["message"]))
+    fails = loop.create_future()
+
+    async def other_replica():
+        await fails
+        raise ReplicaUnavailable("replica b: connection reset")
+        yield []
+
+    sent = loop.create_future()  # the stopping engine's POST, unanswered
+    offered = OfferedElsewhere("replica a is shutting down", sent)
+
+    async def client() -> None:
+        async for _ in _unless_answered_first(other_replica(), offered):
+            pass
+
+    task = asyncio.ensure_future(client())
+    await asyncio.sleep(0.01)
+    fails.set_result(None)
+    await asyncio.sleep(0)  # the other replica's answer fails...
+    task.cancel()  # ...as its client leaves
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    sent.cancel()
+    gc.collect()
+    await asyncio.sleep(0.01)
+    assert said == []
