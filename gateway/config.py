@@ -149,7 +149,9 @@ class ServerConfig(Section):
     # load balancer needs to notice: a few seconds behind a Kubernetes Service),
     # then the port closes and requests in flight get drain_timeout_s to finish.
     # Streams still running then end with an OpenAI error event.  A second
-    # signal skips what is left of both waits.
+    # signal skips what is left of both waits.  On a `kvgate engine`, the delay is
+    # also how long its gateways still send it requests when every engine is
+    # stopping (gateway/dispatch.py: the last resort).
     shutdown_delay_s: float = Field(0.0, ge=0, le=HOUR_S)
     drain_timeout_s: float = Field(30.0, ge=0)
     # One log line per request (aiohttp's access log format) on logger aiohttp.access.

@@ -3,6 +3,10 @@
 For each engine request (``Sub``) the router picks a replica; its in-flight
 load is counted before the request is sent and released on every exit; a
 replica that fails before its first output is excluded and another one tried;
+a request a stopping `kvgate engine` had not started is offered to another
+(the first of the two to answer serves it), and when no replica is in routing,
+engines still stopping take new requests as a last resort (for their
+server.shutdown_delay_s, until each port refuses a connection);
 the engine iterator is closed on every exit, which aborts the engine work when
 the client has gone.  What the replica reports on the way (tokens, usage,
 queue time) feeds the request metrics and the observer.  The caller (the

@@ -3,7 +3,9 @@
 ``/kvgate/info``: block size, hash salt and context length, so a gateway
 hashes prompts exactly as this engine does.  ``/kv_events``: the engine's
 block stored/removed events as server-sent events, so a gateway keeps an
-exact index of what this engine holds.  ``/kvgate/stats``: the engine's
+exact index of what this engine holds; while it stops, a ``draining`` event
+(and a snapshot with no blocks) naming the requests it has not started, which
+their gateways offer to other replicas.  ``/kvgate/stats``: the engine's
 figures, polled by gateways for their /metrics and /stats.  ``/health``
 answers with the engine's load (requests running and waiting, KV usage), so
 that gateways sharing engines see each other's work.

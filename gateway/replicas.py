@@ -8,11 +8,16 @@ Every replica offers the same small interface to the gateway:
                                         aborts the work upstream
     index                               what the router believes the replica holds
     healthy                             whether the router may pick it
+    draining, port_closed               a `kvgate engine` stopping: out of routing, but
+                                        a last resort while no replica is in routing,
+                                        until its port refuses a connection (dispatch)
     info                                model name, block size, hash salt, context length
 
 A replica that cannot take a request *before producing anything* raises
-``ReplicaUnavailable`` so the gateway can try another one; after the first
-output a failure ends that stream with an error.
+``ReplicaUnavailable`` so the gateway can try another one (``OfferedElsewhere``:
+a stopping engine had not started it, and its request there stands until
+another replica answers); after the first output a failure ends that stream
+with an error.
 """
 
 from __future__ import annotations
@@ -121,8 +126,9 @@ class ReplicaAnswerFailed(ReplicaUnavailable):
 
 
 class ReplicaStopping(ReplicaUnavailable):
-    """The replica is shutting down and ended the request (a `kvgate engine`
-    past its drain time): another replica may take it; no failure of this one."""
+    """The replica is shutting down: it ended the request (a `kvgate engine`
+    past its drain time), refused it, or, tried as a last resort, its port had
+    closed: another replica may take it; no failure of this one."""
 
 
 class OfferedElsewhere(ReplicaStopping):
@@ -420,6 +426,9 @@ class RemoteReplica(Replica):
     index that missed events must not steer requests).  Opening the breaker
     also cuts the replica's live upstream streams, so a replica that hangs
     instead of dying still ends its streams with an error instead of never.
+    A `kvgate engine` that says it is stopping (``draining``) is out of routing
+    too, its streams run on, and its answered probes do not bring it back: only
+    a (re)started engine's snapshot does.
     """
 
     def __init__(self, cfg: ReplicaConfig, router_cfg: RouterConfig, fallback: ReplicaInfo, name: str | None = None) -> None:

@@ -18,7 +18,8 @@ tokens/s of prefill per replica, and 30 ms per decoded token, a typical
 batched TPOT for a 7B-class model).  Cached tokens cost nothing, so good
 routing also shortens the work it creates.  There is no queueing: replicas
 are assumed to batch whatever is in flight; the costs only decide how long a
-request counts against its replica in the router.  The router charges each
+request counts against its replica in the router (a recording's request holds
+its blocks for its own ``duration_s``, below).  The router charges each
 request ``Router.load_tokens(prompt, output, 1)`` tokens, exactly what the
 gateway charges (the real max_tokens is unknown to the trace, so the known
 output length stands in for it).
