@@ -387,6 +387,7 @@ class Gateway:
         """Out of load balancers' rotation: /ready fails from now on; requests are still served."""
         if not self.draining:
             self.draining = True
+            self.responder.draining = True
             for hook in self.drain_hooks:
                 hook()
 

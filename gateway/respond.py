@@ -75,6 +75,9 @@ class Responder:
         self.kv_seq = kv_seq
         # Set when the server, stopping, cancels the streams still running.
         self.cutting = False
+        # Set when the server begins to stop (Gateway.begin_drain): streams opened
+        # from then on close their connections after them, and say so up front.
+        self.draining = False
 
     async def complete(
         self, gen: AsyncIterator, single: bool, parsed: ParsedRequest, subs: list[Sub], start: float
@@ -273,6 +276,11 @@ class Responder:
                 resp.headers[QUEUE_TIME_HEADER] = f"{out.queue_time_s:.6f}"
             if out.cached_tokens is not None:
                 resp.headers[CACHED_TOKENS_HEADER] = str(out.cached_tokens)
+        if self.draining:
+            # In its headers, as a plain answer says it (Gateway.serve): a keep-alive
+            # client told only by the close after the stream reuses the connection
+            # meanwhile and loses that request (a gateway routing to stopping engines).
+            resp.force_close()
         await resp.prepare(request)
         return resp
 

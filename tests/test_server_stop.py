@@ -181,3 +181,21 @@ def test_a_ctrl_c_before_the_loop_runs_the_server_leaves_no_coroutine_unawaited(
     with pytest.raises(KeyboardInterrupt):
         server.run_on_event_loop(main, "uvloop")
     assert main.cr_frame is None  # closed: nothing left to warn about
+
+
+async def test_a_stream_served_while_stopping_says_connection_close(engine_factory):
+    # A stream answered during shutdown_delay_s (a gateway routes to a stopping engine
+    # when every engine stops) must say so in its headers, as a plain answer does: a
+    # keep-alive client told only by the close after it reuses the connection meanwhile
+    # and loses that request (18 of 337 in a node drain, each a replica failure).
+    engine = engine_factory(shutdown_delay_s=1.5, drain_timeout_s=1.0)
+    await engine.wait_ready()
+    async with aiohttp.ClientSession() as session:
+        engine.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        async with session.post(engine.url + "/v1/completions", json=_stream_body(4)) as stream:
+            assert stream.status == 200
+            assert stream.headers.get("Connection", "").lower() == "close", stream.headers
+            events = await asyncio.wait_for(sse_events(stream), 10)
+    assert events[-1] == "[DONE]"
+    assert await _exit_code(engine, 10) == 0
