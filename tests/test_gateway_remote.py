@@ -1523,6 +1523,23 @@ async def test_a_stopping_engine_s_streams_run_on_after_its_port_closes(tiny_mod
         await wait_for(lambda: not replica.draining, timeout=10, what="stopped")
 
 
+async def _one_engine_behind_a_gateway(model_dir, **router):
+    """A `kvgate engine` server and a gateway over it, started: (engine, its server, the gateway's app and server)."""
+    engine, server = await _engine_server(model_dir)
+    app = create_app(tiny_config(model_dir, [ReplicaConfig(kind="engine", url=server.url)], router=RouterConfig(**router)))
+    return engine, server, app, await start_server(app)
+
+
+async def _every_engine_begins_to_stop(gateway_app, engine_apps) -> None:
+    """Once every engine is in the gateway's routing, each begins to stop (SIGTERM's
+    first act: still taking requests); back when the gateway knows them all draining."""
+    replicas = gateway_app[GATEWAY].replicas
+    await wait_for(lambda: all(r.healthy for r in replicas), what="every engine in routing")
+    for engine_app in engine_apps:
+        engine_app[GATEWAY].begin_drain()
+    await wait_for(lambda: all(r.draining for r in replicas), what="every engine draining")
+
+
 async def _two_engines_behind_a_gateway(model_dir):
     """Two `kvgate engine` servers (their apps, their servers) and a gateway config
     that alternates between them (round-robin: two of four requests on each)."""
@@ -1658,11 +1675,7 @@ async def test_when_every_engine_stops_requests_go_to_them_while_they_take_reque
     messages = [{"role": "user", "content": "Still there?"}]
     try:
         async with serving(create_app(config)) as (app, server, client):
-            replicas = app[GATEWAY].replicas
-            await wait_for(lambda: all(r.healthy for r in replicas), what="both engines in routing")
-            for engine_app in apps:
-                engine_app[GATEWAY].begin_drain()
-            await wait_for(lambda: all(r.draining for r in replicas), what="both draining")
+            await _every_engine_begins_to_stop(app, apps)
             for _ in range(4):
                 answer = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
                 assert answer.usage.completion_tokens == 2
@@ -1765,11 +1778,7 @@ async def test_a_request_sent_to_a_stopping_engine_as_a_last_resort_is_not_offer
     engines = [a[GATEWAY].replicas[0].engine for a in apps]
     try:
         async with serving(create_app(config)) as (app, server, client):
-            replicas = app[GATEWAY].replicas
-            await wait_for(lambda: all(r.healthy for r in replicas), what="both engines in routing")
-            for engine_app in apps:
-                engine_app[GATEWAY].begin_drain()
-            await wait_for(lambda: all(r.draining for r in replicas), what="both draining")
+            await _every_engine_begins_to_stop(app, apps)
             with hung_model_steps(engines[0]), hung_model_steps(engines[1]):
                 asked = asyncio.ensure_future(client.completions.create(model=MODEL, prompt="late", max_tokens=2))
                 await wait_for(lambda: any(e.unstarted() for e in engines), what="queued on a stopping engine")
@@ -1786,11 +1795,7 @@ async def test_a_draining_engine_stays_out_of_routing_across_reconnects(tiny_mod
     a gateway that reopens /kv_events gets a snapshot marked draining: the engine
     stays out of routing, quietly, instead of rejoining and leaving again."""
     caplog.set_level(logging.INFO, logger="gateway.replicas")
-    engine, server = await _engine_server(tiny_model_dir)
-    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=server.url)],
-                         router=RouterConfig(health_interval_s=0.1))
-    app = create_app(config)
-    gw = await start_server(app)
+    engine, server, app, gw = await _one_engine_behind_a_gateway(tiny_model_dir, health_interval_s=0.1)
     replica = app[GATEWAY].replicas[0]
     try:
         await wait_for(lambda: replica.healthy, what="healthy")
@@ -1813,11 +1818,7 @@ async def test_a_draining_engines_blocks_are_neither_sent_nor_indexed_on_reconne
     indexes none, rather than a whole snapshot (a million keys: ~10 MB and
     ~0.7 s of the gateway's loop) at each reconnect, dropped at once, for an
     engine it never routes to again."""
-    engine, server = await _engine_server(tiny_model_dir)
-    config = tiny_config(tiny_model_dir, [ReplicaConfig(kind="engine", url=server.url)],
-                         router=RouterConfig(health_interval_s=0.1))
-    app = create_app(config)
-    gw = await start_server(app)
+    engine, server, app, gw = await _one_engine_behind_a_gateway(tiny_model_dir, health_interval_s=0.1)
     replica = app[GATEWAY].replicas[0]
     indexed_while_draining: list[int] = []
     rebuild = ExactIndex.rebuild
