@@ -741,7 +741,8 @@ def format_statistics(stats: dict) -> str:
         ("trace format", stats.get("format", "bailian"), ""),
         ("requests", f"{stats['requests']}", ""),
         ("duration", secs(stats["duration_s"]), ""),
-        ("unique blocks / accesses", f"{stats['unique_blocks']} / {stats['accesses']}", ""),
+        # Prompts only, as the paper counts; replay (and --capacity fractions) also counts a recording's answer blocks.
+        ("unique prompt blocks / accesses", f"{stats['unique_blocks']} / {stats['accesses']}", ""),
         ("ideal hit ratio (prefix)", pct(stats["ideal_hit_ratio"]), paper("ideal_hit_ratio", pct)),
     ]
     for name, share in stats["type_mix"].items():
