@@ -231,8 +231,7 @@ class Dispatcher:
         if tries.offered is not None and tries.offered[1].answered:
             # The stopping engine it was offered from has started it after all: its
             # answer is there now, wherever else it would wait.
-            taken_back, tries.offered = tries.offered, None
-            return taken_back
+            return tries.take_back()
         if parsed.engine_unsupported is not None:
             # A request only an external server can honour (tools, JSON output) goes to one.
             usable = [r.healthy and r.kind == "openai" for r in self.replicas]
@@ -244,8 +243,7 @@ class Dispatcher:
         if tries.offered is not None:
             # No other replica took it (every engine stopping at once: a node drain, a
             # scale to zero): the one it was sent to serves it in its drain, as before.
-            taken_back, tries.offered = tries.offered, None
-            return taken_back
+            return tries.take_back()
         if parsed.engine_unsupported is None and not any(r.healthy for r in self.replicas):
             # Every engine is stopping (a node drain, a single engine's restart): they
             # take requests for their server.shutdown_delay_s still, and serve them in
@@ -431,6 +429,11 @@ class _Tries:
             self.offered = decision, offered
         else:
             offered.withdraw()  # offered by a second stopping engine: the first keeps it
+
+    def take_back(self) -> tuple[Decision, OfferedElsewhere]:
+        """Read where it was offered from after all (its request there still open)."""
+        taken_back, self.offered = self.offered, None
+        return taken_back
 
     def withdraw_offer(self) -> None:
         """Another replica answers it (or it ends): the stopping one gives it up."""
